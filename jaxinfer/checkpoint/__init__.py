@@ -1,0 +1,97 @@
+"""Checkpoints: read HF safetensors dirs and GGUF files, write and read orbax checkpoints.
+
+`load_model(path)` accepts any of the three and returns device-resident
+params; `convert(src, dst)` turns an HF dir or GGUF file into an orbax
+checkpoint that later loads without the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.checkpoint import orbax_io
+from jaxinfer.checkpoint.common import ImportedModel
+from jaxinfer.checkpoint.gguf import is_gguf, read_gguf
+from jaxinfer.checkpoint.hf import read_hf_dir
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import InvalidRequestError, ModelNotFoundError
+from jaxinfer.tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  config: ModelConfig
+  params: Any  # jax arrays, placed by `shardings`
+  tokenizer: Tokenizer | None
+  source: str
+
+
+def parse_dtype(dtype: str) -> Any:
+  if dtype not in DTYPES:
+    raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+  return DTYPES[dtype]
+
+
+def detect_format(path: str | Path) -> str:
+  """'orbax', 'hf' or 'gguf'; a clear error for anything else."""
+  path = Path(path).expanduser()
+  if not path.exists():
+    raise ModelNotFoundError(f"{path}: no such file or directory")
+  if path.is_file():
+    if is_gguf(path) or path.suffix == ".gguf":
+      return "gguf"
+    raise ModelNotFoundError(f"{path}: not a model (expected a .gguf file, a Hugging Face "
+                             "model directory or a jaxinfer checkpoint directory)")
+  if orbax_io.is_checkpoint(path):
+    return "orbax"
+  if (path / "config.json").is_file():
+    return "hf"
+  raise ModelNotFoundError(f"{path}: not a model directory (no config.json and no "
+                           f"{orbax_io.MANIFEST})")
+
+
+def import_model(path: str | Path) -> ImportedModel:
+  """Reads an HF dir or GGUF file into host memory."""
+  kind = detect_format(path)
+  if kind == "orbax":
+    raise InvalidRequestError(f"{path}: already a jaxinfer checkpoint")
+  return read_gguf(path) if kind == "gguf" else read_hf_dir(path)
+
+
+def load_model(path: str | Path, dtype: str = "float32", shardings_fn=None) -> LoadedModel:
+  """Loads any supported format onto devices.
+
+  `shardings_fn(config) -> pytree of Shardings` places the weights (default:
+  the first device).
+  """
+  jdtype = parse_dtype(dtype)
+  path = Path(path).expanduser()
+  if detect_format(path) == "orbax":
+    manifest = orbax_io.read_manifest(path.resolve())
+    cfg = ModelConfig.from_dict(manifest["config"])
+    shardings = shardings_fn(cfg) if shardings_fn else None
+    cfg, params, tokenizer = orbax_io.restore(path, jdtype, shardings)
+    return LoadedModel(cfg, params, tokenizer, str(path))
+  imported = import_model(path)
+  cast = jax.tree.map(lambda a: a.astype(jdtype), imported.weights)
+  if shardings_fn is not None:
+    params = jax.device_put(cast, shardings_fn(imported.config))
+  else:
+    params = jax.device_put(cast)
+  return LoadedModel(imported.config, params, imported.tokenizer, str(path))
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "float32", overwrite: bool = False) -> Path:
+  """Imports `src` (HF dir or GGUF) and writes an orbax checkpoint at `dst`."""
+  parse_dtype(dtype)
+  return orbax_io.save(import_model(src), dst, dtype=dtype, overwrite=overwrite)
+
+
+__all__ = ["ImportedModel", "LoadedModel", "convert", "detect_format", "import_model", "load_model"]

@@ -1,0 +1,52 @@
+"""What every importer shares: the imported-model record and spec-driven assembly."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.params import WeightSpec, is_spec, param_specs
+from jaxinfer.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class ImportedModel:
+  """A model read from some format into host memory: numpy weights in our layout."""
+
+  config: ModelConfig
+  weights: Any  # the param_specs tree, numpy arrays at the leaves
+  tokenizer: Tokenizer | None
+  source: str
+
+
+def assemble(cfg: ModelConfig, source: str, key: str,
+             fetch: Callable[[str, tuple[int, ...]], np.ndarray | None]) -> Any:
+  """Builds the weight tree by asking `fetch(name, expected_shape)` for each spec.
+
+  `key` is 'hf' or 'gguf' (which name of the spec to use). `fetch` returns the
+  tensor in checkpoint layout (or None if the file lacks it) and may raise
+  CheckpointError itself; the shape check here names the tensor and file.
+  """
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+
+  def load(spec: WeightSpec) -> np.ndarray:
+    name = getattr(spec, key)
+    expected = spec.checkpoint_shape()
+    array = fetch(name, expected)
+    if array is None:
+      raise CheckpointError(f"{source}: tensor {name!r} is missing")
+    if tuple(array.shape) != expected:
+      raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                            f"expected {expected} for this config")
+    return spec.from_checkpoint(np.asarray(array))
+
+  out = [load(s) for s in tqdm(leaves, desc=f"reading {source.rsplit('/', 1)[-1]}", unit="tensor",
+                                 leave=False, disable=None)]
+  return jax.tree.unflatten(treedef, out)

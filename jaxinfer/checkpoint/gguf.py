@@ -1,0 +1,90 @@
+"""Import a GGUF file (llama.cpp's format): metadata, tensors, and the embedded vocabulary.
+
+Tensors are dequantized to float32 with the `gguf` package. llama.cpp's
+converter permutes the rows of attn_q / attn_k of 'llama' models into its
+interleaved RoPE layout; we undo it to get back Hugging Face's half-split
+layout, which our RoPE uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from jaxinfer.checkpoint.common import ImportedModel, assemble
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.tokenizer import Tokenizer
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+  try:
+    with open(path, "rb") as f:
+      return f.read(4) == MAGIC
+  except OSError:
+    return False
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+  if not is_gguf(path):
+    raise CheckpointError(f"{path}: not a GGUF file (bad magic bytes)")
+  try:
+    return gguf.GGUFReader(str(path))
+  except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+    raise CheckpointError(f"{path}: truncated or corrupted GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+  meta = {}
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF."):
+      continue
+    meta[key] = field.contents()
+  return meta
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's `permute`: [n_heads, d/2, 2] rows -> [n_heads, 2, d/2]."""
+  rows = w.shape[0]
+  return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str | Path) -> ImportedModel:
+  path = Path(path)
+  reader = open_reader(path)
+  meta = read_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = ModelConfig.from_gguf(meta, set(tensors))
+  permuted = meta.get("general.architecture") == "llama"
+
+  def fetch(name: str, expected: tuple[int, ...]) -> np.ndarray | None:
+    t = tensors.get(name)
+    if t is None:
+      return None
+    qtype = Q(t.tensor_type)
+    if qtype not in SUPPORTED_TYPES:
+      raise UnsupportedModelError(
+          f"{path}: tensor {name!r} has quantization type {qtype.name}, which is not supported "
+          f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    if shape != expected:
+      raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {expected} for this config")
+    try:
+      w = gguf.quants.dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
+    except (ValueError, IndexError) as e:
+      raise CheckpointError(f"{path}: tensor {name!r} is corrupted ({e})") from None
+    if permuted and name.endswith("attn_q.weight"):
+      w = unpermute_rope_rows(w, cfg.num_heads)
+    elif permuted and name.endswith("attn_k.weight"):
+      w = unpermute_rope_rows(w, cfg.num_kv_heads)
+    return w
+
+  weights = assemble(cfg, str(path), "gguf", fetch)
+  return ImportedModel(cfg, weights, Tokenizer.from_gguf(meta), str(path))

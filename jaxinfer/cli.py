@@ -1,0 +1,85 @@
+"""The `jaxinfer` command line.
+
+  jaxinfer generate "What is the capital of France?"       # embedded default model
+  jaxinfer generate --model path/to/model.gguf "Hello" "Bonjour"
+  jaxinfer convert path/to/hf_dir_or.gguf checkpoints/name
+
+Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from jaxinfer.errors import JaxinferError
+
+
+def _generate(args: argparse.Namespace) -> None:
+  from jaxinfer.llm import LLM
+  from jaxinfer.sampling import SamplingParams
+
+  params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop or ()))
+  llm = LLM(args.model, dtype=args.dtype)
+  outputs = llm.generate(args.prompts, params, apply_chat_template=not args.no_chat_template)
+  for prompt, out in zip(args.prompts, outputs):
+    if len(args.prompts) > 1:
+      print(f"### {prompt}")
+    print(out.text.strip())
+
+
+def _convert(args: argparse.Namespace) -> None:
+  from jaxinfer.checkpoint import convert
+
+  path = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+  print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA LLM inference engine")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  gen = sub.add_parser("generate", help="generate text for prompts (offline)")
+  gen.add_argument("prompts", nargs="+", help="prompt texts")
+  gen.add_argument("--model", default=None,
+                   help="HF dir, .gguf file or jaxinfer checkpoint (default: embedded SmolLM2-135M-Instruct)")
+  gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  gen.add_argument("--max-tokens", type=int, default=128)
+  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  gen.add_argument("--top-k", type=int, default=0)
+  gen.add_argument("--top-p", type=float, default=1.0)
+  gen.add_argument("--min-p", type=float, default=0.0)
+  gen.add_argument("--seed", type=int, default=None)
+  gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+  gen.add_argument("--no-chat-template", action="store_true",
+                   help="send prompts raw instead of as a chat user turn")
+  gen.set_defaults(func=_generate)
+
+  conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
+  conv.add_argument("src")
+  conv.add_argument("dst")
+  conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype stored on disk")
+  conv.add_argument("--overwrite", action="store_true")
+  conv.set_defaults(func=_convert)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    args.func(args)
+  except JaxinferError as e:
+    print(f"jaxinfer: error: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print("jaxinfer: interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

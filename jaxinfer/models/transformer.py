@@ -1,0 +1,89 @@
+"""The dense decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as pure functions.
+
+Families differ only in config flags: q/k/v biases (Qwen2), q/k RMSNorm
+(Qwen3), a sliding window (Mistral), tied embeddings (SmolLM2), RoPE scaling
+(Llama 3.1). The layer takes its FFN as a function of (params, x) so MoE
+layers reuse everything else.
+
+Legend: B batch, T new tokens, S cache slots, D hidden, H query heads,
+K kv heads, d head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import ops
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+
+# Per layer: {'k': [B, S, K, d], 'v': [B, S, K, d]}.
+Cache = list[dict[str, jax.Array]]
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> Cache:
+  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
+
+
+def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """cache[b, positions[b, t]] = new[b, t]; positions past the cache are dropped."""
+  b = jnp.arange(cache.shape[0])[:, None]
+  return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+                    layer_cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+  q = jnp.einsum("BTD,DHd->BTHd", x, p["wq"])
+  k = jnp.einsum("BTD,DKd->BTKd", x, p["wk"])
+  v = jnp.einsum("BTD,DKd->BTKd", x, p["wv"])
+  if cfg.attention_bias:
+    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  inv_freq = rope_inv_freq(cfg)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  # Write first, then attend: a query sees its own token through the cache.
+  new_cache = {"k": _write(layer_cache["k"], k, positions), "v": _write(layer_cache["v"], v, positions)}
+  out = ops.attention(q, new_cache["k"], new_cache["v"], positions,
+                      sliding_window=cfg.sliding_window)
+  return jnp.einsum("BTHd,HdD->BTD", out, p["wo"]), new_cache
+
+
+def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  return swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, ffn=dense_ffn):
+  h, layer_cache = attention_block(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
+                                   positions, layer_cache)
+  x = x + h
+  x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
+  return x, layer_cache
+
+
+def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: Cache) -> tuple[jax.Array, Cache]:
+  """Runs tokens [B, T] at positions [B, T] through the decoder.
+
+  Writes their K/V into `cache` at their positions and returns the final
+  normed hidden states [B, T, D] and the updated cache.
+  """
+  x = jnp.take(params["embed"], tokens, axis=0)
+  new_cache = []
+  for layer_params, layer_cache in zip(params["layers"], cache):
+    x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache)
+    new_cache.append(layer_cache)
+  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def compute_logits(params: Any, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+  """hidden [..., D] -> float32 logits [..., V] (tied embeddings reuse `embed`)."""
+  if cfg.tie_word_embeddings:
+    return jnp.einsum("...D,VD->...V", hidden, params["embed"], preferred_element_type=jnp.float32)
+  return jnp.einsum("...D,DV->...V", hidden, params["lm_head"], preferred_element_type=jnp.float32)
