@@ -59,8 +59,13 @@ class Tokenizer:
 
   def __init__(self, backend: tokenizers.Tokenizer | spm.SentencePieceProcessor, *,
                bos_id: int | None, eos_ids: Sequence[int], add_bos: bool,
-               chat_template: str | None, special_tokens: Sequence[str] = ()):
+               chat_template: str | None, special_tokens: Sequence[str] = (),
+               legacy: bool = False):
     self.backend = backend
+    # sentencepiece only: legacy=True puts a dummy-prefix space before the text after
+    # every special token (old HF Llama behaviour); False only at the start of the text
+    # (HF legacy=False and llama.cpp).
+    self.legacy = legacy
     self.bos_id = bos_id
     self.eos_ids = tuple(int(i) for i in eos_ids)
     self.add_bos = add_bos  # True: we prepend BOS (sentencepiece); tokenizer.json does its own
@@ -72,6 +77,7 @@ class Tokenizer:
                         if self._is_spm and self.special_tokens else None)
     self._special_ids = {self.token_to_id(t) for t in self.special_tokens} - {None}
     self._template = None
+    self._spm_no_prefix = _without_dummy_prefix(backend) if self._is_spm else None
 
   # ---- basics ----------------------------------------------------------------
 
@@ -102,13 +108,16 @@ class Tokenizer:
     if add_special_tokens and self.add_bos and self.bos_id is not None:
       ids.append(self.bos_id)
     parts = self._special_re.split(text) if self._special_re else [text]
+    after_special = False
     for part in parts:
       if not part:
         continue
       if part in self.special_tokens:
         ids.append(self.token_to_id(part))
+        after_special = True
       else:
-        ids.extend(self.backend.encode(part))
+        sp = self._spm_no_prefix if after_special and not self.legacy else self.backend
+        ids.extend(sp.encode(part))
     return ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -161,7 +170,8 @@ class Tokenizer:
     else:
       self.backend.save(str(directory / "tokenizer.json"))
     meta = dict(bos_id=self.bos_id, eos_ids=list(self.eos_ids), add_bos=self.add_bos,
-                chat_template=self.chat_template, special_tokens=list(self.special_tokens))
+                chat_template=self.chat_template, special_tokens=list(self.special_tokens),
+                legacy=self.legacy)
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
 
   @classmethod
@@ -177,7 +187,8 @@ class Tokenizer:
     else:
       backend = _load_tokenizer_json(directory / "tokenizer.json")
     return cls(backend, bos_id=meta["bos_id"], eos_ids=meta["eos_ids"], add_bos=meta["add_bos"],
-               chat_template=meta["chat_template"], special_tokens=meta.get("special_tokens", ()))
+               chat_template=meta["chat_template"], special_tokens=meta.get("special_tokens", ()),
+               legacy=meta.get("legacy", False))
 
   # ---- sources ---------------------------------------------------------------
 
@@ -223,7 +234,8 @@ class Tokenizer:
       special = []
     return cls(backend, bos_id=bos_id, eos_ids=eos_ids,
                add_bos=is_spm and bool(config.get("add_bos_token", True)),
-               chat_template=template, special_tokens=special)
+               chat_template=template, special_tokens=special,
+               legacy=bool(config.get("legacy", True)))  # transformers' default
 
   @classmethod
   def from_gguf(cls, meta: dict[str, Any]) -> "Tokenizer | None":
@@ -315,6 +327,17 @@ class IncrementalDetokenizer:
       self.text += delta
       return delta
     return ""
+
+
+def _without_dummy_prefix(sp: spm.SentencePieceProcessor) -> spm.SentencePieceProcessor:
+  """A copy of a sentencepiece model that does not prepend a space to its input."""
+  from sentencepiece import sentencepiece_model_pb2 as pb
+  proto = pb.ModelProto()
+  proto.ParseFromString(sp.serialized_model_proto())
+  proto.normalizer_spec.add_dummy_prefix = False
+  out = spm.SentencePieceProcessor()
+  out.LoadFromSerializedProto(proto.SerializeToString())
+  return out
 
 
 def validate_messages(messages: Any) -> None:

@@ -104,18 +104,27 @@ def save_sentencepiece(directory: Path) -> None:
   spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(directory / "tokenizer"),
                                  vocab_size=316, model_type="bpe", byte_fallback=True,
                                  bos_id=1, eos_id=2, unk_id=0, pad_id=-1, character_coverage=1.0,
+                                 # as Llama's and Mistral's own models: no normalization
+                                 normalization_rule_name="identity", remove_extra_whitespaces=False,
                                  minloglevel=2)
   text.unlink()
   (directory / "tokenizer.vocab").unlink()
-  slow = transformers.LlamaTokenizer(vocab_file=str(directory / "tokenizer.model"), legacy=False)
-  slow.chat_template = CHAT_TEMPLATE
-  slow.save_pretrained(directory)
-  for extra in ("special_tokens_map.json",):
-    (directory / extra).unlink(missing_ok=True)
+  # transformers 5 builds a LlamaTokenizer correctly only through from_pretrained.
+  (directory / "tokenizer_config.json").write_text(json.dumps(dict(
+      tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+      legacy=False, add_bos_token=True, chat_template=CHAT_TEMPLATE), indent=1))
 
 
 def tokenizer_goldens(directory: Path) -> dict:
-  tok = transformers.AutoTokenizer.from_pretrained(directory)
+  # Load from the tokenizer files alone: beside a config.json with model_type
+  # 'mistral', transformers 5 swaps in a generic backend that drops
+  # sentencepiece's leading U+2581 (the sentencepiece library keeps it, as we do).
+  import tempfile
+  with tempfile.TemporaryDirectory() as tmp:
+    for f in directory.iterdir():
+      if f.name.startswith(("tokenizer", "chat_template")):
+        shutil.copy(f, tmp)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp)
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
   return dict(
       texts=TOKENIZER_TEXTS,
