@@ -2,7 +2,7 @@
 
   jaxinfer generate "What is the capital of France?"       # embedded default model
   jaxinfer generate --model path/to/model.gguf "Hello" "Bonjour"
-  jaxinfer convert path/to/hf_dir_or.gguf checkpoints/name
+  jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
 """
@@ -32,9 +32,13 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-  from jaxinfer.checkpoint import convert
+  from pathlib import Path
 
-  path = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+  from jaxinfer.checkpoint import convert
+  from jaxinfer.default_model import checkpoints_dir
+
+  dst = args.dst or checkpoints_dir() / Path(args.src).stem.lower()
+  path = convert(args.src, dst, dtype=args.dtype, overwrite=args.overwrite)
   print(f"wrote {path}")
 
 
@@ -60,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
   conv.add_argument("src")
-  conv.add_argument("dst")
+  conv.add_argument("dst", nargs="?", help="output dir (default: checkpoints/<source name>)")
   conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype stored on disk")
   conv.add_argument("--overwrite", action="store_true")

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.checkpoint import load_model
 from jaxinfer.errors import InvalidRequestError, TokenizerError
-from jaxinfer.runner import Runner
+from jaxinfer.runner import Runner, bucket
 from jaxinfer.sampling import SamplingParams, validate_per_request
 from jaxinfer.tokenizer import Tokenizer
 
@@ -156,7 +156,6 @@ class LLM:
         seed=np.array([p.seed if p.seed is not None else s for p, s in zip(params, seeds)], np.uint32),
     )
     slots = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    from jaxinfer.runner import bucket
     slots = bucket(slots, self.runner.len_buckets)
     cache, ids, logprobs = self.runner.prefill(prompts, sampling, slots)
     eos = set(self.tokenizer.eos_ids) if self.tokenizer else set()

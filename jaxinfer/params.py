@@ -48,8 +48,8 @@ class WeightSpec:
 
   def checkpoint_shape(self) -> tuple[int, ...]:
     """The shape HF/GGUF files hold for this weight."""
-    if not self.linear:
-      return (int(np.prod(self.shape)),) if len(self.shape) > 1 and self.axes[-1] == "head_dim" else self.shape
+    if not self.linear:  # per-head biases are stored flat: [H * Dh]
+      return (int(np.prod(self.shape)),) if self.axes[0] in ("heads", "kv_heads") else self.shape
     fan_in = self.fan_in
     return (int(np.prod(self.shape)) // fan_in, fan_in)
 

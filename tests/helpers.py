@@ -75,6 +75,10 @@ def write_llama_gguf(hf_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F3
     if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
       if qtype == gguf.GGMLQuantizationType.F16:
         w.add_tensor(gguf_name(name), t.astype(np.float16))
+      elif qtype == gguf.GGMLQuantizationType.IQ4_NL:  # no quantizer in gguf-py: random blocks
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(0).integers(0, 255, (t.shape[0], t.shape[1] // block * size), np.uint8)
+        w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
       else:
         w.add_tensor(gguf_name(name), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     else:

@@ -20,7 +20,8 @@ from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+# What we have checked through the gguf package's dequantizer (Q4_K_M / Q5_K_M files mix these).
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 MAGIC = b"GGUF"
 
 

@@ -76,8 +76,8 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_quantization_type(tmp_path):
-  path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q5_0)
-  with pytest.raises(UnsupportedModelError, match=r"m.gguf: tensor '.*' has quantization type Q5_0, which is not supported"):
+  path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "m.gguf", gguf.GGMLQuantizationType.IQ4_NL)
+  with pytest.raises(UnsupportedModelError, match=r"m.gguf: tensor '.*' has quantization type IQ4_NL, which is not supported"):
     import_model(path)
 
 

@@ -38,7 +38,7 @@ def test_quantized_gguf_logits_close_to_float(tmp_path, qtype, atol):
   np.testing.assert_allclose(logits, g["logits"], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("qtype,max_rel", [(Q.Q8_0, 0.01), (Q.Q4_0, 0.15), (Q.Q4_1, 0.12)])
+@pytest.mark.parametrize("qtype,max_rel", [(Q.Q8_0, 0.01), (Q.Q5_0, 0.08), (Q.Q5_1, 0.06), (Q.Q4_0, 0.15), (Q.Q4_1, 0.12)])
 def test_quantized_gguf_weights_land_in_place(tmp_path, qtype, max_rel):
   # A wrong layout or permutation gives relative errors ~1.4; quantization noise stays small.
   path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "m.gguf", qtype)

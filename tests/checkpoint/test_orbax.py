@@ -69,3 +69,9 @@ def test_damaged_params_give_a_clear_error(tmp_path):
   (dst / "params").mkdir()
   with pytest.raises(CheckpointError, match=r"params: cannot restore"):
     load_model(dst)
+
+
+def test_convert_defaults_into_the_checkpoints_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXINFER_CHECKPOINTS", str(tmp_path / "cks"))
+  assert main(["convert", str(tiny_dir("qwen2"))]) == 0
+  assert detect_format(tmp_path / "cks" / "qwen2") == "orbax"
