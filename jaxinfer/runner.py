@@ -54,10 +54,11 @@ class Runner:
     self._decode = jax.jit(functools.partial(_decode, cfg), donate_argnums=(1,))
     self._logits = jax.jit(functools.partial(_all_logits, cfg))
     self._grow = jax.jit(_grow, static_argnums=(1,))
+    self._programs: set[tuple] = set()  # (step kind, padded shape): one compiled program each
 
   def compiled_programs(self) -> int:
-    """How many programs have been compiled so far (bounded by the buckets)."""
-    return sum(f._cache_size() for f in (self._prefill, self._decode, self._logits, self._grow))
+    """How many distinct programs have been compiled so far (bounded by max_programs)."""
+    return len(self._programs)
 
   def max_programs(self) -> int:
     nb, nl = len(self.batch_buckets), len(self.len_buckets)
@@ -67,8 +68,10 @@ class Runner:
     T = bucket(len(token_ids), self.len_buckets)
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :len(token_ids)] = token_ids
+    self._programs.add(("logits", T))
     out = self._logits(self.params, jnp.asarray(tokens))
-    return np.asarray(out[0, :len(token_ids)])
+    # Slice on the host: a device-side slice would compile once per prompt length.
+    return np.asarray(out)[0, :len(token_ids)]
 
   def prefill(self, prompts: list[list[int]], sampling: dict[str, np.ndarray], slots: int):
     """Runs the prompts, returns (cache with `slots` slots, first ids, their logprobs)."""
@@ -79,14 +82,17 @@ class Runner:
     for i, p in enumerate(prompts):
       tokens[i, :len(p)] = p
       lengths[i] = len(p)
+    self._programs.add(("prefill", B, T))
     cache, ids, logprobs = self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
                                          *_pad_rows(sampling, B, lengths - 1))
     if slots > T:
+      self._programs.add(("grow", B, T, slots))
       cache = self._grow(cache, slots)
     return cache, ids, logprobs
 
   def decode(self, cache, last_ids: np.ndarray, positions: np.ndarray, sampling: dict[str, np.ndarray]):
-    B = cache[0]["k"].shape[0]
+    B, S = cache[0]["k"].shape[:2]
+    self._programs.add(("decode", B, S))
     tokens = np.zeros((B, 1), np.int32)
     pos = np.zeros((B,), np.int32)
     tokens[:len(last_ids), 0] = last_ids

@@ -91,16 +91,27 @@ def test_bad_requests_raise_clear_errors(tiny_llms, prompt, params, error, messa
 
 
 def test_compiled_programs_are_bounded(tiny_llms):
+  import jax
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, _secs, **kw: compiles.append(event) if "backend_compile" in event else None)
   llm = LLM(tiny_dir("smollm2"), max_model_len=128, max_batch_size=4)
+  greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)
   rng = np.random.default_rng(1)
-  for n in (1, 2, 3, 4, 5, 9):
+  for n in (1, 2, 3, 5, 9):  # random shapes: whatever they are, the count stays bounded
     prompts = [rng.integers(0, 320, int(rng.integers(1, 60))).tolist() for _ in range(n)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 60))))
-  llm.logits(rng.integers(0, 320, 77).tolist())
-  compiled = llm.runner.compiled_programs()
-  assert 0 < compiled <= llm.runner.max_programs()
-  llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=5))  # shapes seen before
-  assert llm.runner.compiled_programs() == compiled
+    llm.generate(prompts, greedy(int(rng.integers(1, 60))))
+  assert 0 < llm.runner.compiled_programs() <= llm.runner.max_programs()
+  llm.generate([[1] * 10] * 3, greedy(20))  # batch 4, 64 tokens, 64 slots
+  llm.generate([[2] * 70], greedy(30))  # batch 1, 128 tokens, 128 slots
+  llm.logits([3] * 90)  # 128 tokens
+  programs, before = llm.runner.compiled_programs(), len(compiles)
+  # Other lengths and batch sizes inside the same buckets compile nothing new.
+  llm.generate([[3] * 20, [5] * 40, [6] * 5], greedy(10))
+  llm.generate([[9] * 100], greedy(5))
+  llm.logits([4] * 120)
+  assert len(compiles) == before
+  assert llm.runner.compiled_programs() == programs
 
 
 def test_cli_generate_on_a_tiny_model():
