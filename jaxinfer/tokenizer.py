@@ -22,7 +22,7 @@ import jinja2
 import jinja2.sandbox
 import sentencepiece as spm
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 
@@ -262,7 +262,6 @@ class Tokenizer:
       backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
       add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
       if add_bos and bos_id is not None:
-        from tokenizers import processors
         bos = tokens[bos_id]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
