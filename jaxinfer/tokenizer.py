@@ -293,7 +293,7 @@ class Tokenizer:
       return cls(backend, bos_id=bos_id, eos_ids=eos_ids,
                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
                  chat_template=template,
-                 special_tokens=[t for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)])
+                 special_tokens=special)
     raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
 
 

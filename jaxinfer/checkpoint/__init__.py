@@ -74,10 +74,7 @@ def load_model(path: str | Path, dtype: str = "float32", shardings_fn=None) -> L
   jdtype = parse_dtype(dtype)
   path = Path(path).expanduser()
   if detect_format(path) == "orbax":
-    manifest = orbax_io.read_manifest(path.resolve())
-    cfg = ModelConfig.from_dict(manifest["config"])
-    shardings = shardings_fn(cfg) if shardings_fn else None
-    cfg, params, tokenizer = orbax_io.restore(path, jdtype, shardings)
+    cfg, params, tokenizer = orbax_io.restore(path, jdtype, shardings_fn)
     return LoadedModel(cfg, params, tokenizer, str(path))
   imported = import_model(path)
   cast = jax.tree.map(lambda a: a.astype(jdtype), imported.weights)

@@ -70,12 +70,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
   return manifest
 
 
-def restore(path: str | Path, dtype, shardings=None) -> tuple[ModelConfig, Any, Tokenizer | None]:
-  """Restores weights cast to `dtype` (orbax casts while reading) with `shardings`."""
+def restore(path: str | Path, dtype, shardings_fn=None) -> tuple[ModelConfig, Any, Tokenizer | None]:
+  """Restores weights cast to `dtype` (orbax casts while reading), placed by
+  `shardings_fn(config)` (default: the first device)."""
   path = Path(path).expanduser().resolve()
   manifest = read_manifest(path)
   cfg = ModelConfig.from_dict(manifest["config"])
-  if shardings is None:
+  if shardings_fn is not None:
+    shardings = shardings_fn(cfg)
+  else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract_params(cfg))
   target = abstract_params(cfg, dtype, shardings)

@@ -5,6 +5,7 @@ Legend: B batch, T tokens, N heads (query or kv), Dh head_dim, D hidden, F mlp.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -21,19 +22,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return weight * x32.astype(x.dtype)
 
 
+@functools.lru_cache(maxsize=32)
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """Per-pair rotation frequencies [Dh/2], float32, with the config's scaling applied.
 
-  A host-side constant: it folds into the jitted step.
+  A host-side constant that folds into the jitted step; cached because every
+  layer asks for it while tracing. Read-only, since callers share it.
   """
   dim = cfg.head_dim
   inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
               ).astype(np.float32)
   s = cfg.rope_scaling
   if s is None:
-    return inv_freq
+    return _frozen(inv_freq)
   if s.kind == "linear":
-    return (inv_freq / s.factor).astype(np.float32)
+    return _frozen((inv_freq / s.factor).astype(np.float32))
   # llama3 (Llama 3.1 report, sec. 3.1 / Meta's reference code): long wavelengths are
   # slowed by `factor`, short ones kept, the band between interpolated smoothly.
   old = s.original_max_position_embeddings
@@ -43,7 +46,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
   smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
   medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
+  return _frozen(np.where(medium, smoothed, scaled).astype(np.float32))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+  a.flags.writeable = False
+  return a
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
