@@ -4,7 +4,12 @@
     llm = LLM("path/to/hf_dir" | "model.gguf" | "checkpoints/name", dtype="bfloat16")
     outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids
+    for delta in llm.stream(["Tell me a story"]):  # incremental outputs, for notebooks
+      print(delta.new_text, end="")
     llm.logits([1, 2, 3])                          # [3, vocab] float32 next-token logits
+
+Every call goes through one `LLMEngine` (continuous batching over a paged,
+prefix-cached KV cache); `llm.engine` is there for anything finer.
 
 A prompt is text, a list of token ids, or a chat (a list of
 {'role', 'content'} dicts, rendered with the model's chat template).
@@ -12,61 +17,49 @@ A prompt is text, a list of token ids, or a chat (a list of
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.checkpoint import load_model
+from jaxinfer.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from jaxinfer.errors import InvalidRequestError, TokenizerError
-from jaxinfer.runner import Runner, bucket
 from jaxinfer.sampling import SamplingParams, validate_per_request
 from jaxinfer.tokenizer import Tokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
-
-@dataclasses.dataclass
-class RequestOutput:
-  """One finished request: the prompt, the new text and ids, and why it stopped."""
-
-  prompt: str | None
-  prompt_token_ids: list[int]
-  text: str
-  token_ids: list[int]
-  logprobs: list[float]  # log-probability of each generated token
-  finish_reason: str  # 'stop' (EOS, stop id or stop string) or 'length'
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 class LLM:
   """A model loaded for offline generation and evaluation."""
 
-  def __init__(self, model: str | Path | None = None, dtype: str = "float32", *,
-               max_batch_size: int = 16, max_model_len: int | None = None, mesh=None):
-    """Loads `model` (None: the embedded default) onto devices.
+  def __init__(self, model: str | Path | None = None, dtype: str = "float32", *, mesh=None,
+               progress: bool = False, **engine_options: Any):
+    """Loads `model` (None: the embedded default) onto devices and warms the engine up.
 
     `mesh` (a jax.sharding.Mesh with axes ('data', 'expert', 'model')) shards
     the weights by their logical axes; default: the first device.
+    `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
+    max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
+    enable_prefix_caching, warmup, compilation_cache_dir).
     """
-    if model is None:
-      from jaxinfer.default_model import default_checkpoint
-      model = default_checkpoint()
-    shardings_fn = None
-    if mesh is not None:
-      from jaxinfer.sharding import param_shardings
-      shardings_fn = lambda cfg: param_shardings(cfg, mesh)
-    loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn)
-    self.config = loaded.config
-    self.tokenizer: Tokenizer | None = loaded.tokenizer
-    self.source = loaded.source
+    known = set(EngineConfig.__dataclass_fields__)
+    unknown = sorted(set(engine_options) - known)
+    if unknown:
+      raise InvalidRequestError(f"unknown LLM option(s) {unknown}; engine options are {sorted(known)}")
+    self.engine = LLMEngine.from_model(model, dtype, EngineConfig(**engine_options), mesh=mesh,
+                                       progress=progress)
+    self.config = self.engine.config
+    self.tokenizer: Tokenizer | None = self.engine.tokenizer
+    self.source = self.engine.source
     self.dtype = dtype
-    limit = self.config.max_position_embeddings
-    self.max_model_len = min(limit, max_model_len or 4096)
-    if max_batch_size < 1:
-      raise InvalidRequestError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    self.runner = Runner(self.config, loaded.params, max_batch_size, self.max_model_len)
+    self.max_model_len = self.engine.max_model_len
+    self.runner = self.engine.runner
+    self._ids = itertools.count()
 
   # ---- prompts -----------------------------------------------------------------
 
@@ -114,63 +107,76 @@ class LLM:
 
   # ---- generation --------------------------------------------------------------
 
-  def generate(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               apply_chat_template: bool = False, use_tqdm: bool = False) -> list[RequestOutput]:
-    """Generates for every prompt; returns outputs in prompt order.
-
-    `apply_chat_template=True` wraps text prompts as a single user turn.
-    """
+  def _add(self, prompts: Any, sampling_params: Any, apply_chat_template: bool) -> list[str]:
+    """Validates every prompt first (a bad one queues nothing), then queues them all."""
     plist = self._as_prompt_list(prompts)
-    if not plist:
-      return []
     params = validate_per_request(sampling_params, len(plist))
     encoded = [self.encode_prompt(p, apply_chat_template) for p in plist]
     for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
-      if len(ids) + sp.max_tokens > self.max_model_len:
-        raise InvalidRequestError(
-            f"prompt {i}: {len(ids)} prompt tokens + max_tokens={sp.max_tokens} exceeds "
-            f"max_model_len={self.max_model_len}")
-    outputs: list[RequestOutput | None] = [None] * len(plist)
-    size = self.runner.batch_buckets[-1]
-    # Similar lengths together waste less padding.
-    order = sorted(range(len(plist)), key=lambda i: len(encoded[i][1]))
-    bar = tqdm(total=len(plist), desc="generating", unit="req", disable=not use_tqdm)
-    for start in range(0, len(order), size):
-      group = order[start:start + size]
-      results = self._generate_group([encoded[i][1] for i in group], [params[i] for i in group])
-      for i, (text, ids, logprobs, reason) in zip(group, results):
-        outputs[i] = RequestOutput(encoded[i][0], encoded[i][1], text, ids, logprobs, reason)
-      bar.update(len(group))
-    bar.close()
-    return outputs  # type: ignore[return-value]
+      try:
+        self.engine.validate(ids, sp)
+      except InvalidRequestError as e:
+        raise InvalidRequestError(f"prompt {i}: {e}") from None
+    ids = []
+    for (text, tokens), sp in zip(encoded, params):
+      rid = f"llm-{next(self._ids)}"
+      self.engine.add_request(rid, tokens, sp, prompt=text)
+      ids.append(rid)
+    return ids
 
-  def _generate_group(self, prompts: list[list[int]], params: list[SamplingParams]):
-    n = len(prompts)
-    seeds = np.random.default_rng().integers(0, 2**32, n, dtype=np.uint32)
-    sampling = dict(
-        temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([p.top_k for p in params], np.int32),
-        top_p=np.array([p.top_p for p in params], np.float32),
-        min_p=np.array([p.min_p for p in params], np.float32),
-        seed=np.array([p.seed if p.seed is not None else s for p, s in zip(params, seeds)], np.uint32),
-    )
-    slots = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    slots = bucket(slots, self.runner.len_buckets)
-    cache, ids, logprobs = self.runner.prefill(prompts, sampling, slots)
-    eos = set(self.tokenizer.eos_ids) if self.tokenizer else set()
-    seqs = [_Sequence(p, sp, eos, self.tokenizer) for p, sp in zip(prompts, params)]
-    while True:
-      ids_h, logprobs_h = np.asarray(ids), np.asarray(logprobs)
-      for i, s in enumerate(seqs):
-        if not s.finished:
-          s.append(int(ids_h[i]), float(logprobs_h[i]))
-      if all(s.finished for s in seqs):
-        break
-      positions = np.array([len(s.prompt) + len(s.ids) - 1 for s in seqs], np.int32)
-      last = np.array([s.ids[-1] for s in seqs], np.int32)
-      cache, ids, logprobs = self.runner.decode(cache, last, positions, sampling)
-    return [(s.text(), s.ids, s.logprobs, s.finish_reason) for s in seqs]
+  def generate(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               apply_chat_template: bool = False, use_tqdm: bool = False) -> list[RequestOutput]:
+    """Generates for every prompt (all batched together); returns outputs in prompt order.
+
+    `sampling_params` is one SamplingParams for all, or a list with one per
+    prompt. `apply_chat_template=True` wraps text prompts as a single user turn.
+    """
+    order = self._add(prompts, sampling_params, apply_chat_template)
+    if not order:
+      return []
+    final: dict[str, RequestOutput] = {}
+    bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm)
+    try:
+      for out in self._run(order):
+        if out.finished:
+          final[out.request_id] = out
+          bar.update(1)
+    finally:
+      bar.close()
+    return [final[rid] for rid in order]
+
+  def stream(self, prompts: Prompt | Sequence[Prompt],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             apply_chat_template: bool = False) -> Iterator[RequestOutput]:
+    """Yields each request's outputs as they grow (`new_text`, `new_token_ids` are deltas).
+
+    Requests of one call are batched together, so outputs of different
+    prompts interleave: `out.index` is the prompt's position in `prompts`.
+    Leaving the loop early aborts what is still running.
+    """
+    ids = self._add(prompts, sampling_params, apply_chat_template)
+    index = {rid: i for i, rid in enumerate(ids)}
+    for out in self._run(ids):
+      out.index = index[out.request_id]
+      yield out
+
+  def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    """One chat turn: the reply to `messages` ([{'role', 'content'}, ...])."""
+    return self.generate([list(messages)], sampling_params)[0]
+
+  def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+    pending = set(request_ids)
+    try:
+      while pending:
+        for out in self.engine.step():
+          if out.request_id in pending:
+            if out.finished:
+              pending.discard(out.request_id)
+            yield out
+    finally:
+      for rid in pending:  # the caller stopped early, or a step failed
+        self.engine.abort(rid)
 
   # ---- evaluation --------------------------------------------------------------
 
@@ -180,42 +186,3 @@ class LLM:
     if len(ids) > self.max_model_len:
       raise InvalidRequestError(f"{len(ids)} token ids exceed max_model_len={self.max_model_len}")
     return self.runner.logits(ids)
-
-
-class _Sequence:
-  """Host-side state of one generating request: ids, stop checks, text."""
-
-  def __init__(self, prompt: list[int], params: SamplingParams, eos: set[int], tokenizer):
-    self.prompt = prompt
-    self.params = params
-    self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
-    self.ids: list[int] = []
-    self.logprobs: list[float] = []
-    self.finished = False
-    self.finish_reason = ""
-    self._detok = tokenizer.detokenizer() if tokenizer is not None else None
-    self._stop_text: str | None = None
-
-  def append(self, token: int, logprob: float) -> None:
-    self.ids.append(token)
-    self.logprobs.append(logprob)
-    if self._detok is not None:
-      self._detok.push(token)
-      if self.params.stop:
-        text = self._detok.text
-        hits = [text.find(s) for s in self.params.stop if s in text]
-        if hits:
-          self._stop_text = text[:min(hits)]
-          self.finished, self.finish_reason = True, "stop"
-          return
-    if token in self.stop_ids:
-      self.finished, self.finish_reason = True, "stop"
-    elif len(self.ids) >= self.params.max_tokens:
-      self.finished, self.finish_reason = True, "length"
-
-  def text(self) -> str:
-    if self._detok is None:
-      return ""
-    if self._stop_text is not None:
-      return self._stop_text
-    return self._detok.tokenizer.decode(self.ids)

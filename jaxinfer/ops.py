@@ -4,8 +4,9 @@ The model calls these ops and never a kernel directly, so the Pallas kernels
 (GPU) plug in behind the same signatures without touching model code. On CPU
 the XLA reference is the fast path.
 
-Legend: B batch, T query tokens, S cache slots, H query heads, K kv heads,
-G = H / K queries per kv head, d head_dim.
+Legend: T packed query tokens (of many sequences), S sequences, N pages,
+P pages per sequence, p page_size, H query heads, K kv heads,
+G = H / K queries per kv head, d head_dim, C keys per chunk.
 """
 
 from __future__ import annotations
@@ -13,26 +14,83 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Keys visited per loop iteration of the XLA reference: big enough that the
+# loop overhead is small on CPU, small enough that the gathered chunk
+# [T, C, K, d] stays cache-sized for decode batches.
+_KEYS_PER_CHUNK = 128
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
-              sliding_window: int | None = None) -> jax.Array:
-  """Causal GQA attention of new queries over a contiguous KV cache.
 
-  q [B, T, H, d]; k, v [B, S, K, d] where slot s holds position s;
-  q_positions [B, T]. Query at position p sees slots s <= p (and, with a
-  sliding window W, s > p - W). Slots past a sequence's length may hold
-  garbage: the causal mask never lets a query read them. Returns [B, T, H, d].
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                           page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                           sm_scale: float | None = None,
+                           sliding_window: int | None = None) -> jax.Array:
+  """Causal GQA attention of ragged queries over a paged KV cache.
+
+  q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
+  owns rows cu_q_lens[s] .. cu_q_lens[s+1] (cu_q_lens [S+1]); only the first
+  `num_seqs` sequences are real. k_pages, v_pages [N, p, K, d]; sequence s
+  reads its KV through page_indices[s] ([S, P]); kv_lens [S] counts its KV
+  tokens including the new ones (already written). Query i of a sequence with
+  q_len queries sits at position kv_len - q_len + i and sees positions up to
+  its own (and, with a window W, after position - W). One call serves decode
+  (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
+  Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
   """
-  B, T, H, d = q.shape
-  S, K = k.shape[1], k.shape[2]
-  qg = q.reshape(B, T, K, H // K, d)
-  scores = jnp.einsum("BTKGd,BSKd->BKGTS", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * (d ** -0.5)
-  slots = jnp.arange(S, dtype=jnp.int32)
-  mask = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-  if sliding_window is not None:
-    mask &= slots[None, None, :] > q_positions[:, :, None] - sliding_window
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKd->BTKGd", probs, v, preferred_element_type=jnp.float32)
-  return out.reshape(B, T, H, d).astype(q.dtype)
+  return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                    num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+
+
+def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale=None, sliding_window=None):
+  """The XLA reference: online softmax over chunks of each token's own pages.
+
+  Each query token gathers the pages of its own sequence, C keys at a time,
+  so the work is sum over tokens of their KV length (no padding of queries
+  to the longest sequence, no S-fold blow-up of a block-diagonal mask). The
+  loop runs only as far as the longest sequence in the batch.
+  """
+  T, H, d = q.shape
+  _, p, K, _ = k_pages.shape
+  S, P = page_indices.shape
+  G = H // K
+  scale = d ** -0.5 if sm_scale is None else sm_scale
+  pages_per_chunk = max(1, _KEYS_PER_CHUNK // p)
+  C = pages_per_chunk * p
+  num_chunks_max = -(-P // pages_per_chunk)
+  page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks_max * pages_per_chunk - P)))
+
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, S - 1)
+  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+  q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
+  real = jnp.arange(S) < num_seqs
+  longest = jnp.max(jnp.where(real, kv_lens, 0))
+  qg = (q.astype(jnp.float32) * scale).reshape(T, K, G, d)
+
+  def chunk(c, carry):
+    m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, d]
+    ids = jax.lax.dynamic_slice_in_dim(page_indices, c * pages_per_chunk, pages_per_chunk, axis=1)
+    ids = ids[seq]  # [T, C/p]
+    k = k_pages[ids].reshape(T, C, K, d)
+    v = v_pages[ids].reshape(T, C, K, d)
+    s = jnp.einsum("TKGd,TCKd->TKGC", qg, k, preferred_element_type=jnp.float32)
+    kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [T, C]
+    if sliding_window is not None:
+      mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a fully masked row so far
+    alpha = jnp.exp(m - m_safe)
+    w = jnp.exp(s - m_safe[..., None])
+    l = alpha * l + w.sum(-1)
+    acc = alpha[..., None] * acc + jnp.einsum("TKGC,TCKd->TKGd", w.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+  init = (jnp.full((T, K, G), -jnp.inf, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
+          jnp.zeros((T, K, G, d), jnp.float32))
+  num_chunks = jnp.minimum(-(-longest // C), num_chunks_max)
+  _, l, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  return out.reshape(T, H, d).astype(q.dtype)

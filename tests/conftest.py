@@ -37,11 +37,11 @@ def default_checkpoint():
 @pytest.fixture(scope="session")
 def smollm(default_checkpoint):
   from jaxinfer import LLM
-  return LLM(default_checkpoint)
+  return LLM(default_checkpoint, warmup=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_llms():
   """One LLM per tiny family, loaded once."""
   from jaxinfer import LLM
-  return {f: LLM(tiny_dir(f), max_model_len=256, max_batch_size=8) for f in FAMILIES}
+  return {f: LLM(tiny_dir(f), max_model_len=256, max_num_seqs=8, warmup=False) for f in FAMILIES}

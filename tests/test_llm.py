@@ -40,16 +40,6 @@ def test_batch_of_mixed_lengths_equals_each_alone(tiny_llms):
     assert out.token_ids == llm.generate([p], GREEDY)[0].token_ids
 
 
-def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_llms):
-  llm = tiny_llms["llama2"]
-  sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
-  alone = llm.generate([[1, 2, 3]], sp)[0].token_ids
-  other = SamplingParams(temperature=0.7, seed=5, max_tokens=10)
-  batch = llm.generate([[9, 9, 9, 9, 9], [1, 2, 3], [4]], [other, sp, GREEDY])
-  assert batch[1].token_ids == alone
-  assert llm.generate([[1, 2, 3]], sp)[0].token_ids == alone
-
-
 def test_stop_token_ids_and_max_tokens(tiny_llms):
   llm = tiny_llms["qwen2"]
   full = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
@@ -88,30 +78,6 @@ def test_chat_prompt_uses_the_models_template(tiny_llms):
 def test_bad_requests_raise_clear_errors(tiny_llms, prompt, params, error, message):
   with pytest.raises(error, match=message):
     tiny_llms["qwen2"].generate([prompt], params)
-
-
-def test_compiled_programs_are_bounded(tiny_llms):
-  import jax
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, _secs, **kw: compiles.append(event) if "backend_compile" in event else None)
-  llm = LLM(tiny_dir("smollm2"), max_model_len=128, max_batch_size=4)
-  greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)
-  rng = np.random.default_rng(1)
-  for n in (1, 2, 3, 5, 9):  # random shapes: whatever they are, the count stays bounded
-    prompts = [rng.integers(0, 320, int(rng.integers(1, 60))).tolist() for _ in range(n)]
-    llm.generate(prompts, greedy(int(rng.integers(1, 60))))
-  assert 0 < llm.runner.compiled_programs() <= llm.runner.max_programs()
-  llm.generate([[1] * 10] * 3, greedy(20))  # batch 4, 64 tokens, 64 slots
-  llm.generate([[2] * 70], greedy(30))  # batch 1, 128 tokens, 128 slots
-  llm.logits([3] * 90)  # 128 tokens
-  programs, before = llm.runner.compiled_programs(), len(compiles)
-  # Other lengths and batch sizes inside the same buckets compile nothing new.
-  llm.generate([[3] * 20, [5] * 40, [6] * 5], greedy(10))
-  llm.generate([[9] * 100], greedy(5))
-  llm.logits([4] * 120)
-  assert len(compiles) == before
-  assert llm.runner.compiled_programs() == programs
 
 
 def test_cli_generate_on_a_tiny_model():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import SamplingParams, sample, validate_per_request
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, validate_per_request
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -21,6 +21,12 @@ from jaxinfer.sampling import SamplingParams, sample, validate_per_request
     (dict(seed=-3), r"seed must be an int in \[0, 2\*\*32\)"),
     (dict(stop=[""]), r"stop must hold non-empty strings"),
     (dict(stop_token_ids=[-1]), r"stop_token_ids must hold non-negative ints"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0, got 0.0"),
+    (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3"),
+    (dict(logprobs=21), r"logprobs must be an int in \[0, 20\] or None, got 21"),
+    (dict(prompt_logprobs=-1), r"prompt_logprobs must be an int in \[0, 20\] or None"),
+    (dict(logprobs=1.5), r"logprobs must be an int"),
 ])
 def test_invalid_values_name_the_field(kwargs, message):
   with pytest.raises(InvalidRequestError, match=message):
@@ -32,14 +38,22 @@ def test_per_request_list_length_is_checked():
     validate_per_request([SamplingParams()], 2)
 
 
-def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None):
-  B = logits.shape[0]
+def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None,
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, counts=None,
+        prompt_mask=None, want_logprobs=False, full_output=False):
+  B, V = logits.shape
   full = lambda v, dt: jnp.full((B,), v, dt)
   seeds = jnp.zeros((B,), jnp.uint32) if seeds is None else jnp.asarray(seeds, jnp.uint32)
   positions = jnp.zeros((B,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
-  ids, lp = jax.jit(sample)(jnp.asarray(logits), full(temperature, jnp.float32), full(top_k, jnp.int32),
-                            full(top_p, jnp.float32), full(min_p, jnp.float32), seeds, positions)
-  return np.asarray(ids), np.asarray(lp)
+  sp = SamplingBatch(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                     full(min_p, jnp.float32), full(repetition_penalty, jnp.float32),
+                     full(presence_penalty, jnp.float32), full(frequency_penalty, jnp.float32),
+                     seeds, positions, full(want_logprobs, jnp.bool_))
+  counts = jnp.zeros((B, V), jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
+  prompt_mask = jnp.zeros((B, V), bool) if prompt_mask is None else jnp.asarray(prompt_mask)
+  out = jax.jit(sample)(jnp.asarray(logits), sp, counts, prompt_mask, jnp.arange(B))
+  out = tuple(np.asarray(o) for o in out)
+  return out if full_output else out[:2]
 
 
 LOGITS = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
@@ -82,3 +96,41 @@ def test_seeded_rows_do_not_depend_on_the_batch():
   assert mixed[1] == alone[0]
   other_greedy, _ = run(np.concatenate([logits[:1], LOGITS[1:]]), temperature=0.0)
   assert other_greedy[0] == LOGITS[0].argmax()
+
+
+ROW = np.array([[2.0, 1.9, -1.0, -1.2]], np.float32)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+  seen = np.array([[True, False, True, False]])
+  ids, _ = run(ROW, repetition_penalty=2.0, prompt_mask=seen)
+  assert ids[0] == 1  # 2.0 / 2 = 1.0 < 1.9
+  from jaxinfer.sampling import apply_penalties
+  sp = SamplingBatch(*[jnp.ones(1)] * 4, jnp.array([2.0]), jnp.zeros(1), jnp.zeros(1),
+                     jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool))
+  out = apply_penalties(jnp.asarray(ROW), sp, jnp.zeros((1, 4), jnp.int32), jnp.asarray(seen))
+  np.testing.assert_allclose(out, [[1.0, 1.9, -2.0, -1.2]])
+
+
+def test_frequency_and_presence_penalties_count_output_tokens():
+  counts = np.array([[3, 0, 0, 0]])
+  assert run(ROW, counts=counts)[0][0] == 0
+  assert run(ROW, frequency_penalty=0.05, counts=counts)[0][0] == 1  # 2.0 - 0.15 < 1.9
+  assert run(ROW, presence_penalty=0.2, counts=counts)[0][0] == 1  # once, whatever the count
+  assert run(ROW, presence_penalty=0.05, counts=counts)[0][0] == 0
+  # The prompt alone does not trigger presence / frequency penalties.
+  assert run(ROW, presence_penalty=2.0, prompt_mask=np.array([[True] * 4]))[0][0] == 0
+  # Negative values reward repetition.
+  assert run(ROW, frequency_penalty=-0.1, counts=np.array([[0, 0, 0, 40]]))[0][0] == 3
+
+
+def test_top_logprobs_are_the_best_of_the_raw_distribution():
+  ids, lp, top_ids, top_lp = run(LOGITS, want_logprobs=True, repetition_penalty=1.5,
+                                 prompt_mask=np.ones_like(LOGITS, bool), full_output=True)
+  ref = np.asarray(jax.nn.log_softmax(LOGITS))
+  assert top_ids.shape == (4, MAX_LOGPROBS)
+  np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=-1)[:, :MAX_LOGPROBS])
+  np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, -1), rtol=1e-5)
+  np.testing.assert_allclose(lp, ref[np.arange(4), ids], rtol=1e-5)
+  _, _, none_ids, none_lp = run(LOGITS, full_output=True)
+  assert not none_ids.any() and not none_lp.any()

@@ -1,6 +1,6 @@
 """Building blocks shared by every decoder: RMSNorm, RoPE, SwiGLU.
 
-Legend: B batch, T tokens, N heads (query or kv), Dh head_dim, D hidden, F mlp.
+Legend: T tokens, N heads (query or kv), Dh head_dim, D hidden, F mlp.
 """
 
 from __future__ import annotations
@@ -55,17 +55,17 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates x [B, T, N, Dh] by positions [B, T], in the half-split (GPT-NeoX/HF) layout."""
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-  cos = jnp.cos(freqs)[:, :, None, :]
-  sin = jnp.sin(freqs)[:, :, None, :]
+  """Rotates x [..., T, N, Dh] by positions [..., T], in the half-split (GPT-NeoX/HF) layout."""
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, Dh/2]
+  cos = jnp.cos(freqs)[..., None, :]
+  sin = jnp.sin(freqs)[..., None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """down(silu(gate(x)) * up(x)) for x [B, T, D]."""
-  gate = jnp.einsum("BTD,DF->BTF", x, w_gate)
-  up = jnp.einsum("BTD,DF->BTF", x, w_up)
-  return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w_down)
+  """down(silu(gate(x)) * up(x)) for x [..., D]."""
+  gate = jnp.einsum("...D,DF->...F", x, w_gate)
+  up = jnp.einsum("...D,DF->...F", x, w_up)
+  return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, w_down)

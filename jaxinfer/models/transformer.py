@@ -5,13 +5,13 @@ Families differ only in config flags: q/k/v biases (Qwen2), q/k RMSNorm
 (Llama 3.1). The layer takes its FFN as a function of (params, x) so MoE
 layers reuse everything else.
 
-Legend: B batch, T new tokens, S cache slots, D hidden, H query heads,
-K kv heads, d head_dim, V vocab.
+Legend: T new tokens (of many sequences, packed), S sequences, N pages,
+p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,26 +20,42 @@ from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
 
-# Per layer: {'k': [B, S, K, d], 'v': [B, S, K, d]}.
+# Per layer: {'k': [N, p, K, d], 'v': [N, p, K, d]} (N pages of p tokens).
 Cache = list[dict[str, jax.Array]]
 
 
-def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> Cache:
-  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+class PagedBatch(NamedTuple):
+  """Where a step's ragged tokens live in the paged cache (see ops.ragged_paged_attention)."""
+
+  slot_mapping: jax.Array  # [T] page * page_size + offset where each token's KV goes
+  kv_lens: jax.Array  # [S]
+  page_indices: jax.Array  # [S, P]
+  cu_q_lens: jax.Array  # [S + 1]
+  num_seqs: jax.Array  # [] int32
+
+
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> Cache:
+  shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
   return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
 
 
-def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """cache[b, positions[b, t]] = new[b, t]; positions past the cache are dropped."""
-  b = jnp.arange(cache.shape[0])[:, None]
-  return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+  """pages.flat[slots[t]] = new[t] on the [N * p, K, d] view (in place when donated)."""
+  N, p, K, d = pages.shape
+  flat = pages.reshape(N * p, K, d).at[slots].set(new.astype(pages.dtype), mode="drop")
+  return flat.reshape(N, p, K, d)
 
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                    layer_cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-  q = jnp.einsum("BTD,DHd->BTHd", x, p["wq"])
-  k = jnp.einsum("BTD,DKd->BTKd", x, p["wk"])
-  v = jnp.einsum("BTD,DKd->BTKd", x, p["wv"])
+                    layer_cache: dict[str, jax.Array],
+                    batch: PagedBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  q = jnp.einsum("TD,DHd->THd", x, p["wq"])
+  k = jnp.einsum("TD,DKd->TKd", x, p["wk"])
+  v = jnp.einsum("TD,DKd->TKd", x, p["wv"])
   if cfg.attention_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:
@@ -49,35 +65,37 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
   # Write first, then attend: a query sees its own token through the cache.
-  new_cache = {"k": _write(layer_cache["k"], k, positions), "v": _write(layer_cache["v"], v, positions)}
-  out = ops.attention(q, new_cache["k"], new_cache["v"], positions,
-                      sliding_window=cfg.sliding_window)
-  return jnp.einsum("BTHd,HdD->BTD", out, p["wo"]), new_cache
+  new_cache = {"k": _write(layer_cache["k"], k, batch.slot_mapping),
+               "v": _write(layer_cache["v"], v, batch.slot_mapping)}
+  out = ops.ragged_paged_attention(q, new_cache["k"], new_cache["v"], batch.kv_lens,
+                                   batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+                                   sliding_window=cfg.sliding_window)
+  return jnp.einsum("THd,HdD->TD", out, p["wo"]), new_cache
 
 
 def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"])
 
 
-def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, ffn=dense_ffn):
+def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, batch: PagedBatch, ffn=dense_ffn):
   h, layer_cache = attention_block(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
-                                   positions, layer_cache)
+                                   positions, layer_cache, batch)
   x = x + h
   x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
   return x, layer_cache
 
 
 def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: Cache) -> tuple[jax.Array, Cache]:
-  """Runs tokens [B, T] at positions [B, T] through the decoder.
+            cache: Cache, batch: PagedBatch) -> tuple[jax.Array, Cache]:
+  """Runs the ragged tokens [T] at positions [T] through the decoder.
 
-  Writes their K/V into `cache` at their positions and returns the final
-  normed hidden states [B, T, D] and the updated cache.
+  Writes their K/V into the paged `cache` at `batch.slot_mapping` and
+  returns the final normed hidden states [T, D] and the updated cache.
   """
   x = jnp.take(params["embed"], tokens, axis=0)
   new_cache = []
   for layer_params, layer_cache in zip(params["layers"], cache):
-    x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache)
+    x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch)
     new_cache.append(layer_cache)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 

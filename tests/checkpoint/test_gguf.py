@@ -25,7 +25,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 def test_float32_gguf_matches_transformers(tmp_path, family):
   path = write_llama_gguf(tiny_dir(family), tmp_path / "m.gguf")
   g = golden(family)
-  llm = LLM(path, max_model_len=64)
+  llm = LLM(path, max_model_len=64, warmup=False)
   assert llm.config.tie_word_embeddings == (family == "smollm2")
   np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
 
@@ -34,7 +34,7 @@ def test_float32_gguf_matches_transformers(tmp_path, family):
 def test_quantized_gguf_logits_close_to_float(tmp_path, qtype, atol):
   path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "m.gguf", qtype)
   g = golden("smollm2")
-  logits = LLM(path, max_model_len=64).logits(g["token_ids"].tolist())
+  logits = LLM(path, max_model_len=64, warmup=False).logits(g["token_ids"].tolist())
   np.testing.assert_allclose(logits, g["logits"], atol=atol, rtol=0)
 
 
@@ -58,7 +58,7 @@ def test_llama_sentencepiece_vocab_in_gguf_encodes_like_the_original(tmp_path):
                types=[1 + (sp.is_unknown(i)) + 2 * sp.is_control(i) + 5 * sp.is_byte(i) for i in range(n)],
                bos=1, eos=2)
   path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "m.gguf", tokenizer=vocab)
-  tok = LLM(path, max_model_len=64).tokenizer
+  tok = LLM(path, max_model_len=64, warmup=False).tokenizer
   assert tok.bos_id == 1 and tok.eos_ids == (2,)
   for text in ["Hello world! 12345", "naïve café 🙂", "  two spaces\tand\nnew line"]:
     assert tok.encode(text) == original.encode(text), text

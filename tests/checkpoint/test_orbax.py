@@ -29,12 +29,12 @@ def test_layout_and_logits(converted):
   assert detect_format(converted) == "orbax"
   assert sorted(p.name for p in converted.iterdir()) == ["jaxinfer_checkpoint.json", "params", "tokenizer"]
   g = golden("llama3")
-  np.testing.assert_allclose(LLM(converted, max_model_len=64).logits(g["token_ids"].tolist()),
+  np.testing.assert_allclose(LLM(converted, max_model_len=64, warmup=False).logits(g["token_ids"].tolist()),
                              g["logits"], atol=1e-4, rtol=0)
 
 
 def test_tokenizer_and_chat_template_survive(converted):
-  a = LLM(converted, max_model_len=64).tokenizer
+  a = LLM(converted, max_model_len=64, warmup=False).tokenizer
   from jaxinfer.tokenizer import Tokenizer
   b = Tokenizer.from_hf_dir(tiny_dir("llama3"))
   msgs = [{"role": "user", "content": "Hi there"}]
@@ -49,7 +49,7 @@ def test_restore_bfloat16(converted):
 
 def test_restore_sharded_over_a_mesh(converted):
   mesh = make_mesh(model=4)
-  llm = LLM(converted, max_model_len=64, mesh=mesh)
+  llm = LLM(converted, max_model_len=64, mesh=mesh, warmup=False)
   wq = llm.runner.params["layers"][0]["wq"]
   assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
   g = golden("llama3")

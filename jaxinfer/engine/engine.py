@@ -1,0 +1,363 @@
+"""`LLMEngine`: requests in, incremental outputs out, one `step()` at a time.
+
+    engine = LLMEngine.from_model(None)                 # the embedded default model
+    engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+      for out in engine.step():                         # RequestOutput deltas
+        print(out.request_id, out.new_text, out.finished)
+
+step() = schedule (host) -> run (device: one ragged step, sampling
+included) -> postprocess (host: append tokens, detokenize, stop checks,
+free finished requests' pages). Servers drive it from their own loop;
+`jaxinfer.LLM` drives it for notebooks and scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.kv_manager import KVEvent, KVManager
+from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
+from jaxinfer.engine.scheduler import Request, Scheduler, Status
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.models.transformer import cache_bytes_per_token
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Capacity and batching knobs; every field has a default that suits a CPU.
+
+  The KV pool holds `num_pages` pages of `page_size` tokens; when
+  `num_pages` is None it is sized from `kv_cache_bytes` (but never more
+  than every sequence at full length needs).
+  """
+
+  max_model_len: int | None = None  # None: min(the model's context, 4096)
+  max_num_seqs: int = 64
+  max_num_batched_tokens: int = 512  # per-step token budget (= largest step bucket)
+  page_size: int = 16
+  num_pages: int | None = None
+  kv_cache_bytes: int = 1 << 30
+  enable_prefix_caching: bool = True
+  warmup: bool = True
+  compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
+
+  def __post_init__(self):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
+    if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+      raise InvalidRequestError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
+    if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+      raise InvalidRequestError(f"num_pages must be an int >= 2, got {self.num_pages!r}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """A request's state after a step: cumulative text and ids, plus what is new.
+
+  `new_token_ids` / `new_text` are the delta since the previous output of
+  this request (what a stream sends). Text never ends inside a UTF-8
+  character or inside a possible stop string; it is complete once finished.
+  `finish_reason`: None while running, else 'stop' (EOS, stop id or stop
+  string), 'length' (max_tokens or the context) or 'abort'.
+  """
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  text: str
+  token_ids: list[int]
+  logprobs: list[float]  # log-probability of each generated token
+  finish_reason: str | None = None
+  new_token_ids: list[int] = dataclasses.field(default_factory=list)
+  new_text: str = ""
+  top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
+  prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
+  num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+  index: int = 0  # LLM.stream: the prompt's position in the call's prompts
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+class _Output:
+  """Per-request output state: ids, logprobs, detokenized text, stop checks."""
+
+  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
+    p = req.params
+    self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    self.logprobs: list[float] = []
+    self.top: list[dict[int, float]] | None = [] if p.logprobs is not None else None
+    self.prompt_lp: list[dict[int, float] | None] | None = (
+        [None] if p.prompt_logprobs is not None else None)
+    self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+    self.text = ""  # the final text once a stop string cut it; else detok.text
+    self.hold = max((len(s) for s in p.stop), default=1) - 1  # chars a stop string may still claim
+    self.sent_tokens = 0
+    self.sent_chars = 0
+    self.stopped_by_text = False
+
+  def visible_text(self, finished: bool) -> str:
+    if self.detok is None:
+      return ""
+    if self.stopped_by_text:
+      return self.text
+    text = self.detok.text
+    return text if finished else text[:max(self.sent_chars, len(text) - self.hold)]
+
+
+class LLMEngine:
+  """Continuous batching over a paged, prefix-cached KV cache."""
+
+  def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Tokenizer | None,
+               engine_config: EngineConfig = EngineConfig(), *, mesh=None, progress: bool = False):
+    ec = engine_config
+    self.config = cfg
+    self.tokenizer = tokenizer
+    self.engine_config = ec
+    self.max_model_len = min(cfg.max_position_embeddings, ec.max_model_len or 4096)
+    _enable_compilation_cache(ec.compilation_cache_dir)
+    dtype = jax.tree.leaves(params)[0].dtype
+    per_page = cache_bytes_per_token(cfg, dtype) * ec.page_size
+    pages_per_seq = -(-self.max_model_len // ec.page_size)
+    if ec.num_pages is None:
+      num_pages = min(ec.kv_cache_bytes // per_page, ec.max_num_seqs * pages_per_seq + 1)
+    else:
+      num_pages = ec.num_pages
+    if num_pages - 1 < pages_per_seq:
+      raise InvalidRequestError(
+          f"the KV pool ({num_pages} pages of {ec.page_size} tokens, page 0 reserved) cannot hold "
+          f"one sequence of max_model_len={self.max_model_len}: give more kv_cache_bytes / "
+          f"num_pages or a smaller max_model_len")
+    self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching)
+    self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens)
+    self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
+                              max_num_seqs=ec.max_num_seqs,
+                              max_num_batched_tokens=ec.max_num_batched_tokens,
+                              max_model_len=self.max_model_len, mesh=mesh)
+    log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
+             num_pages * per_page / 2**20, dtype)
+    self.kv_cache_bytes = num_pages * per_page
+    self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+    self._requests: dict[str, Request] = {}
+    self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
+    self.num_generated_tokens = 0
+    self.num_steps = 0
+    if ec.warmup:
+      self.warmup(progress)
+
+  @classmethod
+  def from_model(cls, model: str | Path | None = None, dtype: str = "float32",
+                 engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+                 progress: bool = False) -> "LLMEngine":
+    """Loads a checkpoint (None: the embedded default model) and builds the engine."""
+    from jaxinfer.checkpoint import load_model
+    if model is None:
+      from jaxinfer.default_model import default_checkpoint
+      model = default_checkpoint()
+    shardings_fn = None
+    if mesh is not None:
+      from jaxinfer.sharding import param_shardings
+      shardings_fn = lambda cfg: param_shardings(cfg, mesh)
+    loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn)
+    engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
+                 progress=progress)
+    engine.source = loaded.source
+    return engine
+
+  def warmup(self, progress: bool = False) -> None:
+    """Compiles every step bucket now, so no request waits on XLA later."""
+    from tqdm.auto import tqdm
+    with tqdm(total=len(self.runner.token_buckets), desc="compiling", unit="program",
+              disable=not progress, leave=False) as bar:
+      self.runner.warmup(bar)
+
+  # ---- requests ------------------------------------------------------------------------
+
+  def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """The prompt's ids, or InvalidRequestError naming what is wrong."""
+    if not isinstance(params, SamplingParams):
+      raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    ids = list(prompt_token_ids)
+    if not ids:
+      raise InvalidRequestError("prompt is empty")
+    V = self.config.vocab_size
+    for t in ids:
+      if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+        raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+      if not 0 <= t < V:
+        raise InvalidRequestError(f"prompt token id {t} is out of range [0, {V})")
+    if len(ids) + params.max_tokens > self.max_model_len:
+      raise InvalidRequestError(
+          f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
+          f"max_model_len={self.max_model_len}")
+    return [int(t) for t in ids]
+
+  def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                  params: SamplingParams = SamplingParams(), *, prompt: str | None = None) -> None:
+    """Queues a request; raises InvalidRequestError (and queues nothing) on bad input."""
+    if request_id in self._requests:
+      raise InvalidRequestError(f"request id {request_id!r} is already in use")
+    ids = self.validate(prompt_token_ids, params)
+    seed = params.seed if params.seed is not None else secrets.randbits(32)
+    req = Request(request_id, ids, params, seed, prompt=prompt)
+    req.output = _Output(req, self.tokenizer, self.eos_ids)
+    self._requests[request_id] = req
+    self.scheduler.add(req)
+
+  def abort(self, request_id: str) -> RequestOutput | None:
+    """Ends a request now and frees its pages; returns its final output (None if unknown)."""
+    req = self._requests.pop(request_id, None)
+    if req is None:
+      return None
+    self.scheduler.finish(req, "abort")
+    return self._output(req)
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished()
+
+  @property
+  def num_unfinished(self) -> int:
+    return len(self._requests)
+
+  def kv_events(self) -> list[KVEvent]:
+    """Prefix-cache 'stored' / 'removed' events since the last call."""
+    return self.kv.drain_events()
+
+  # ---- the step ----------------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one engine step; returns an output for every request that produced something."""
+    sched = self.scheduler.schedule()
+    if not sched.scheduled:
+      return []
+    seqs = []
+    for req, n in sched.scheduled:
+      if req.needs_history:
+        self.runner.set_history(req.row, req.prompt_token_ids, req.output_token_ids)
+        req.needs_history = False
+      seqs.append(ScheduledSeq(
+          row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
+          pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
+          prompt_len=req.num_prompt_tokens,
+          want_prompt_logprobs=self._wants_prompt_logprobs(req, n)))
+    result = self.runner.execute(seqs)
+    self.num_steps += 1
+    self.num_computed_tokens += sched.num_tokens
+    outputs = []
+    t = 0
+    for i, (req, n) in enumerate(sched.scheduled):
+      if result.prompt is not None and seqs[i].want_prompt_logprobs:
+        self._collect_prompt_logprobs(req, seqs[i], result, t)
+      t += n
+      req.num_computed += n
+      self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
+      if req.num_computed == len(req.token_ids):  # not a partial prefill: it sampled
+        self._append(req, i, result)
+        outputs.append(self._output(req))
+    return outputs
+
+  def _wants_prompt_logprobs(self, req: Request, n: int) -> bool:
+    out = req.output
+    return out.prompt_lp is not None and len(out.prompt_lp) < req.num_prompt_tokens
+
+  def _collect_prompt_logprobs(self, req: Request, seq: ScheduledSeq, result: StepResult, t: int):
+    target_lp, top_ids, top_lp = result.prompt
+    out, k = req.output, req.params.prompt_logprobs
+    for j in range(seq.num_new):
+      pos = seq.start + j + 1  # the token this row predicts
+      if pos != len(out.prompt_lp) or pos >= req.num_prompt_tokens:
+        continue
+      entry = {int(a): float(b) for a, b in zip(top_ids[t + j, :k], top_lp[t + j, :k])}
+      entry[req.token_ids[pos]] = float(target_lp[t + j])
+      out.prompt_lp.append(entry)
+
+  def _append(self, req: Request, i: int, result: StepResult) -> None:
+    token = int(result.ids[i])
+    out, p = req.output, req.params
+    req.token_ids.append(token)
+    self.num_generated_tokens += 1
+    out.logprobs.append(float(result.logprobs[i]))
+    if out.top is not None:
+      entry = {int(a): float(b) for a, b in zip(result.top_ids[i, :p.logprobs],
+                                                result.top_logprobs[i, :p.logprobs])}
+      entry[token] = float(result.logprobs[i])
+      out.top.append(entry)
+    reason = None
+    if out.detok is not None:
+      before = len(out.detok.text)
+      out.detok.push(token)
+      if p.stop:
+        text = out.detok.text
+        # A stop string may straddle earlier text: search from where it could begin.
+        lo = max(0, before - out.hold)
+        hits = [at for at in (text.find(s, lo) for s in p.stop) if at >= 0]
+        if hits:
+          out.text, out.stopped_by_text, reason = text[:min(hits)], True, "stop"
+    if reason is None and token in out.stop_ids:
+      reason = "stop"
+    elif reason is None and len(req.output_token_ids) >= p.max_tokens:
+      reason = "length"
+    if reason is not None:
+      self.scheduler.finish(req, reason)
+      self._requests.pop(req.request_id, None)
+
+  def _output(self, req: Request) -> RequestOutput:
+    out = req.output
+    finished = req.finish_reason is not None
+    text = out.visible_text(finished)
+    ids = req.output_token_ids
+    o = RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=text, token_ids=ids, logprobs=list(out.logprobs), finish_reason=req.finish_reason,
+        new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
+        top_logprobs=list(out.top) if out.top is not None else None,
+        prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
+        num_cached_tokens=req.num_cached_tokens)
+    out.sent_tokens, out.sent_chars = len(ids), len(text)
+    return o
+
+  # ---- introspection -----------------------------------------------------------------
+
+  def stats(self) -> dict[str, float]:
+    kv = self.kv
+    return {
+        "running": len(self.scheduler.running),
+        "waiting": len(self.scheduler.waiting),
+        "kv_usage": kv.usage,
+        "kv_free_pages": kv.num_free_pages,
+        "prefix_hit_rate": kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0,
+        "preemptions": self.scheduler.num_preemptions,
+        "computed_tokens": self.num_computed_tokens,
+        "generated_tokens": self.num_generated_tokens,
+        "steps": self.num_steps,
+        "compiled_programs": self.runner.compiled_programs(),
+    }
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+  """Turns on JAX's persistent compilation cache (restarts skip XLA compiles)."""
+  if path == "":
+    return
+  if jax.config.jax_compilation_cache_dir:
+    return  # the user configured it
+  path = path or os.environ.get("JAXINFER_COMPILATION_CACHE",
+                                str(Path.home() / ".cache" / "jaxinfer" / "xla"))
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,270 @@
+"""The device side of the engine: one jitted, bucketed ragged step.
+
+    step(params, cache, history, batch) -> (cache, history, ids, logprobs, top-n)
+
+Every scheduled request contributes its new tokens (a prefill chunk, one
+decode token, or 1 + k to verify) to one packed batch of T tokens from S
+sequences. T is rounded up to a power-of-two bucket and S to
+min(T, max_num_seqs), so the number of compiled programs is the number of
+token buckets (twice that if some request asks for prompt logprobs), and
+`warmup()` compiles all of them up front. The KV cache and the sampling
+history are donated: updated in place. Only token ids and logprobs come back.
+
+`history` holds, per sampler row (one per running request), how often each
+token occurred in the output and which tokens are in the prompt: the
+repetition / presence / frequency penalties read it on device, so no
+per-step [S, V] array crosses to the device.
+
+Legend: T tokens, S sequences, P pages per sequence, R sampler rows,
+V vocab, N top logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.kv_manager import NULL_PAGE
+from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, top_logprobs
+
+log = logging.getLogger(__name__)
+
+
+def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  """lo, 2lo, 4lo, ... and finally hi itself."""
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  out.append(hi)
+  return tuple(out)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+  for b in buckets:
+    if n <= b:
+      return b
+  raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+  """One sequence's share of a step: tokens[start:start + n] at positions start.."""
+
+  row: int  # sampler-history row
+  token_ids: Sequence[int]  # all tokens of the request so far (prompt + output)
+  start: int  # tokens before this are already in the cache
+  num_new: int
+  pages: Sequence[int]
+  params: SamplingParams
+  seed: int
+  prompt_len: int
+  want_prompt_logprobs: bool = False
+
+  @property
+  def samples(self) -> bool:
+    """Whether this step reaches the end of the known tokens (else: a prefill chunk)."""
+    return self.start + self.num_new == len(self.token_ids)
+
+
+@dataclasses.dataclass
+class StepResult:
+  """Host copies of what one step produced, row i for the i-th scheduled sequence."""
+
+  ids: np.ndarray  # [S] int32
+  logprobs: np.ndarray  # [S]
+  top_ids: np.ndarray  # [S, N]
+  top_logprobs: np.ndarray  # [S, N]
+  prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # per token: target logprob, top ids, top lps
+
+
+class ModelRunner:
+  """Owns the params, the paged KV cache and the compiled steps of one model."""
+
+  def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
+               max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None):
+    self.cfg = cfg
+    self.params = params
+    self.dtype = jax.tree.leaves(params)[0].dtype
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.max_num_seqs = max_num_seqs
+    self.max_model_len = max_model_len
+    self.pages_per_seq = -(-max_model_len // page_size)
+    self.token_buckets = power_of_two_buckets(1, max_num_batched_tokens)
+    self.len_buckets = power_of_two_buckets(min(64, max_model_len), max_model_len)
+    self.cache = init_cache(cfg, num_pages, page_size, self.dtype)
+    if mesh is not None:
+      from jax.sharding import NamedSharding
+
+      from jaxinfer.sharding import logical_to_spec
+      shape = self.cache[0]["k"].shape
+      spec = logical_to_spec((None, None, "kv_heads", None), shape, mesh)
+      self.cache = jax.device_put(self.cache, NamedSharding(mesh, spec))
+    rows = max_num_seqs + 1  # the last row is scratch for padding sequences
+    self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                    "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
+    self.scratch_row = max_num_seqs
+    self._step = jax.jit(functools.partial(_step, cfg), static_argnames=("prompt_logprobs",),
+                         donate_argnums=(1, 2))
+    self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
+    self._logits = jax.jit(functools.partial(_all_logits, cfg, page_size))
+    self._programs: set[tuple] = set()
+
+  # ---- compile discipline ----------------------------------------------------------
+
+  def num_seqs_bucket(self, num_tokens_bucket: int) -> int:
+    return min(num_tokens_bucket, self.max_num_seqs)
+
+  def compiled_programs(self) -> int:
+    """Distinct programs compiled so far (each padded shape compiles once)."""
+    return len(self._programs)
+
+  def max_programs(self) -> int:
+    """Every program a request can ever trigger: steps with and without prompt
+    logprobs, full-sequence logits per length bucket, the history-row setter."""
+    return 2 * len(self.token_buckets) + len(self.len_buckets) + 1
+
+  def warmup(self, progress=None) -> None:
+    """Compiles the step for every token bucket (all-padding batches touch no real page)."""
+    for T in self.token_buckets:
+      self._run([], T)
+      if progress is not None:
+        progress.update(1)
+    self.history = self._set_row(self.history, self.scratch_row, np.zeros(self.max_model_len, np.int32), 0, 0)
+    self._programs.add(("set_row",))
+    jax.block_until_ready(self.cache)
+
+  # ---- the step ----------------------------------------------------------------------
+
+  def execute(self, seqs: list[ScheduledSeq]) -> StepResult:
+    """Runs one step for the scheduled sequences (in this order) and returns host results."""
+    num_tokens = sum(s.num_new for s in seqs)
+    return self._run(seqs, bucket(num_tokens, self.token_buckets))
+
+  def _run(self, seqs: list[ScheduledSeq], T: int) -> StepResult:
+    S, P, ps = self.num_seqs_bucket(T), self.pages_per_seq, self.page_size
+    if len(seqs) > S:
+      raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, NULL_PAGE * ps, np.int32)
+    targets = np.zeros(T, np.int32)
+    cu = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    page_indices = np.full((S, P), NULL_PAGE, np.int32)
+    rows = np.full(S, self.scratch_row, np.int32)
+    do_sample = np.zeros(S, bool)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    rep = np.ones(S, np.float32)
+    pres = np.zeros(S, np.float32)
+    freq = np.zeros(S, np.float32)
+    seed = np.zeros(S, np.uint32)
+    want_lp = np.zeros(S, bool)
+    t = 0
+    for i, s in enumerate(seqs):
+      end = s.start + s.num_new
+      pos = np.arange(s.start, end, dtype=np.int32)
+      pages = np.asarray(s.pages, np.int32)
+      tokens[t:t + s.num_new] = s.token_ids[s.start:end]
+      positions[t:t + s.num_new] = pos
+      slots[t:t + s.num_new] = pages[pos // ps] * ps + pos % ps
+      if s.want_prompt_logprobs:
+        nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
+        targets[t:t + len(nxt)] = nxt
+      t += s.num_new
+      cu[i + 1] = t
+      kv_lens[i] = end
+      page_indices[i, :len(pages)] = pages
+      rows[i] = s.row
+      do_sample[i] = s.samples
+      p = s.params
+      temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+      rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+      seed[i] = s.seed
+      want_lp[i] = bool(p.logprobs)
+    cu[len(seqs) + 1:] = t
+    sample_idx = np.maximum(cu[1:] - 1, 0)
+    batch = PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs)))
+    sp = SamplingBatch(temperature, top_k, top_p, min_p, rep, pres, freq, seed, kv_lens, want_lp)
+    prompt_lp = any(s.want_prompt_logprobs for s in seqs)
+    self._programs.add(("step", T, prompt_lp))
+    self.cache, self.history, out = self._step(
+        self.params, self.cache, self.history, tokens, positions, batch, sample_idx, rows,
+        do_sample, sp, targets, prompt_logprobs=prompt_lp)
+    out = jax.device_get(out)
+    return StepResult(*out[:4], prompt=out[4] if prompt_lp else None)
+
+  def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+    """Loads a request's prompt and output so far into its sampler row (for penalties)."""
+    ids = np.zeros(self.max_model_len, np.int32)
+    ids[:len(prompt_ids)] = prompt_ids
+    ids[len(prompt_ids):len(prompt_ids) + len(output_ids)] = output_ids
+    self._programs.add(("set_row",))
+    self.history = self._set_row(self.history, row, ids, len(prompt_ids),
+                                 len(prompt_ids) + len(output_ids))
+
+  # ---- evaluation ------------------------------------------------------------------------
+
+  def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    """Float32 next-token logits [len, V] of one sequence, computed in a scratch cache."""
+    L = bucket(len(token_ids), self.len_buckets)
+    tokens = np.zeros(L, np.int32)
+    tokens[:len(token_ids)] = token_ids
+    self._programs.add(("logits", L))
+    out = self._logits(self.params, tokens, np.int32(len(token_ids)))
+    # Slice on the host: a device-side slice would compile once per length.
+    return np.asarray(out)[:len(token_ids)]
+
+
+def _step(cfg, params, cache, history, tokens, positions, batch: PagedBatch, sample_idx, rows,
+          do_sample, sp: SamplingBatch, targets, *, prompt_logprobs: bool):
+  hidden, cache = forward(params, cfg, tokens, positions, cache, batch)  # [T, D]
+  logits = compute_logits(params, cfg, hidden[sample_idx])  # [S, V]
+  ids, lp, top_ids, top_lp = sample(logits, sp, history["counts"], history["prompt"], rows)
+  # The sampled token joins the output: later steps penalize it.
+  counts = history["counts"].at[rows, ids].add(do_sample.astype(jnp.int32))
+  history = {"counts": counts, "prompt": history["prompt"]}
+  out = (ids, lp, top_ids, top_lp)
+  if prompt_logprobs:
+    all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
+    target_lp = jnp.take_along_axis(all_lp, targets[:, None], axis=-1)[:, 0]
+    p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
+    out = out + ((target_lp, p_top_ids, p_top_lp),)
+  return cache, history, out
+
+
+def _set_history_row(history, row, ids, prompt_len, total_len):
+  V = history["counts"].shape[1]
+  idx = jnp.arange(ids.shape[0])
+  is_prompt = idx < prompt_len
+  is_output = (idx >= prompt_len) & (idx < total_len)
+  prompt = jnp.zeros(V, jnp.bool_).at[ids].max(is_prompt)
+  counts = jnp.zeros(V, jnp.int32).at[ids].add(is_output.astype(jnp.int32))
+  return {"counts": history["counts"].at[row].set(counts),
+          "prompt": history["prompt"].at[row].set(prompt)}
+
+
+def _all_logits(cfg, page_size, params, tokens, length):
+  L = tokens.shape[0]
+  num_pages = L // page_size + 2
+  cache = init_cache(cfg, num_pages, page_size, jax.tree.leaves(params)[0].dtype)
+  pos = jnp.arange(L, dtype=jnp.int32)
+  # Pages 1.. hold the sequence; padding tokens write to page 0.
+  slots = jnp.where(pos < length, pos + page_size, 0)
+  pages = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
+  batch = PagedBatch(slots, length[None], pages, jnp.stack([0, length]).astype(jnp.int32),
+                     jnp.int32(1))
+  hidden, _ = forward(params, cfg, tokens, pos, cache, batch)
+  return compute_logits(params, cfg, hidden)

@@ -1,0 +1,170 @@
+"""Which requests run in the next step, and how many new tokens each gets.
+
+There is no prefill phase and no decode phase: each running request's
+computed tokens catch up with its known tokens (prompt + output so far).
+A request with many tokens to compute gets a chunk of the per-step token
+budget; one that is caught up gets 1 (its newest sampled token). Both kinds
+share one ragged step.
+
+Passes, in order, each small:
+  1. running requests, oldest first: grow their pages for this step's
+     tokens; when the pool is dry, preempt the newest running request
+     (its pages go back; it is recomputed later, prefix cache permitting);
+  2. waiting requests, FCFS, while sequences, budget and pages allow
+     (skipped in a step that preempted: the pool is tight).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any
+
+from jaxinfer.engine.kv_manager import KVManager
+from jaxinfer.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """A request's host-side state. token_ids = prompt + output so far."""
+
+  request_id: str
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seed: int
+  prompt: str | None = None
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  num_computed: int = 0  # tokens whose KV is in the cache
+  num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
+  num_preemptions: int = 0
+  status: Status = Status.WAITING
+  row: int | None = None  # sampler-history row while running
+  needs_history: bool = False  # the row must be (re)loaded before the next step
+  finish_reason: str | None = None
+  output: Any = None  # the engine's per-request output state
+
+  def __post_init__(self):
+    self.token_ids = list(self.prompt_token_ids)
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_token_ids)
+
+  @property
+  def output_token_ids(self) -> list[int]:
+    return self.token_ids[self.num_prompt_tokens:]
+
+  @property
+  def num_uncomputed(self) -> int:
+    return len(self.token_ids) - self.num_computed
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+  scheduled: list[tuple[Request, int]]  # (request, new tokens this step), in batch order
+  preempted: list[Request]
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+  """FCFS continuous batching under a sequence limit and a token budget."""
+
+  def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int):
+    self.kv = kv
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+    self.num_preemptions = 0
+
+  def add(self, req: Request) -> None:
+    self.waiting.append(req)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  # ---- one step -------------------------------------------------------------------
+
+  def schedule(self) -> SchedulerOutput:
+    out = SchedulerOutput([], [])
+    budget = self._schedule_running(out, self.max_num_batched_tokens)
+    if not out.preempted:
+      self._schedule_waiting(out, budget)
+    return out
+
+  def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    i = 0
+    while i < len(self.running) and budget > 0:
+      req = self.running[i]
+      n = min(req.num_uncomputed, budget)
+      while not self.kv.can_allocate(req.request_id, req.num_computed + n):
+        victim = self.running[-1]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        if victim is req:
+          break
+      if req.status is not Status.RUNNING:
+        break  # preempted itself: nobody after it is running either
+      self.kv.allocate(req.request_id, req.num_computed + n)
+      out.scheduled.append((req, n))
+      budget -= n
+      i += 1
+    return budget
+
+  def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+      req = self.waiting[0]
+      # Prompt logprobs need every prompt token computed, so such requests skip the cache.
+      cached = [] if req.params.prompt_logprobs is not None else self.kv.lookup(req.token_ids)
+      computed = len(cached) * self.kv.page_size
+      n = min(len(req.token_ids) - computed, budget)
+      if not self.kv.can_allocate(req.request_id, computed + n, cached):
+        break
+      self.kv.allocate(req.request_id, computed + n, cached)
+      self.waiting.popleft()
+      req.num_computed = req.num_cached_tokens = computed
+      req.status = Status.RUNNING
+      req.row = self._free_rows.pop()
+      req.needs_history = req.params.uses_penalties
+      self.running.append(req)
+      out.scheduled.append((req, n))
+      budget -= n
+
+  # ---- state changes ----------------------------------------------------------------
+
+  def _preempt(self, req: Request) -> None:
+    """Back to the front of the queue; recomputed from its tokens (outputs kept)."""
+    self.running.remove(req)
+    self._release(req)
+    req.status = Status.WAITING
+    req.num_computed = 0
+    req.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(req)
+
+  def finish(self, req: Request, reason: str) -> None:
+    """Ends a request wherever it is; its pages are free at once."""
+    if req.status is Status.RUNNING:
+      self.running.remove(req)
+      self._release(req)
+    elif req.status is Status.WAITING:
+      self.waiting.remove(req)
+    req.status = Status.FINISHED
+    req.finish_reason = reason
+
+  def _release(self, req: Request) -> None:
+    self.kv.free(req.request_id)
+    if req.row is not None:
+      self._free_rows.append(req.row)
+      req.row = None

