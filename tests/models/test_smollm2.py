@@ -34,3 +34,29 @@ def test_logits_match_transformers(smollm):
   # differences ~1e-4 (5e-6 relative).
   np.testing.assert_allclose(logits[:, g["vocab_cols"]], g["logits_cols"], atol=5e-4, rtol=0)
   np.testing.assert_allclose(logits[-1], g["last_logits"], atol=5e-4, rtol=0)
+
+
+def batch_golden():
+  import json
+  return json.loads((DATA / "golden" / "batch_smollm2-135m.json").read_text())
+
+
+@pytest.mark.parametrize("num_pages", [None, 40])  # 40 pages of 16: preemption must happen
+def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(default_checkpoint, num_pages):
+  from jaxinfer import LLM
+  g = batch_golden()
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  llm = LLM(default_checkpoint, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
+            num_pages=num_pages, warmup=False)
+  greedy = SamplingParams(temperature=0, max_tokens=g["max_new_tokens"], ignore_eos=True)
+  first = llm.generate(prompts, greedy)
+  assert [o.token_ids for o in first] == [r["greedy_ids"] for r in g["records"]]
+  if num_pages is not None:
+    assert llm.engine.stats()["preemptions"] > 0
+    return
+  computed = llm.engine.num_computed_tokens
+  second = llm.generate(prompts, greedy)
+  assert [o.token_ids for o in second] == [r["greedy_ids"] for r in g["records"]]
+  cached = [(len(p) - 1) // 16 * 16 for p in prompts]
+  assert [o.num_cached_tokens for o in second] == cached
+  assert llm.engine.num_computed_tokens - computed == sum(len(p) - c for p, c in zip(prompts, cached)) + 16 * 23
