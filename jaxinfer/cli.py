@@ -2,6 +2,7 @@
 
   jaxinfer generate "What is the capital of France?"       # embedded default model
   jaxinfer generate --model path/to/model.gguf "Hello" "Bonjour"
+  jaxinfer generate --input prompts.jsonl --output out.jsonl  # offline batch, resumable
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -17,13 +18,33 @@ from jaxinfer.errors import JaxinferError
 
 
 def _generate(args: argparse.Namespace) -> None:
+  from jaxinfer.errors import InvalidRequestError
   from jaxinfer.llm import LLM
   from jaxinfer.sampling import SamplingParams
 
+  if bool(args.prompts) == bool(args.input):
+    raise InvalidRequestError("give prompts or --input FILE.jsonl (not both)")
+  if args.input and not args.output:
+    raise InvalidRequestError("--input needs --output FILE.jsonl (results are appended there)")
   params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
-                          stop=tuple(args.stop or ()))
-  llm = LLM(args.model, dtype=args.dtype)
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                          repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty)
+  engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
+  if args.kv_cache_gb is not None:
+    engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
+  llm = LLM(args.model, dtype=args.dtype, progress=args.input is not None, **engine)
+  if args.input:
+    from jaxinfer.offline import generate_jsonl
+    s = generate_jsonl(llm, args.input, args.output, params,
+                       apply_chat_template=not args.no_chat_template, progress=not args.quiet)
+    print(f"{s.done} generated, {s.errors} errors, {s.skipped} already done; "
+          f"{s.generated_tokens} tokens in {s.seconds:.1f} s ({s.tokens_per_s:.1f} tok/s) -> {args.output}",
+          file=sys.stderr)
+    return
   outputs = llm.generate(args.prompts, params, apply_chat_template=not args.no_chat_template)
   for prompt, out in zip(args.prompts, outputs):
     if len(args.prompts) > 1:
@@ -47,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
 
   gen = sub.add_parser("generate", help="generate text for prompts (offline)")
-  gen.add_argument("prompts", nargs="+", help="prompt texts")
+  gen.add_argument("prompts", nargs="*", help="prompt texts (or use --input)")
+  gen.add_argument("--input", help="JSON Lines of requests (see jaxinfer.offline)")
+  gen.add_argument("--output", help="JSON Lines results, appended; ids already there are skipped")
+  gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--model", default=None,
                    help="HF dir, .gguf file or jaxinfer checkpoint (default: embedded SmolLM2-135M-Instruct)")
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -58,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--min-p", type=float, default=0.0)
   gen.add_argument("--seed", type=int, default=None)
   gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+  gen.add_argument("--ignore-eos", action="store_true")
+  gen.add_argument("--repetition-penalty", type=float, default=1.0)
+  gen.add_argument("--presence-penalty", type=float, default=0.0)
+  gen.add_argument("--frequency-penalty", type=float, default=0.0)
+  gen.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+  gen.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+  gen.add_argument("--max-model-len", type=int, default=None)
+  gen.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
+  gen.add_argument("--no-prefix-caching", action="store_true")
   gen.add_argument("--no-chat-template", action="store_true",
                    help="send prompts raw instead of as a chat user turn")
   gen.set_defaults(func=_generate)
