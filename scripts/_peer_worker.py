@@ -42,14 +42,21 @@ def emit(result: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- memory
 
 
-def _rss_kb(pid: int) -> int:
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1])
-  except (OSError, ValueError, IndexError):
-    pass
+def _mem_kb(pid: int) -> int:
+  """Proportional set size (PSS) of pid in KiB, or its RSS where smaps_rollup is missing.
+
+  PSS splits shared pages among the processes that map them, so it can be
+  summed over a process tree without counting torch's libraries (or shared
+  memory between vLLM's processes) once per process.
+  """
+  for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+    try:
+      with open(path) as f:
+        for line in f:
+          if line.startswith(key):
+            return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+      continue
   return 0
 
 
@@ -69,16 +76,17 @@ def _descendants(pid: int) -> list[int]:
 
 
 class PeakRss:
-  """Samples the resident memory of this process plus all its descendants.
+  """Peak resident memory of this process plus all its descendants.
 
   vLLM runs its engine core (which holds the weights and the KV cache) in a
   child process, so the peer's footprint is the sum over the process tree, not
-  this process's own high-water mark. Sampled every `period_s`; the own
-  VmHWM is folded in at the end so a short spike of this process is not missed.
-  RSS counts shared pages once per process, so the tree sum is an upper bound.
+  this process's own high-water mark. The tree's summed PSS is sampled every
+  `period_s` (cheap enough not to disturb the timed run: one page-table walk
+  per process); at the end the own exact high-water mark (VmHWM, i.e. RSS) is
+  folded in, so a single-process peer reports at least its true peak RSS.
   """
 
-  def __init__(self, period_s: float = 0.2):
+  def __init__(self, period_s: float = 0.5):
     self.period_s = period_s
     self.peak_kb = 0
     self._stop = threading.Event()
@@ -87,7 +95,7 @@ class PeakRss:
   def _loop(self) -> None:
     me = os.getpid()
     while not self._stop.is_set():
-      total = sum(_rss_kb(p) for p in _descendants(me))
+      total = sum(_mem_kb(p) for p in _descendants(me))
       self.peak_kb = max(self.peak_kb, total)
       self._stop.wait(self.period_s)
 

@@ -25,13 +25,16 @@ bench_offline.py in jaxinfer's own environment.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,42 +104,57 @@ def _run_worker(python: str, command: str, spec: dict[str, Any], timeout_s: floa
                 env: dict[str, str] | None = None, verbose: bool = False) -> dict[str, Any]:
   """Runs _peer_worker.py in `python`, returns its result dict.
 
-  The worker gets its own session so that on a timeout the whole process group
-  (vLLM's engine-core child included) can be killed. Its stdout is always
-  captured (the result line is there); stderr is streamed to ours when
-  `verbose`, else captured and shown only on failure.
+  The worker's stdout and stderr are read as one stream by a thread (so a
+  chatty peer never blocks on a full pipe): echoed to our stderr when
+  `verbose`, else kept as a tail that is shown only on failure. The worker
+  gets its own session so that on a timeout the whole process group (vLLM's
+  engine-core child included) can be killed.
   """
   if not Path(python).is_file():
     raise PeerUnavailable(f"no interpreter at {python}")
   with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="peer-spec-", delete=False) as f:
     json.dump(spec, f)
     spec_path = f.name
+  tail: collections.deque[str] = collections.deque(maxlen=60)
+  results: list[dict[str, Any]] = []
+
+  def pump(stream: Any) -> None:
+    for line in stream:
+      if line.startswith(RESULT_PREFIX):
+        results.append(json.loads(line[len(RESULT_PREFIX):]))
+        continue
+      tail.append(line)
+      if verbose:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
   try:
     proc = subprocess.Popen(
         [python, str(WORKER), command, spec_path], stdout=subprocess.PIPE,
-        stderr=None if verbose else subprocess.PIPE, text=True,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
         env={**os.environ, **(env or {})}, start_new_session=True)
+    reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+    reader.start()
     try:
-      out, err = proc.communicate(timeout=timeout_s)
+      proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
       try:
         os.killpg(proc.pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
-      out, err = proc.communicate()
-      raise WorkerError(f"{command} timed out after {timeout_s:.0f} s; stderr tail:\n"
-                        f"{(err or '')[-3000:]}") from None
+      proc.wait()
+      reader.join(timeout=5)
+      raise WorkerError(f"{command} in {python} timed out after {timeout_s:.0f} s; output tail:\n"
+                        + "".join(tail)) from None
+    reader.join(timeout=30)
   finally:
     os.unlink(spec_path)
-  result = None
-  for line in out.splitlines():
-    if line.startswith(RESULT_PREFIX):
-      result = json.loads(line[len(RESULT_PREFIX):])
+  result = results[-1] if results else None
   if proc.returncode == EXIT_UNAVAILABLE and result and "unavailable" in result:
     raise PeerUnavailable(f"{python}: {result['unavailable']}")
   if proc.returncode != 0 or result is None:
     raise WorkerError(f"{command} in {python} failed (exit {proc.returncode}); output tail:\n"
-                      f"{out[-2000:]}\n{(err or '')[-3000:]}")
+                      + "".join(tail))
   return result
 
 
@@ -159,9 +177,12 @@ def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
   PeerUnavailable if that venv is missing and a file has to be made.
   """
   src = Path(gguf_path) if gguf_path else default_gguf_path()
+  paths = peer_model_paths(src, out_dir)
+  if (paths["f32_gguf"].is_file() and paths["f16_gguf"].is_file()
+      and _hf_dir_complete(paths["hf_dir"])):
+    return paths
   if not src.is_file():
     raise FileNotFoundError(f"no GGUF file at {src} (run `jaxinfer generate` once to fetch it)")
-  paths = peer_model_paths(src, out_dir)
   python = ref_python(ref_python_path)
   paths["f32_gguf"].parent.mkdir(parents=True, exist_ok=True)
   for key, ftype in (("f32_gguf", "F32"), ("f16_gguf", "F16")):
@@ -172,7 +193,6 @@ def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
   if not _hf_dir_complete(paths["hf_dir"]):
     print(f"bench_peers: writing {paths['hf_dir']} ...", file=sys.stderr, flush=True)
     if paths["hf_dir"].exists():  # a broken earlier attempt
-      import shutil
       shutil.rmtree(paths["hf_dir"])
     _run_worker(python, "hf", {"src": str(src), "dst": str(paths["hf_dir"])}, timeout_s,
                 verbose=verbose)
