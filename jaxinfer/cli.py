@@ -37,6 +37,11 @@ def _generate(args: argparse.Namespace) -> None:
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
   llm = LLM(args.model, dtype=args.dtype, progress=args.input is not None, **engine)
+  if args.input and not args.quiet:
+    e = llm.engine
+    print(f"KV cache: {e.kv.num_pages} pages x {e.engine_config.page_size} tokens = "
+          f"{e.kv_cache_bytes / 2**20:.1f} MiB; {e.runner.compiled_programs()} programs compiled",
+          file=sys.stderr)
   if args.input:
     from jaxinfer.offline import generate_jsonl
     s = generate_jsonl(llm, args.input, args.output, params,

