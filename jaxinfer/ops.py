@@ -67,7 +67,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
   real = jnp.arange(S) < num_seqs
   longest = jnp.max(jnp.where(real, kv_lens, 0))
-  qg = (q.astype(jnp.float32) * scale).reshape(T, K, G, d)
+  # q is scaled in float32 and cast to the cache's dtype, so the dots read K and V as
+  # stored (float32 accumulation); no float32 copy of the gathered pages is made.
+  qg = (q.astype(jnp.float32) * scale).astype(k_pages.dtype).reshape(T, K, G, d)
 
   def chunk(c, carry):
     m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, d]
