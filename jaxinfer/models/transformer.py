@@ -44,10 +44,14 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-  """pages.flat[slots[t]] = new[t] on the [N * p, K, d] view (in place when donated)."""
-  N, p, K, d = pages.shape
-  flat = pages.reshape(N * p, K, d).at[slots].set(new.astype(pages.dtype), mode="drop")
-  return flat.reshape(N, p, K, d)
+  """pages[slot // p, slot % p] = new[t] for each token t (in place when donated).
+
+  Indexed by (page, offset), not through a flattened [N * p] view: for a
+  single token XLA's CPU backend lowers the flat form to an update that
+  copies the whole layer cache first.
+  """
+  p = pages.shape[1]
+  return pages.at[slots // p, slots % p].set(new.astype(pages.dtype), mode="drop")
 
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
