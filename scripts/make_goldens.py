@@ -170,12 +170,18 @@ def make_family(name: str, cls, kwargs: dict, seed: int) -> None:
   print(f"{name}: {sum(p.numel() for p in model.parameters())} params, logits {logits.shape}")
 
 
-def make_smollm2() -> None:
+def load_smollm2():
+  """transformers' tokenizer and float32 model from the default model's GGUF."""
   from jaxinfer.default_model import default_gguf_path
   gguf = default_gguf_path()
   tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
   model = transformers.AutoModelForCausalLM.from_pretrained(
       gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+  return tok, model
+
+
+def make_smollm2() -> None:
+  tok, model = load_smollm2()
   records = []
   for prompt in SMOLLM_PROMPTS:
     messages = [{"role": "user", "content": prompt}]
@@ -232,11 +238,7 @@ def make_batch_tiny(name: str) -> None:
 
 
 def make_batch_smollm2() -> None:
-  from jaxinfer.default_model import default_gguf_path
-  gguf = default_gguf_path()
-  tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+  tok, model = load_smollm2()
   texts = [STORY * (1 + i % 6) + f"Question {i}: what happened next?" for i in range(11)]
   texts = SMOLLM_PROMPTS + texts
   prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,

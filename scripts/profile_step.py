@@ -41,8 +41,8 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> flo
   sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
   per_seq = kv_len // 16 + 2
   seqs = [ScheduledSeq(row=i, token_ids=[5] * (kv_len + 1), start=kv_len, num_new=1,
-                       pages=list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), params=sp, seed=0,
-                       prompt_len=kv_len) for i in range(batch)]
+                       pages=list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), params=sp, seed=0)
+          for i in range(batch)]
   llm.runner.execute(seqs)
   t0 = time.perf_counter()
   for _ in range(iters):

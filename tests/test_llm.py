@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_dir
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -7,7 +7,6 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import golden, tiny_dir
 from jaxinfer import LLM
-from jaxinfer.config import ModelConfig
 from jaxinfer.sharding import logical_to_spec, make_mesh, param_shardings
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
-from jaxinfer.engine.scheduler import Request, Scheduler, Status
+from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.transformer import cache_bytes_per_token
 from jaxinfer.sampling import SamplingParams
@@ -255,8 +255,7 @@ class LLMEngine:
       seqs.append(ScheduledSeq(
           row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          prompt_len=req.num_prompt_tokens,
-          want_prompt_logprobs=self._wants_prompt_logprobs(req, n)))
+          want_prompt_logprobs=self._wants_prompt_logprobs(req)))
     result = self.runner.execute(seqs)
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
@@ -273,7 +272,7 @@ class LLMEngine:
         outputs.append(self._output(req))
     return outputs
 
-  def _wants_prompt_logprobs(self, req: Request, n: int) -> bool:
+  def _wants_prompt_logprobs(self, req: Request) -> bool:
     out = req.output
     return out.prompt_lp is not None and len(out.prompt_lp) < req.num_prompt_tokens
 

@@ -33,7 +33,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, top_logprobs
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ class ScheduledSeq:
   pages: Sequence[int]
   params: SamplingParams
   seed: int
-  prompt_len: int
   want_prompt_logprobs: bool = False
 
   @property
