@@ -79,20 +79,11 @@ class LLM:
         return prompt, tok.encode_chat([{"role": "user", "content": prompt}])
       return prompt, tok.encode(prompt)
     prompt = list(prompt)
-    if not prompt:
-      raise InvalidRequestError("prompt is empty")
-    if all(isinstance(m, dict) for m in prompt):
+    if prompt and all(isinstance(m, dict) for m in prompt):
       tok = self._require_tokenizer("a chat prompt")
       text = tok.apply_chat_template(prompt)
       return text, tok.encode(text, add_special_tokens=False)
-    ids = []
-    for t in prompt:
-      if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-        raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-      if not 0 <= t < self.config.vocab_size:
-        raise InvalidRequestError(f"prompt token id {t} is out of range [0, {self.config.vocab_size})")
-      ids.append(int(t))
-    return None, ids
+    return None, self.engine.check_token_ids(prompt)
 
   @staticmethod
   def _as_prompt_list(prompts: Any) -> list[Prompt]:

@@ -194,7 +194,16 @@ class LLMEngine:
     """The prompt's ids, or InvalidRequestError naming what is wrong."""
     if not isinstance(params, SamplingParams):
       raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    ids = list(prompt_token_ids)
+    ids = self.check_token_ids(prompt_token_ids)
+    if len(ids) + params.max_tokens > self.max_model_len:
+      raise InvalidRequestError(
+          f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
+          f"max_model_len={self.max_model_len}")
+    return ids
+
+  def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+    """Token ids as Python ints, or InvalidRequestError: empty, not ints, out of the vocab."""
+    ids = list(token_ids)
     if not ids:
       raise InvalidRequestError("prompt is empty")
     V = self.config.vocab_size
@@ -203,10 +212,6 @@ class LLMEngine:
         raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
       if not 0 <= t < V:
         raise InvalidRequestError(f"prompt token id {t} is out of range [0, {V})")
-    if len(ids) + params.max_tokens > self.max_model_len:
-      raise InvalidRequestError(
-          f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
-          f"max_model_len={self.max_model_len}")
     return [int(t) for t in ids]
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -267,7 +272,7 @@ class LLMEngine:
       t += n
       req.num_computed += n
       self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
-      if req.num_computed == len(req.token_ids):  # not a partial prefill: it sampled
+      if seqs[i].samples:  # not a partial prefill chunk
         self._append(req, i, result)
         outputs.append(self._output(req))
     return outputs
@@ -283,9 +288,8 @@ class LLMEngine:
       pos = seq.start + j + 1  # the token this row predicts
       if pos != len(out.prompt_lp) or pos >= req.num_prompt_tokens:
         continue
-      entry = {int(a): float(b) for a, b in zip(top_ids[t + j, :k], top_lp[t + j, :k])}
-      entry[req.token_ids[pos]] = float(target_lp[t + j])
-      out.prompt_lp.append(entry)
+      out.prompt_lp.append(_logprob_entry(top_ids[t + j], top_lp[t + j], k, req.token_ids[pos],
+                                          target_lp[t + j]))
 
   def _append(self, req: Request, i: int, result: StepResult) -> None:
     token = int(result.ids[i])
@@ -294,10 +298,8 @@ class LLMEngine:
     self.num_generated_tokens += 1
     out.logprobs.append(float(result.logprobs[i]))
     if out.top is not None:
-      entry = {int(a): float(b) for a, b in zip(result.top_ids[i, :p.logprobs],
-                                                result.top_logprobs[i, :p.logprobs])}
-      entry[token] = float(result.logprobs[i])
-      out.top.append(entry)
+      out.top.append(_logprob_entry(result.top_ids[i], result.top_logprobs[i], p.logprobs, token,
+                                    result.logprobs[i]))
     reason = None
     if out.detok is not None:
       before = len(out.detok.text)
@@ -348,6 +350,13 @@ class LLMEngine:
         "steps": self.num_steps,
         "compiled_programs": self.runner.compiled_programs(),
     }
+
+
+def _logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:
+  """{token id: logprob} for the n best tokens plus the one actually chosen."""
+  entry = {int(a): float(b) for a, b in zip(top_ids[:n], top_lps[:n])}
+  entry[int(token)] = float(logprob)
+  return entry
 
 
 def _enable_compilation_cache(path: str | None) -> None:
