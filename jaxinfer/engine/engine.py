@@ -74,7 +74,8 @@ class RequestOutput:
   this request (what a stream sends). Text never ends inside a UTF-8
   character or inside a possible stop string; it is complete once finished.
   `finish_reason`: None while running, else 'stop' (EOS, stop id or stop
-  string), 'length' (max_tokens or the context) or 'abort'.
+  string), 'length' (max_tokens or the context), 'abort', or 'error' (this
+  request failed inside the engine: `error` says how; others went on).
   """
 
   request_id: str
@@ -90,6 +91,7 @@ class RequestOutput:
   prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
   index: int = 0  # LLM.stream: the prompt's position in the call's prompts
+  error: str | None = None  # with finish_reason 'error'
 
   @property
   def finished(self) -> bool:
@@ -261,20 +263,47 @@ class LLMEngine:
           row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
           want_prompt_logprobs=self._wants_prompt_logprobs(req)))
-    result = self.runner.execute(seqs)
+    try:
+      result = self.runner.execute(seqs)
+    except Exception as e:  # noqa: BLE001 - the requests of this step end; the engine goes on
+      log.exception("engine step failed (%d requests)", len(seqs))
+      return self._fail_step([req for req, _ in sched.scheduled], e)
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
     outputs = []
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
-      if result.prompt is not None and seqs[i].want_prompt_logprobs:
-        self._collect_prompt_logprobs(req, seqs[i], result, t)
+      try:
+        if result.prompt is not None and seqs[i].want_prompt_logprobs:
+          self._collect_prompt_logprobs(req, seqs[i], result, t)
+        req.num_computed += n
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
+        if seqs[i].samples:  # not a partial prefill chunk
+          self._append(req, i, result)
+          outputs.append(self._output(req))
+      except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+        log.exception("request %s failed", req.request_id)
+        outputs.append(self._fail(req, e))
       t += n
-      req.num_computed += n
-      self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
-      if seqs[i].samples:  # not a partial prefill chunk
-        self._append(req, i, result)
-        outputs.append(self._output(req))
+    return outputs
+
+  def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
+    """Ends `req` with finish_reason 'error' (its pages are freed) and says why."""
+    self.scheduler.finish(req, "error")
+    self._requests.pop(req.request_id, None)
+    out = self._output(req)
+    out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+  def _fail_step(self, reqs: list[Request], exc: BaseException) -> list[RequestOutput]:
+    """A failed device step ends its requests. If it also lost the donated KV
+    cache, every running request's KV is gone: those end too, and the device
+    state and the prefix cache start afresh."""
+    outputs = [self._fail(req, exc) for req in reqs]
+    if self.runner.state_lost():
+      outputs += [self._fail(req, exc) for req in list(self.scheduler.running)]
+      self.runner.reset_state()
+      self.kv.reset_prefix_cache()
     return outputs
 
   def _wants_prompt_logprobs(self, req: Request) -> bool:

@@ -100,23 +100,33 @@ class ModelRunner:
     self.pages_per_seq = -(-max_model_len // page_size)
     self.token_buckets = power_of_two_buckets(1, max_num_batched_tokens)
     self.len_buckets = power_of_two_buckets(min(64, max_model_len), max_model_len)
-    self.cache = init_cache(cfg, num_pages, page_size, self.dtype)
-    if mesh is not None:
-      from jax.sharding import NamedSharding
-
-      from jaxinfer.sharding import logical_to_spec
-      shape = self.cache[0]["k"].shape
-      spec = logical_to_spec((None, None, "kv_heads", None), shape, mesh)
-      self.cache = jax.device_put(self.cache, NamedSharding(mesh, spec))
-    rows = max_num_seqs + 1  # the last row is scratch for padding sequences
-    self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                    "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
-    self.scratch_row = max_num_seqs
+    self.mesh = mesh
+    self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
+    self.reset_state()
     self._step = jax.jit(functools.partial(_step, cfg), static_argnames=("prompt_logprobs",),
                          donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(functools.partial(_all_logits, cfg, page_size))
     self._programs: set[tuple] = set()
+
+  def reset_state(self) -> None:
+    """A zeroed KV cache and sampler history (at start, or after a failed step lost them)."""
+    cfg = self.cfg
+    self.cache = init_cache(cfg, self.num_pages, self.page_size, self.dtype)
+    if self.mesh is not None:
+      from jax.sharding import NamedSharding
+
+      from jaxinfer.sharding import logical_to_spec
+      shape = self.cache[0]["k"].shape
+      spec = logical_to_spec((None, None, "kv_heads", None), shape, self.mesh)
+      self.cache = jax.device_put(self.cache, NamedSharding(self.mesh, spec))
+    rows = self.max_num_seqs + 1
+    self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                    "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
+
+  def state_lost(self) -> bool:
+    """Whether a failed step consumed the donated cache or history without replacing them."""
+    return any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.history)))
 
   # ---- compile discipline ----------------------------------------------------------
 

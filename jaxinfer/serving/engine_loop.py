@@ -1,0 +1,202 @@
+"""The engine thread: the only thread that touches the `LLMEngine` once started.
+
+RPC handlers never call the engine. They post commands (add, abort) to a
+queue; the thread takes every pending command between steps, runs a step,
+and hands each output to its request's `Sink`. A sink must return at once
+(the server's sink only schedules a callback on the asyncio loop), so a slow
+client can never stall the batch.
+
+    loop = EngineLoop(engine, metrics)
+    loop.start()                    # warm-up runs on the thread; loop.ready is set after it
+    loop.add("r1", ids, params, sink)
+    loop.abort("r1")                # pages are free once the thread takes the command
+    loop.stop()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from jaxinfer.engine.engine import LLMEngine, RequestOutput
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class Sink:
+  """Where a request's outputs go. Called on the engine thread: must not block.
+
+  The engine loop stamps `first_token_at` / `last_token_at`
+  (time.monotonic) before each `deliver`; `arrival` is set by whoever
+  created the request.
+  """
+
+  def __init__(self, arrival: float | None = None):
+    self.arrival = time.monotonic() if arrival is None else arrival
+    self.first_token_at: float | None = None
+    self.last_token_at: float | None = None
+
+  def deliver(self, out: RequestOutput) -> None:
+    raise NotImplementedError
+
+  def fail(self, error: BaseException) -> None:
+    """The request never reached the engine (e.g. InvalidRequestError) or the loop broke."""
+    raise NotImplementedError
+
+
+class EngineLoop:
+  """Runs `engine` on its own thread, fed by a command queue."""
+
+  def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, *, warmup: bool = True,
+               on_ready: Callable[[], None] | None = None):
+    self.engine = engine
+    self.metrics = metrics
+    self._warmup = warmup
+    self._on_ready = on_ready
+    self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    self._sinks: dict[str, Sink] = {}
+    self.ready = threading.Event()
+    self.error: BaseException | None = None  # set when warm-up failed
+    self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
+
+  # ---- any thread ------------------------------------------------------------------
+
+  def start(self) -> "EngineLoop":
+    self._thread.start()
+    return self
+
+  def add(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
+          prompt: str | None = None) -> None:
+    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink))
+
+  def abort(self, request_id: str) -> None:
+    self._commands.put(("abort", request_id))
+
+  def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    """Runs fn(engine) on the engine thread between steps (a consistent view of its state)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._commands.put(("call", fn, future))
+    return future
+
+  def stop(self, timeout: float | None = 30.0) -> None:
+    """Aborts whatever is left and ends the thread."""
+    if self._thread.is_alive():
+      self._commands.put(("stop",))
+      self._thread.join(timeout)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  # ---- the engine thread -------------------------------------------------------------
+
+  def _main(self) -> None:
+    try:
+      if self._warmup:
+        t = time.perf_counter()
+        self.engine.warmup()
+        log.info("warm-up: %d programs compiled in %.1f s", self.engine.runner.compiled_programs(),
+                 time.perf_counter() - t)
+    except BaseException as e:  # noqa: BLE001 - reported through .error; the server refuses to start
+      log.exception("warm-up failed")
+      self.error = e
+      self.ready.set()
+      return
+    self.ready.set()
+    if self._on_ready is not None:
+      self._on_ready()
+    while True:
+      commands = self._take_commands(block=not self.engine.has_unfinished())
+      for cmd in commands:
+        if cmd[0] == "stop":
+          self._abort_all()
+          return
+        self._act(cmd)
+      if self.engine.has_unfinished():
+        self._step()
+
+  def _take_commands(self, block: bool) -> list[tuple]:
+    commands = [self._commands.get()] if block else []
+    while True:
+      try:
+        commands.append(self._commands.get_nowait())
+      except queue.Empty:
+        return commands
+
+  def _act(self, cmd: tuple) -> None:
+    kind = cmd[0]
+    if kind == "add":
+      _, rid, ids, params, prompt, sink = cmd
+      try:
+        self.engine.add_request(rid, ids, params, prompt=prompt)
+      except Exception as e:  # noqa: BLE001 - the sink reports it; nothing was queued
+        if not isinstance(e, InvalidRequestError):
+          log.exception("adding request %s failed", rid)
+        sink.fail(e)
+        return
+      self._sinks[rid] = sink
+      if self.metrics is not None:
+        self.metrics.prompt_tokens.inc(len(ids))
+    elif kind == "abort":
+      self._sinks.pop(cmd[1], None)
+      out = self.engine.abort(cmd[1])
+      if out is not None and self.metrics is not None:
+        self.metrics.finished_requests.labels("abort").inc()
+    elif kind == "call":
+      _, fn, future = cmd
+      try:
+        future.set_result(fn(self.engine))
+      except Exception as e:  # noqa: BLE001 - handed to the caller
+        future.set_exception(e)
+
+  def _step(self) -> None:
+    try:
+      outputs = self.engine.step()
+    except Exception as e:  # noqa: BLE001 - a bug outside the per-request guards: end what is in flight
+      log.exception("engine step raised; aborting every request in flight")
+      for rid, sink in list(self._sinks.items()):
+        self.engine.abort(rid)
+        sink.fail(e)
+      self._sinks.clear()
+      return
+    now = time.monotonic()
+    m = self.metrics
+    for out in outputs:
+      sink = self._sinks.get(out.request_id)
+      if sink is None:
+        continue
+      n = len(out.new_token_ids)
+      if n:
+        if sink.first_token_at is None:
+          sink.first_token_at = now
+          if m is not None:
+            m.time_to_first_token.observe(now - sink.arrival)
+            m.prefix_cache_hit_tokens.inc(out.num_cached_tokens)
+        elif m is not None:
+          for _ in range(n):  # several tokens in one step share the gap
+            m.inter_token_latency.observe((now - sink.last_token_at) / n)
+        sink.last_token_at = now
+        if m is not None:
+          m.generation_tokens.inc(n)
+      if out.finished:
+        del self._sinks[out.request_id]
+        if m is not None:
+          m.finished_requests.labels(out.finish_reason).inc()
+          m.request_latency.observe(now - sink.arrival)
+      sink.deliver(out)
+    if m is not None:
+      m.set_engine_stats(self.engine.stats())
+
+  def _abort_all(self) -> None:
+    for rid in list(self._sinks):
+      out = self.engine.abort(rid)
+      sink = self._sinks.pop(rid)
+      if out is not None:
+        sink.deliver(out)

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the gRPC server (names in the `jaxinfer_` namespace, units in the names).
+
+Latencies are observed on the engine thread when a step's outputs come out,
+so they measure the engine plus queueing, not the network. Gauges are set
+after every step from `LLMEngine.stats()`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: from a fast GPU decode step (~5 ms) to a long CPU prefill queue (minutes).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+  """One registry per server, so several servers (tests) never share counters."""
+
+  def __init__(self):
+    r = self.registry = CollectorRegistry()
+    self.time_to_first_token = Histogram(
+        "jaxinfer_time_to_first_token_seconds", "Request arrival to its first generated token.",
+        buckets=_LATENCY_BUCKETS, registry=r)
+    self.inter_token_latency = Histogram(
+        "jaxinfer_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+        buckets=_LATENCY_BUCKETS, registry=r)
+    self.request_latency = Histogram(
+        "jaxinfer_request_latency_seconds", "Request arrival to its last token.",
+        buckets=_LATENCY_BUCKETS, registry=r)
+    self.waiting_requests = Gauge(
+        "jaxinfer_waiting_requests", "Queue depth: requests waiting for the engine to run them.",
+        registry=r)
+    self.running_requests = Gauge("jaxinfer_running_requests", "Requests in the running batch.",
+                                  registry=r)
+    self.kv_cache_usage = Gauge("jaxinfer_kv_cache_usage_ratio",
+                                "Fraction of KV pages held by requests.", registry=r)
+    self.prefix_cache_hit_rate = Gauge(
+        "jaxinfer_prefix_cache_hit_ratio", "Prompt tokens served by the prefix cache / prompt tokens looked up.",
+        registry=r)
+    self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens of admitted requests.",
+                                 registry=r)
+    self.generation_tokens = Counter("jaxinfer_generation_tokens", "Generated tokens.", registry=r)
+    self.prefix_cache_hit_tokens = Counter(
+        "jaxinfer_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache.", registry=r)
+    self.finished_requests = Counter("jaxinfer_finished_requests", "Finished requests by finish reason.",
+                                     ["finish_reason"], registry=r)
+    self.rejected_requests = Counter("jaxinfer_rejected_requests",
+                                     "Requests refused before reaching the engine, by gRPC status.",
+                                     ["code"], registry=r)
+    self.preemptions = Gauge("jaxinfer_preemptions", "Requests preempted (recomputed) so far.",
+                             registry=r)
+
+  def set_engine_stats(self, stats: dict[str, float]) -> None:
+    self.waiting_requests.set(stats["waiting"])
+    self.running_requests.set(stats["running"])
+    self.kv_cache_usage.set(stats["kv_usage"])
+    self.prefix_cache_hit_rate.set(stats["prefix_hit_rate"])
+    self.preemptions.set(stats["preemptions"])
+
+  def exposition(self) -> bytes:
+    """The text format Prometheus scrapes (also served over HTTP by the server)."""
+    return generate_latest(self.registry)
