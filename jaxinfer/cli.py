@@ -3,6 +3,7 @@
   jaxinfer generate "What is the capital of France?"       # embedded default model
   jaxinfer generate --model path/to/model.gguf "Hello" "Bonjour"
   jaxinfer generate --input prompts.jsonl --output out.jsonl  # offline batch, resumable
+  jaxinfer serve --port 50051 --metrics-port 9090              # gRPC server, drains on SIGTERM
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -32,11 +33,7 @@ def _generate(args: argparse.Namespace) -> None:
                           repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty)
-  engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
-  if args.kv_cache_gb is not None:
-    engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
-  llm = LLM(args.model, dtype=args.dtype, progress=args.input is not None, **engine)
+  llm = LLM(args.model, dtype=args.dtype, progress=args.input is not None, **_engine_options(args))
   if args.input and not args.quiet:
     e = llm.engine
     print(f"KV cache: {e.kv.num_pages} pages x {e.engine_config.page_size} tokens = "
@@ -55,6 +52,47 @@ def _generate(args: argparse.Namespace) -> None:
     if len(args.prompts) > 1:
       print(f"### {prompt}")
     print(out.text.strip())
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+  """EngineConfig fields from the shared engine flags."""
+  engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, page_size=args.page_size, num_pages=args.num_pages,
+                enable_prefix_caching=not args.no_prefix_caching)
+  if args.kv_cache_gb is not None:
+    engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
+  return engine
+
+
+def _serve(args: argparse.Namespace) -> None:
+  import logging
+
+  from jaxinfer.llm import LLM
+  from jaxinfer.serving.server import ServerConfig, serve
+
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+  config = ServerConfig(host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
+                        max_waiting_tokens=args.max_waiting_tokens, grace_period_s=args.grace_period,
+                        metrics_port=args.metrics_port)
+  # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
+  llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
+  code = serve(llm, config)
+  if code:
+    raise SystemExit(code)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default=None,
+                 help="HF dir, .gguf file or jaxinfer checkpoint (default: embedded SmolLM2-135M-Instruct)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (max batch)")
+  p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+  p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model's, 4096))")
+  p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+  p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-cache-gb)")
+  p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
+  p.add_argument("--no-prefix-caching", action="store_true")
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -77,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--input", help="JSON Lines of requests (see jaxinfer.offline)")
   gen.add_argument("--output", help="JSON Lines results, appended; ids already there are skipped")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
-  gen.add_argument("--model", default=None,
-                   help="HF dir, .gguf file or jaxinfer checkpoint (default: embedded SmolLM2-135M-Instruct)")
-  gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  _add_model_options(gen)
   gen.add_argument("--max-tokens", type=int, default=128)
   gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   gen.add_argument("--top-k", type=int, default=0)
@@ -91,14 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--repetition-penalty", type=float, default=1.0)
   gen.add_argument("--presence-penalty", type=float, default=0.0)
   gen.add_argument("--frequency-penalty", type=float, default=0.0)
-  gen.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-  gen.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
-  gen.add_argument("--max-model-len", type=int, default=None)
-  gen.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
-  gen.add_argument("--no-prefix-caching", action="store_true")
   gen.add_argument("--no-chat-template", action="store_true",
                    help="send prompts raw instead of as a chat user turn")
   gen.set_defaults(func=_generate)
+
+  srv = sub.add_parser("serve", help="run the gRPC server (jaxinfer.v1.Inference) until SIGTERM")
+  _add_model_options(srv)
+  srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+  srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+  srv.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)")
+  srv.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="admitted requests without a first token yet; more get RESOURCE_EXHAUSTED")
+  srv.add_argument("--max-waiting-tokens", type=int, default=131072,
+                   help="prompt tokens of those waiting requests; more get RESOURCE_EXHAUSTED")
+  srv.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+  srv.set_defaults(func=_serve)
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
   conv.add_argument("src")

@@ -265,7 +265,7 @@ class LLMEngine:
           want_prompt_logprobs=self._wants_prompt_logprobs(req)))
     try:
       result = self.runner.execute(seqs)
-    except Exception as e:  # noqa: BLE001 - the requests of this step end; the engine goes on
+    except Exception as e:  # the requests of this step end; the engine goes on
       log.exception("engine step failed (%d requests)", len(seqs))
       return self._fail_step([req for req, _ in sched.scheduled], e)
     self.num_steps += 1
@@ -281,7 +281,7 @@ class LLMEngine:
         if seqs[i].samples:  # not a partial prefill chunk
           self._append(req, i, result)
           outputs.append(self._output(req))
-      except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+      except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
       t += n

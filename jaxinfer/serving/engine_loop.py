@@ -104,7 +104,7 @@ class EngineLoop:
         self.engine.warmup()
         log.info("warm-up: %d programs compiled in %.1f s", self.engine.runner.compiled_programs(),
                  time.perf_counter() - t)
-    except BaseException as e:  # noqa: BLE001 - reported through .error; the server refuses to start
+    except BaseException as e:  # reported through .error; the server refuses to start
       log.exception("warm-up failed")
       self.error = e
       self.ready.set()
@@ -136,7 +136,7 @@ class EngineLoop:
       _, rid, ids, params, prompt, sink = cmd
       try:
         self.engine.add_request(rid, ids, params, prompt=prompt)
-      except Exception as e:  # noqa: BLE001 - the sink reports it; nothing was queued
+      except Exception as e:  # the sink reports it; nothing was queued
         if not isinstance(e, InvalidRequestError):
           log.exception("adding request %s failed", rid)
         sink.fail(e)
@@ -153,13 +153,13 @@ class EngineLoop:
       _, fn, future = cmd
       try:
         future.set_result(fn(self.engine))
-      except Exception as e:  # noqa: BLE001 - handed to the caller
+      except Exception as e:  # handed to the caller
         future.set_exception(e)
 
   def _step(self) -> None:
     try:
       outputs = self.engine.step()
-    except Exception as e:  # noqa: BLE001 - a bug outside the per-request guards: end what is in flight
+    except Exception as e:  # a bug outside the per-request guards: end what is in flight
       log.exception("engine step raised; aborting every request in flight")
       for rid, sink in list(self._sinks.items()):
         self.engine.abort(rid)

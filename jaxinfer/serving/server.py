@@ -389,7 +389,7 @@ class InferenceServer:
       loop = asyncio.new_event_loop()
       try:
         loop.run_until_complete(self.start())
-      except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+      except BaseException as e:  # re-raised on the caller's thread
         failure.append(e)
         started.set()
         return

@@ -3,6 +3,7 @@ preemption and prefix caching all reproduce transformers' greedy ids exactly."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -218,3 +219,49 @@ def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
   llm.logits([3] * 90)
   llm.logits([4] * 120)
   assert runner.compiled_programs() == after_warmup + 2 <= runner.max_programs()
+
+
+def test_a_request_that_fails_in_postprocessing_ends_alone():
+  llm = make_llm("llama3")
+  engine = llm.engine
+  want = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(12))
+  real = engine._append
+
+  def append(req, i, result):
+    if req.request_id == "r1" and len(req.output_token_ids) == 3:
+      raise RuntimeError("boom")
+    real(req, i, result)
+
+  engine._append = append
+  outs, _ = run_engine(engine, [[1, 2, 3], [9, 9], [4, 5, 6]], [greedy(12)] * 3)
+  assert outs[1].finish_reason == "error" and outs[1].error == "RuntimeError: boom"
+  assert len(outs[1].token_ids) == 3
+  assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[1].token_ids]
+  assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+
+
+@pytest.mark.parametrize("lose_state", [False, True])
+def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_state):
+  llm = make_llm("llama3")
+  engine, runner = llm.engine, llm.runner
+  want = llm.generate([[1, 2, 3]], greedy(10))[0]
+  real = runner._step
+  calls = []
+
+  def step(*args, **kw):
+    calls.append(1)
+    if len(calls) == 3:
+      if lose_state:  # as if the donated cache had been consumed by a failed launch
+        for x in jax.tree.leaves(runner.cache):
+          x.delete()
+      raise RuntimeError("device fault")
+    return real(*args, **kw)
+
+  runner._step = step
+  outs, _ = run_engine(engine, [[1, 2, 3], [4, 5]], [greedy(10)] * 2)
+  assert [o.finish_reason for o in outs] == ["error", "error"]
+  assert outs[0].error == "RuntimeError: device fault" and len(outs[0].token_ids) == 2
+  assert runner.state_lost() is False
+  assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+  runner._step = real
+  assert llm.generate([[1, 2, 3]], greedy(10))[0].token_ids == want.token_ids
