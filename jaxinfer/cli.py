@@ -58,7 +58,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
   """EngineConfig fields from the shared engine flags."""
   engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, page_size=args.page_size, num_pages=args.num_pages,
-                enable_prefix_caching=not args.no_prefix_caching)
+                enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl)
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
   return engine
@@ -93,6 +93,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-cache-gb)")
   p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
   p.add_argument("--no-prefix-caching", action="store_true")
+  p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
+                 help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
 
 
 def _convert(args: argparse.Namespace) -> None:

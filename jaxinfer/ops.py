@@ -1,8 +1,13 @@
-"""Kernel dispatch: one signature per op, an XLA reference behind it.
+"""Kernel dispatch: one signature per op, a Pallas kernel and an XLA reference behind it.
 
-The model calls these ops and never a kernel directly, so the Pallas kernels
-(GPU) plug in behind the same signatures without touching model code. On CPU
-the XLA reference is the fast path.
+The model calls these ops and never a kernel directly. `impl` picks the
+implementation (the engine passes `EngineConfig.attention_impl`):
+  'auto'              the Pallas kernel on GPU, the XLA reference elsewhere
+                      (on CPU the reference is the fast path: Pallas there
+                      only runs in interpret mode, an emulator for tests);
+  'xla'               the XLA reference on any backend;
+  'pallas'            the Pallas (Triton) kernel; GPU only;
+  'pallas_interpret'  the same kernel in Pallas interpret mode (CPU tests).
 
 Legend: T packed query tokens (of many sequences), S sequences, N pages,
 P pages per sequence, p page_size, H query heads, K kv heads,
@@ -14,16 +19,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.errors import InvalidRequestError
+
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+
 # Keys visited per loop iteration of the XLA reference: big enough that the
 # loop overhead is small on CPU, small enough that the gathered chunk
 # [T, C, K, d] stays cache-sized for decode batches.
 _KEYS_PER_CHUNK = 128
 
 
+def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
+  """'auto' -> 'pallas' on GPU, 'xla' elsewhere; an error for a choice this backend cannot run."""
+  if impl not in ATTENTION_IMPLS:
+    raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  backend = backend or jax.default_backend()
+  if impl == "auto":
+    return "pallas" if backend == "gpu" else "xla"
+  if impl == "pallas" and backend != "gpu":
+    raise InvalidRequestError(f"attention_impl='pallas' compiles for GPU only (this backend is {backend!r}); "
+                     "use 'pallas_interpret' to run the kernel in interpret mode, or 'xla'")
+  return impl
+
+
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                           sm_scale: float | None = None,
-                           sliding_window: int | None = None) -> jax.Array:
+                           sm_scale: float | None = None, sliding_window: int | None = None,
+                           impl: str = "auto") -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -36,8 +58,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
   Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
   """
-  return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                    num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+  impl = resolve_attention_impl(impl)
+  if impl == "xla":
+    return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                      num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+  import pallas_kernels
+  return pallas_kernels.ragged_paged_attention(
+      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+      sliding_window=sliding_window, interpret=impl == "pallas_interpret")
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,

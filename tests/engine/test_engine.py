@@ -56,6 +56,28 @@ def test_sixteen_concurrent_requests_match_transformers_greedy(family):
   assert llm.engine.kv.usage == 0.0  # every page back (cached ones are evictable)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_golden_batch_through_the_pallas_kernel_in_interpret_mode(family):
+  """The same 16 mixed prefill/decode requests, attention forced to the Pallas
+  kernel (interpret mode on CPU): still transformers' greedy ids."""
+  g = batch_golden(family)
+  llm = make_llm(family, attention_impl="pallas_interpret")
+  assert llm.runner.attention_impl == "pallas_interpret"
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  outs, _ = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
+  for r, out in zip(g["records"], outs):
+    assert out.token_ids == r["greedy_ids"]
+
+
+def test_attention_impl_is_checked():
+  with pytest.raises(InvalidRequestError, match="attention_impl must be one of"):
+    make_llm("llama3", attention_impl="cudnn")
+  with pytest.raises(InvalidRequestError, match="compiles for GPU only"):
+    make_llm("llama3", attention_impl="pallas")  # this machine has no GPU
+  assert make_llm("llama3").runner.attention_impl == "xla"  # 'auto' on CPU
+
+
 def test_preemption_when_pages_run_out_changes_nothing():
   g = batch_golden("llama3")
   # 17 usable pages of 16 tokens: one full-length sequence fits, 16 requests do not.
