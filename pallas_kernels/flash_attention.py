@@ -127,7 +127,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: bool, 
     stop = num_kv_blocks
   carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
            jnp.zeros((block_q, D), jnp.float32))
-  carry = lax.fori_loop(0, full, functools.partial(kv_block, masked=False), carry)
+  if S >= block_k:  # else there is no full block, and the unmasked body would not even trace
+    carry = lax.fori_loop(0, full, functools.partial(kv_block, masked=False), carry)
   _, l, acc = lax.fori_loop(full, jnp.maximum(stop, full), functools.partial(kv_block, masked=True),
                             carry)
   out = acc / jnp.where(l > 0, l, 1.0)[:, None]

@@ -53,6 +53,7 @@ def check(q, k, v, dtype=jnp.float32, **options):
     (1, 37, 150, 4, 1, 64, jnp.float32),      # T < S: a chunk after 113 cached keys
     (1, 150, 37, 2, 1, 64, jnp.float32),      # T > S: the first 113 queries see nothing
     (1, 1, 90, 4, 4, 64, jnp.bfloat16),       # one query
+    (1, 5, 12, 2, 1, 64, jnp.float32),        # S shorter than one key tile
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_matches_reference_small_tiles(B, T, S, Hq, Hkv, D, dtype, causal):
