@@ -1,0 +1,71 @@
+"""The kernels lower to Triton IR for CUDA on a machine without a GPU.
+
+Interpret mode (the other tests) runs the kernels as XLA ops and forgives
+what the Pallas Triton lowering does not: tiles that are not powers of two,
+primitives it has no rule for, 3-D dots, unsupported indexing. Lowering for
+the "cuda" platform runs that lowering (jaxpr -> Triton MLIR) without
+compiling or running anything, so those mistakes fail here, in CI.
+
+jax 0.10 lowers for a default compute capability when no GPU is present;
+jax 0.11 wants to see a GPU (or an abstract one) and says so, in which case
+these tests are skipped with that reason.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import (
+  FlashBlockSizes,
+  RaggedBlockSizes,
+  flash_attention,
+  ragged_paged_attention,
+)
+
+
+def lower_for_cuda(fn, *avals):
+  try:
+    lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+  except RuntimeError as e:
+    if "GPU" in str(e):
+      pytest.skip(f"this jax lowers Triton only with a GPU present: {e}")
+    raise
+  text = lowered.as_text()
+  assert "triton" in text  # the pallas_call became a Triton custom call
+  return text
+
+
+def ragged_avals(T, S, P, N, page_size, Hq, Hkv, D, dtype):
+  i32 = jnp.int32
+  return (jax.ShapeDtypeStruct((T, Hq, D), dtype),
+          jax.ShapeDtypeStruct((N, page_size, Hkv, D), dtype),
+          jax.ShapeDtypeStruct((N, page_size, Hkv, D), dtype),
+          jax.ShapeDtypeStruct((S,), i32), jax.ShapeDtypeStruct((S, P), i32),
+          jax.ShapeDtypeStruct((S + 1,), i32), jax.ShapeDtypeStruct((), i32))
+
+
+@pytest.mark.parametrize("T,S,page_size,Hq,Hkv,D,dtype,options", [
+    (64, 64, 16, 32, 8, 128, jnp.bfloat16, {}),                       # decode batch
+    (300, 8, 32, 32, 8, 128, jnp.bfloat16, {"sliding_window": 128, "soft_cap": 50.0}),
+    (77, 5, 64, 14, 2, 64, jnp.float16, {}),                          # G = 7, padded to 8
+    (40, 4, 16, 8, 8, 64, jnp.float32, {}),                           # G = 1, IEEE f32 dots
+    (50, 6, 16, 16, 2, 128, jnp.bfloat16,
+     {"block_sizes": RaggedBlockSizes(block_q=2, pages_per_block=1)}),
+])
+def test_ragged_paged_attention_lowers(T, S, page_size, Hq, Hkv, D, dtype, options):
+  lower_for_cuda(functools.partial(ragged_paged_attention, **options),
+                 *ragged_avals(T, S, 9, 80, page_size, Hq, Hkv, D, dtype))
+
+
+@pytest.mark.parametrize("B,T,S,Hq,Hkv,D,dtype,options", [
+    (2, 2048, 2048, 32, 8, 128, jnp.bfloat16, {}),
+    (1, 100, 300, 8, 1, 64, jnp.float16, {"causal": False}),
+    (1, 5, 12, 4, 4, 64, jnp.float32, {}),                            # S shorter than a key tile
+    (1, 333, 333, 4, 2, 128, jnp.bfloat16, {"block_sizes": FlashBlockSizes(64, 32)}),
+])
+def test_flash_attention_lowers(B, T, S, Hq, Hkv, D, dtype, options):
+  avals = (jax.ShapeDtypeStruct((B, T, Hq, D), dtype), jax.ShapeDtypeStruct((B, S, Hkv, D), dtype),
+           jax.ShapeDtypeStruct((B, S, Hkv, D), dtype))
+  lower_for_cuda(functools.partial(flash_attention, **options), *avals)
