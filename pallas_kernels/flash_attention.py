@@ -54,21 +54,32 @@ class BlockSizes:
   """Tile sizes of the flash attention kernel.
 
   block_q: query rows per program; block_k: key rows per loop iteration.
+  None: 128 x 64 for 16-bit inputs, 64 x 32 for float32, so that the q tile
+  and two pipeline stages of K and V fit the 99 KiB of shared memory per
+  block of consumer GPUs at D=128 (scripts/check_triton_compile.py).
   Both are powers of two >= 16 (Triton dots), shrunk for short T or S.
   num_warps: None picks 4 for D <= 64, else 8. num_stages: Triton software
   pipelining depth (2 keeps K+V stages of 64 x 128 bf16 within the shared
   memory of consumer GPUs). All ignored in interpret mode except the tiles.
   """
-  block_q: int = 128
-  block_k: int = 64
+  block_q: int | None = None
+  block_k: int | None = None
   num_warps: int | None = None
   num_stages: int = 2
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       value = getattr(self, name)
-      if not _is_pow2(value) or value < 16:
+      if value is not None and (not _is_pow2(value) or value < 16):
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16")
+
+  def resolve(self, *, T: int, S: int, D: int, itemsize: int) -> BlockSizes:
+    """These sizes with every None filled in for a call's static shapes."""
+    # A tile longer than the padded sequence only wastes work on masked rows.
+    block_q = min(self.block_q or 256 // itemsize, max(16, pl.next_power_of_2(max(T, 1))))
+    block_k = min(self.block_k or 128 // itemsize, max(16, pl.next_power_of_2(max(S, 1))))
+    return dataclasses.replace(self, block_q=block_q, block_k=block_k,
+                               num_warps=self.num_warps or (4 if D <= 64 else 8))
 
 
 def _flash_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: bool, block_q: int,
@@ -176,11 +187,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   S, Hkv = k.shape[1], k.shape[2]
   if B * T * Hq == 0:
     return jnp.zeros_like(q)
-  bs = block_sizes or BlockSizes()
-  # A tile longer than the padded sequence only wastes work on masked rows.
-  block_q = min(bs.block_q, max(16, pl.next_power_of_2(T)))
-  block_k = min(bs.block_k, max(16, pl.next_power_of_2(max(S, 1))))
-  num_warps = bs.num_warps or (4 if D <= 64 else 8)
+  bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, D=D, itemsize=k.dtype.itemsize)
+  block_q, block_k = bs.block_q, bs.block_k
   precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
   kernel = functools.partial(
       _flash_kernel, sm_scale=float(D ** -0.5 if sm_scale is None else sm_scale), causal=causal,
@@ -191,7 +199,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       # q blocks on the fast axis: programs running together share one
       # (batch, head)'s K/V in L2.
       grid=(pl.cdiv(T, block_q), B * Hq),
-      compiler_params=triton_compiler_params(num_warps, bs.num_stages),
+      compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name=f"flash_attention_{block_q=}_{block_k=}",
   )(q, k, v)

@@ -76,10 +76,11 @@ from pallas_kernels._compat import triton_compiler_params
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-# Keys per KV iteration when pages_per_block is not given: 64 keys of K and V
-# at D=128 in bf16 are 32 KiB per pipeline stage, which leaves room for two
-# stages within the ~100 KiB of shared memory of consumer GPUs. Untuned.
-_DEFAULT_KEYS_PER_BLOCK = 64
+# Bytes of K and V rows per KV iteration when pages_per_block is not given:
+# 64 keys at D=128 in bf16 (32 keys in float32). With two pipeline stages the
+# kernel then stays within the 99 KiB of shared memory per block of consumer
+# GPUs (sm_86/89), as scripts/check_triton_compile.py reports. Untuned.
+_DEFAULT_KV_ROW_BYTES = 64 * 2
 
 
 def _is_pow2(n: int) -> bool:
@@ -98,7 +99,8 @@ class BlockSizes:
     which must be >= 16 (the smallest Triton dot). None: 16 rows when the
     batch is mostly decode (T / S <= 2), 32 when T / S <= 8, else 64.
   pages_per_block: pages gathered per KV loop iteration; pages_per_block * p
-    keys must be >= 16. None: 64 keys per iteration (one page if p >= 64).
+    keys must be >= 16. None: 64 keys per iteration for 16-bit caches, 32 for
+    float32 (one page if the page is longer).
   num_warps: None picks 4 for q tiles of <= 64 x 64 elements, else 8 (a
     64 x 128 tile on 4 warps needs 255 registers per thread on sm_80).
   num_stages: Triton software pipelining depth. Both ignored in interpret mode.
@@ -115,6 +117,26 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
     if (self.num_warps is not None and self.num_warps < 1) or self.num_stages < 1:
       raise ValueError(f"{self.num_warps=} and {self.num_stages=} must be >= 1")
+
+  def resolve(self, *, T: int, S: int, G: int, page_size: int, D: int, itemsize: int) -> BlockSizes:
+    """These sizes with every None filled in for a call's static shapes; checks the dot sizes."""
+    Gp = _next_pow2(G)
+    block_q = self.block_q
+    if block_q is None:
+      mean_q_len = T / max(S, 1)
+      rows = 16 if mean_q_len <= 2 else 32 if mean_q_len <= 8 else 64
+      block_q = max(1, rows // Gp)
+    if block_q * Gp < 16:
+      raise ValueError(f"{block_q=} x padded G={Gp} rows must be >= 16 (the smallest Triton dot)")
+    pages_per_block = self.pages_per_block
+    if pages_per_block is None:
+      pages_per_block = max(1, _DEFAULT_KV_ROW_BYTES // itemsize // page_size)
+    if pages_per_block * page_size < 16:
+      raise ValueError(
+          f"{pages_per_block=} x {page_size=} keys must be >= 16 (the smallest Triton dot)")
+    num_warps = self.num_warps or (4 if block_q * Gp * D <= 64 * 64 else 8)
+    return dataclasses.replace(self, block_q=block_q, pages_per_block=pages_per_block,
+                               num_warps=num_warps)
 
 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
@@ -271,23 +293,6 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seq
     raise ValueError(f"{soft_cap=} must be > 0")
 
 
-def _resolve_block_sizes(block_sizes: BlockSizes, T: int, S: int, G: int, page_size: int):
-  Gp = _next_pow2(G)
-  block_q = block_sizes.block_q
-  if block_q is None:
-    mean_q_len = T / max(S, 1)
-    rows = 16 if mean_q_len <= 2 else 32 if mean_q_len <= 8 else 64
-    block_q = max(1, rows // Gp)
-  if block_q * Gp < 16:
-    raise ValueError(f"{block_q=} x padded G={Gp} rows must be >= 16 (the smallest Triton dot)")
-  pages_per_block = block_sizes.pages_per_block
-  if pages_per_block is None:
-    pages_per_block = max(1, _DEFAULT_KEYS_PER_BLOCK // page_size)
-  if pages_per_block * page_size < 16:
-    raise ValueError(f"{pages_per_block=} x {page_size=} keys must be >= 16 (the smallest Triton dot)")
-  return block_q, pages_per_block
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_sizes", "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -315,7 +320,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   G = Hq // Hkv
   if T == 0 or S == 0:
     return jnp.zeros_like(q)
-  block_q, pages_per_block = _resolve_block_sizes(block_sizes or BlockSizes(), T, S, G, page_size)
+  bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, G=G, page_size=page_size, D=D,
+                                             itemsize=k_pages.dtype.itemsize)
+  block_q, pages_per_block = bs.block_q, bs.pages_per_block
   # Each real q block holds >= 1 token, and a sequence wastes < 1 block on rounding.
   num_blocks = min(T, (T + S * (block_q - 1)) // block_q)
   block_seq, block_idx = _schedule(cu_q_lens, num_seqs.astype(jnp.int32), block_q, num_blocks)
@@ -327,15 +334,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       block_q=block_q, pages_per_block=pages_per_block, num_q_heads_per_kv_head=G,
       precision=precision)
-  bs = block_sizes or BlockSizes()
-  num_warps = bs.num_warps or (4 if block_q * _next_pow2(G) * D <= 64 * 64 else 8)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       # Axis 0 runs fastest on the GPU: neighbouring programs are the q
       # blocks of one sequence and kv head, which share K/V pages in L2.
       grid=(num_blocks, Hkv),
-      compiler_params=triton_compiler_params(num_warps, bs.num_stages),
+      compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_{block_q=}_{pages_per_block=}",
   )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, q, k_pages, v_pages)

@@ -63,7 +63,7 @@ def test_matches_reference_small_tiles(B, T, S, Hq, Hkv, D, dtype, causal):
 
 @pytest.mark.parametrize("T,S", [(200, 200), (130, 300)])
 def test_default_tiles(T, S):
-  """Default tiles (128 x 64): a partial last q tile, diagonal and ragged key blocks."""
+  """Default tiles (64 x 32 in float32): a partial last q tile, diagonal and ragged key blocks."""
   rng = np.random.default_rng(T + S)
   check(*inputs(rng, 1, T, S, 4, 1, 64), causal=True)
 
