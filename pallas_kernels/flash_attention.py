@@ -23,10 +23,12 @@ entirely above the diagonal are skipped, and only the blocks that cross it
 into an unmasked part and a masked part for that reason. Ragged T and S (not
 multiples of the tile sizes) are handled by masked loads and stores.
 
-Why the Triton lowering: it runs on any recent NVIDIA GPU, not only on
-Hopper as Mosaic GPU kernels do. A Mosaic GPU (wgmma/TMA) variant was not
-measured because no GPU was available this session; neither were the
-default tile sizes below tuned on one.
+Why the Triton lowering: it runs on any recent NVIDIA GPU, not only on the
+Hopper and Blackwell parts that Mosaic GPU targets. A Mosaic GPU (wgmma/TMA)
+variant was not measured because no GPU was available this session; neither
+were the default tile sizes below tuned on one (they are chosen so that the
+kernel compiles within the shared memory of sm_80/86/90, which
+scripts/check_triton_compile.py checks without a GPU).
 """
 
 from __future__ import annotations

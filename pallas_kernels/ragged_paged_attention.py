@@ -49,10 +49,18 @@ two) are never written, and since q blocks partition each sequence's rows
 and kv heads partition the heads, no two programs write the same element.
 
 Why the Triton lowering: it runs on any recent NVIDIA GPU (Ampere, Ada,
-Hopper, Blackwell), not only on Hopper as Mosaic GPU kernels do, and gathers
-of pages at data-dependent addresses are plain pointer arithmetic there. A
-Mosaic GPU variant was not measured because no GPU was available this
-session; neither were the default tile sizes below tuned on one.
+Hopper, Blackwell), not only on the Hopper and Blackwell parts that Mosaic
+GPU targets, and gathers of pages at data-dependent addresses are plain
+pointer arithmetic there. A Mosaic GPU variant was not measured because no
+GPU was available this session; neither were the default tile sizes below
+tuned on one. scripts/check_triton_compile.py compiles the kernel through
+Triton to cubin for sm_80/86/90 without a GPU.
+
+Limit: parallelism is (q blocks) x Hkv, and one program walks a sequence's
+whole KV. A batch of few long sequences (say one decode at 32k keys, 8 kv
+heads: 8 programs) leaves most SMs idle; splitting the KV walk across
+programs with a final log-sum-exp merge (flash-decoding) is the remedy, not
+done here.
 
 Triton constraints the kernel respects: every loaded or stored tile has
 power-of-two dims (block_q, padded G, pages_per_block, p, D), dots are 2-D
@@ -103,7 +111,8 @@ class BlockSizes:
     float32 (one page if the page is longer).
   num_warps: None picks 4 for q tiles of <= 64 x 64 elements, else 8 (a
     64 x 128 tile on 4 warps needs 255 registers per thread on sm_80).
-  num_stages: Triton software pipelining depth. Both ignored in interpret mode.
+  num_stages: Triton software pipelining depth. num_warps and num_stages are
+    ignored in interpret mode.
   """
   block_q: int | None = None
   pages_per_block: int | None = None
@@ -168,7 +177,8 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     t0 = q_start + block_idx_ref[b] * block_q  # first packed row of this block
     # Guarding against T as well as q_end keeps a malformed cu_q_lens from
     # turning into an out-of-bounds write on the GPU.
-    tok_ok = (t0 + lax.iota(jnp.int32, block_q) < q_end) & (t0 + lax.iota(jnp.int32, block_q) < T)
+    tok = t0 + lax.iota(jnp.int32, block_q)
+    tok_ok = (tok < q_end) & (tok < T)
     head_ok = lax.iota(jnp.int32, Gp) < G
     io_mask = jnp.broadcast_to(tok_ok[:, None, None] & head_ok[None, :, None], (block_q, Gp, D))
     io_slice = (pl.ds(t0, block_q), pl.ds(h * G, Gp), slice(None))
@@ -180,8 +190,8 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     q_pos = first_pos + lax.div(lax.iota(jnp.int32, rows), jnp.int32(Gp))  # [rows]
 
     # The block's KV range: from the window start of its first query to the
-    # causal limit of its last one (FlashAttention-2 Section 3.1: blocks a
-    # query cannot see are skipped, not computed and masked).
+    # causal limit of its last one (FlashAttention-2 Section 3.1.1: blocks no
+    # query can see are skipped, not computed and masked).
     last_pos = first_pos + jnp.minimum(q_end - t0, block_q) - 1
     kv_stop = jnp.clip(last_pos + 1, 0, kv_len)
     if sliding_window is None:
