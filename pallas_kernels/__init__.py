@@ -8,8 +8,9 @@
 
 Both are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
 run on CPU with `interpret=True`, which is how the tests check them against
-their references. `jaxinfer.ops` still dispatches to its XLA implementation;
-wiring these kernels in behind it is a separate change.
+their references. The model reaches the ragged kernel only through
+`jaxinfer.ops.ragged_paged_attention` (attention_impl 'pallas', the default
+on GPU, or 'pallas_interpret'); flash_attention is not dispatched to yet.
 """
 
 from pallas_kernels.flash_attention import BlockSizes as FlashBlockSizes
