@@ -45,7 +45,7 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
-                           impl: str = "auto") -> jax.Array:
+                           soft_cap: float | None = None, impl: str = "auto") -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -54,22 +54,24 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   reads its KV through page_indices[s] ([S, P]); kv_lens [S] counts its KV
   tokens including the new ones (already written). Query i of a sequence with
   q_len queries sits at position kv_len - q_len + i and sees positions up to
-  its own (and, with a window W, after position - W). One call serves decode
+  its own (and, with a window W, after position - W). `soft_cap` c squashes
+  the scaled scores to c * tanh(s / c) (Gemma 2 style). One call serves decode
   (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
   Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
   """
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                      num_seqs, sm_scale=sm_scale, sliding_window=sliding_window)
+                                      num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                      soft_cap=soft_cap)
   import pallas_kernels
   return pallas_kernels.ragged_paged_attention(
       q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-      sliding_window=sliding_window, interpret=impl == "pallas_interpret")
+      sliding_window=sliding_window, soft_cap=soft_cap, interpret=impl == "pallas_interpret")
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale=None, sliding_window=None):
+                               sm_scale=None, sliding_window=None, soft_cap=None):
   """The XLA reference: online softmax over chunks of each token's own pages.
 
   Each query token gathers the pages of its own sequence, C keys at a time,
@@ -106,6 +108,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     k = k_pages[ids].reshape(T, C, K, d)
     v = v_pages[ids].reshape(T, C, K, d)
     s = jnp.einsum("TKGd,TCKd->TKGC", qg, k, preferred_element_type=jnp.float32)
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
     kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)
     mask = kv_pos[None, :] <= q_pos[:, None]  # [T, C]
     if sliding_window is not None:

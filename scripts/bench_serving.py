@@ -10,8 +10,10 @@ prompts (token ids, EOS ignored so every request makes exactly
   2. saturation: `jaxinfer serve` with the same engine options; every
                  prompt sent at once as a stream: generated tokens/s.
                  overhead ratio = saturation / engine (target >= 0.9).
-  3. load:       the same server under Poisson arrivals (--rate req/s) or a
-                 fixed number of requests in flight (--concurrency).
+  3. load:       the same server under Poisson arrivals (--rate req/s;
+                 default: half the request rate phase 2 reached) or a fixed
+                 number of requests in flight (--concurrency), with new
+                 synthetic prompts (phase 2's are in the prefix cache).
 
 Per-request latencies are taken on the client: TTFT (send to first token),
 TPOT = (latency - TTFT) / (output tokens - 1), ITL (gaps between streamed
@@ -54,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 # ---- workload ------------------------------------------------------------------------------
 
 
-def load_prompts(args) -> list[list[int]]:
+def load_prompts(args, seed: int) -> list[list[int]]:
   """Token ids: from --prompts-file (JSONL {"prompt": text} or plain lines) or synthetic."""
   from jaxinfer.checkpoint import load_model
   from jaxinfer.default_model import default_checkpoint
@@ -72,7 +74,7 @@ def load_prompts(args) -> list[list[int]]:
         prompts.append(tok.encode(text))
     return prompts[:args.num_prompts]
   # Synthetic: random ids away from the special tokens at the bottom of most vocabularies.
-  rng = np.random.default_rng(args.seed)
+  rng = np.random.default_rng(seed)
   lo = min(100, vocab // 4)
   return [rng.integers(lo, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
 
@@ -228,9 +230,9 @@ def main() -> None:
   p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (EOS ignored)")
   p.add_argument("--prompts-file", default=None, help='JSONL with {"prompt": text} or plain text lines')
   load = p.add_mutually_exclusive_group()
-  load.add_argument("--rate", type=float, default=None, help="phase 3: Poisson arrivals, requests/s")
-  load.add_argument("--concurrency", type=int, default=None,
-                    help="phase 3: requests in flight (default: --max-num-seqs)")
+  load.add_argument("--rate", type=float, default=None,
+                    help="phase 3: Poisson arrivals, requests/s (default: half of phase 2's rate)")
+  load.add_argument("--concurrency", type=int, default=None, help="phase 3: requests in flight")
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--seed", type=int, default=0)
@@ -241,7 +243,10 @@ def main() -> None:
   if args.worker:
     return worker(args)
 
-  prompts = load_prompts(args)
+  prompts = load_prompts(args, args.seed)
+  # Phase 3 gets fresh prompts: the server's prefix cache still holds phase 2's.
+  # (A prompts file is reused as is: expect prefix-cache hits there.)
+  load_prompts_ = load_prompts(args, args.seed + 1)
   if not prompts:
     raise SystemExit("no prompts")
   out = Path(args.out or ROOT / "benchmarks" / "results" / f"serving-{datetime.date.today()}.json")
@@ -261,10 +266,13 @@ def main() -> None:
     saturation = summarize(results, seconds)
     load = None
     if not args.no_load:
-      mode = f"Poisson {args.rate} req/s" if args.rate else f"concurrency {args.concurrency or args.max_num_seqs}"
+      rate = args.rate
+      if rate is None and args.concurrency is None:
+        rate = round(saturation["request_throughput_per_s"] / 2, 3)
+      mode = f"Poisson {rate} req/s" if rate else f"concurrency {args.concurrency}"
       print(f"phase 3/3: load, {mode}", file=sys.stderr)
-      results, seconds = asyncio.run(drive(server.port, prompts, args.output_len, rate=args.rate,
-                                           concurrency=args.concurrency or args.max_num_seqs, seed=args.seed))
+      results, seconds = asyncio.run(drive(server.port, load_prompts_, args.output_len, rate=rate,
+                                           concurrency=args.concurrency, seed=args.seed))
       load = summarize(results, seconds) | {"mode": mode}
   finally:
     server.stop()

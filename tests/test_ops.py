@@ -6,7 +6,7 @@ import pytest
 from jaxinfer import ops
 
 
-def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window=None):
+def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window=None, soft_cap=None):
   """Dense causal softmax attention, one sequence at a time, float64."""
   T, H, d = q.shape
   _, p, K, _ = k_pages.shape
@@ -21,6 +21,8 @@ def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, windo
       for h in range(H):
         kh = h // (H // K)
         scores = k[:, kh] @ q[t, h].astype(np.float64) / np.sqrt(d)
+        if soft_cap is not None:
+          scores = soft_cap * np.tanh(scores / soft_cap)
         j = np.arange(L)
         ok = j <= pos if window is None else (j <= pos) & (j > pos - window)
         scores = np.where(ok, scores, -np.inf)
@@ -46,9 +48,13 @@ def layout(rng, q_lens, kv_extra, page_size, num_pages, pages_per_seq):
   return kv_lens, page_indices, cu
 
 
-@pytest.mark.parametrize("page_size,H,K,d,window", [(16, 4, 4, 32, None), (16, 8, 2, 64, None),
-                                                    (4, 6, 2, 16, 5), (32, 8, 1, 64, None)])
-def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window):
+CASES = [(16, 4, 4, 32, None, None), (16, 8, 2, 64, None, None), (4, 6, 2, 16, 5, None),
+         (32, 8, 1, 64, None, None), (16, 4, 2, 32, 40, 2.0)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])  # both behind the one signature
+@pytest.mark.parametrize("page_size,H,K,d,window,soft_cap", CASES)
+def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window, soft_cap, impl):
   rng = np.random.default_rng(page_size + H + K)
   q_lens = [1, 3, 1, 37, 5, 130, 1]  # decode, verify (1 + 2), decode, prefill chunks, ...
   kv_extra = [0, 20, 150, 0, 61, 7, 255]
@@ -61,11 +67,23 @@ def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window
   v_pages = rng.normal(size=(num_pages, page_size, K, d)).astype(np.float32)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
   got = np.asarray(ops.ragged_paged_attention(q, k_pages, v_pages, kv_full, page_indices, cu,
-                                              np.int32(len(q_lens)), sliding_window=window))
-  want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window)
+                                              np.int32(len(q_lens)), sliding_window=window,
+                                              soft_cap=soft_cap, impl=impl))
+  want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window, soft_cap)
   real = int(cu[len(q_lens)])
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
-  assert np.isfinite(got).all()  # padding rows are unspecified but never NaN
+  if impl == "xla":
+    assert np.isfinite(got).all()  # padding rows are unspecified but never NaN
+
+
+def test_auto_is_xla_on_cpu_and_pallas_on_gpu():
+  assert ops.resolve_attention_impl("auto", "cpu") == "xla"
+  assert ops.resolve_attention_impl("auto", "gpu") == "pallas"
+  assert ops.resolve_attention_impl("pallas_interpret", "cpu") == "pallas_interpret"
+  with pytest.raises(ValueError, match="compiles for GPU only"):
+    ops.resolve_attention_impl("pallas", "cpu")
+  with pytest.raises(ValueError, match="must be one of"):
+    ops.resolve_attention_impl("triton", "gpu")
 
 
 def test_bfloat16_inputs_accumulate_in_float32():
