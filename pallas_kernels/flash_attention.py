@@ -42,13 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import check_attention_operands, is_pow2
 from pallas_kernels._compat import triton_compiler_params
-
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +67,7 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       value = getattr(self, name)
-      if value is not None and (not _is_pow2(value) or value < 16):
+      if value is not None and (not is_pow2(value) or value < 16):
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16")
 
   def resolve(self, *, T: int, S: int, D: int, itemsize: int) -> BlockSizes:
@@ -153,23 +148,9 @@ def _check_inputs(q, k, v):
     raise ValueError(f"q must be [B, T, Hq, D], got {q.shape=}")
   if k.ndim != 4:
     raise ValueError(f"k must be [B, S, Hkv, D], got {k.shape=}")
-  if k.shape != v.shape:
-    raise ValueError(f"{k.shape=} must equal {v.shape=}")
-  if k.dtype != v.dtype:
-    raise ValueError(f"{k.dtype=} must equal {v.dtype=}")
-  for name, x in (("q", q), ("k", k)):
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
-  B, _, Hq, D = q.shape
-  Bk, _, Hkv, Dk = k.shape
-  if B != Bk:
-    raise ValueError(f"q batch {B=} must equal k batch {Bk=}")
-  if D != Dk:
-    raise ValueError(f"q head dim {D=} must equal the k/v head dim {Dk=}")
-  if Hq % Hkv:
-    raise ValueError(f"{Hq=} must be a multiple of {Hkv=}")
-  if not _is_pow2(D) or D < 16:
-    raise ValueError(f"head dim {D=} must be a power of two >= 16 (Triton tiles)")
+  check_attention_operands(q, k, v, "k", "v")
+  if q.shape[0] != k.shape[0]:
+    raise ValueError(f"q batch B={q.shape[0]} must equal k batch Bk={k.shape[0]}")
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))

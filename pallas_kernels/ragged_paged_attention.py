@@ -80,23 +80,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import check_attention_operands, is_pow2, next_pow2
 from pallas_kernels._compat import triton_compiler_params
 
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # Bytes of K and V rows per KV iteration when pages_per_block is not given:
 # 64 keys at D=128 in bf16 (32 keys in float32). With two pipeline stages the
 # kernel then stays within the 99 KiB of shared memory per block of consumer
 # GPUs (sm_86/89), as scripts/check_triton_compile.py reports. Untuned.
 _DEFAULT_KV_ROW_BYTES = 64 * 2
-
-
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +114,14 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "pages_per_block"):
       value = getattr(self, name)
-      if value is not None and not _is_pow2(value):
+      if value is not None and not is_pow2(value):
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
     if (self.num_warps is not None and self.num_warps < 1) or self.num_stages < 1:
       raise ValueError(f"{self.num_warps=} and {self.num_stages=} must be >= 1")
 
   def resolve(self, *, T: int, S: int, G: int, page_size: int, D: int, itemsize: int) -> BlockSizes:
     """These sizes with every None filled in for a call's static shapes; checks the dot sizes."""
-    Gp = _next_pow2(G)
+    Gp = next_pow2(G)
     block_q = self.block_q
     if block_q is None:
       mean_q_len = T / max(S, 1)
@@ -162,7 +154,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   N, page_size, _, _ = k_pages_ref.shape
   P = page_indices_ref.shape[1]
   G = num_q_heads_per_kv_head
-  Gp = _next_pow2(G)
+  Gp = next_pow2(G)
   rows = block_q * Gp
   block_kv = pages_per_block * page_size
   b = pl.program_id(0)
@@ -267,22 +259,9 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seq
     raise ValueError(f"q must be [T, Hq, D], got {q.shape=}")
   if k_pages.ndim != 4:
     raise ValueError(f"k_pages must be [N, page_size, Hkv, D], got {k_pages.shape=}")
-  if k_pages.shape != v_pages.shape:
-    raise ValueError(f"{k_pages.shape=} must equal {v_pages.shape=}")
-  if k_pages.dtype != v_pages.dtype:
-    raise ValueError(f"{k_pages.dtype=} must equal {v_pages.dtype=}")
-  for name, x in (("q", q), ("k_pages", k_pages)):
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
-  _, Hq, D = q.shape
-  _, page_size, Hkv, Dk = k_pages.shape
-  if D != Dk:
-    raise ValueError(f"q head dim {D=} must equal the k_pages/v_pages head dim {Dk=}")
-  if Hq % Hkv:
-    raise ValueError(f"{Hq=} must be a multiple of {Hkv=}")
-  if not _is_pow2(D) or D < 16:
-    raise ValueError(f"head dim {D=} must be a power of two >= 16 (Triton tiles)")
-  if not _is_pow2(page_size):
+  check_attention_operands(q, k_pages, v_pages, "k_pages", "v_pages")
+  page_size = k_pages.shape[1]
+  if not is_pow2(page_size):
     raise ValueError(f"{page_size=} must be a power of two (Triton tiles)")
   for name, x, ndim in (("kv_lens", kv_lens, 1), ("page_indices", page_indices, 2),
                         ("cu_q_lens", cu_q_lens, 1)):

@@ -1,0 +1,41 @@
+"""What both attention kernels check and compute the same way: operand rules and tile arithmetic."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def is_pow2(n: int) -> bool:
+  return n >= 1 and (n & (n - 1)) == 0
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: str, v_name: str) -> None:
+  """q [..., Hq, D] against k, v [..., Hkv, D]: ValueError naming what disagrees.
+
+  The leading dims are each kernel's own business; this checks what the
+  Triton tiles need of every attention kernel: matching K/V, supported
+  dtypes, equal head dims, GQA (Hq a multiple of Hkv) and a power-of-two
+  head dim >= 16 (the smallest Triton dot).
+  """
+  if k.shape != v.shape:
+    raise ValueError(f"{k_name}.shape={k.shape} must equal {v_name}.shape={v.shape}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"{k_name}.dtype={k.dtype} must equal {v_name}.dtype={v.dtype}")
+  for name, x in (("q", q), (k_name, k)):
+    if x.dtype not in SUPPORTED_DTYPES:
+      raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
+  Hq, D = q.shape[-2:]
+  Hkv, Dk = k.shape[-2:]
+  if D != Dk:
+    raise ValueError(f"q head dim {D=} must equal the {k_name}/{v_name} head dim {Dk=}")
+  if Hq % Hkv:
+    raise ValueError(f"{Hq=} must be a multiple of {Hkv=}")
+  if not is_pow2(D) or D < 16:
+    raise ValueError(f"head dim {D=} must be a power of two >= 16 (Triton tiles)")
