@@ -71,7 +71,8 @@ def _serve(args: argparse.Namespace) -> None:
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+  for noisy in ("jax", "absl"):  # backend probing and orbax's restore chatter are not news
+    logging.getLogger(noisy).setLevel(logging.WARNING)
   config = ServerConfig(host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
                         max_waiting_tokens=args.max_waiting_tokens, grace_period_s=args.grace_period,
                         metrics_port=args.metrics_port)
