@@ -91,10 +91,6 @@ class EngineLoop:
       self._commands.put(("stop",))
       self._thread.join(timeout)
 
-  @property
-  def alive(self) -> bool:
-    return self._thread.is_alive()
-
   # ---- the engine thread -------------------------------------------------------------
 
   def _main(self) -> None:
