@@ -11,10 +11,13 @@ implementation (the engine passes `EngineConfig.attention_impl`):
 
 Legend: T packed query tokens (of many sequences), S sequences, N pages,
 P pages per sequence, p page_size, H query heads, K kv heads,
-G = H / K queries per kv head, d head_dim, C keys per chunk.
+G = H / K queries per kv head, d head_dim, C keys per chunk, B items (sequences
+or query blocks) attended at once, R query rows per item, Q = R * G.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +26,13 @@ from jaxinfer.errors import InvalidRequestError
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
-# Keys visited per loop iteration of the XLA reference: big enough that the
-# loop overhead is small on CPU, small enough that the gathered chunk
-# [T, C, K, d] stays cache-sized for decode batches.
-_KEYS_PER_CHUNK = 128
+# Tiles of the XLA path. Keys per loop iteration: big enough that the loop
+# overhead is small on CPU, small enough that a decode batch's gathered chunk
+# [S, C, K, d] stays cache-sized. Queries per block of a longer sequence:
+# its pages are read once per block.
+_DECODE_KEYS = 128
+_PREFILL_KEYS = 256
+_BLOCK_Q = 64
 
 
 def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
@@ -72,61 +78,127 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale=None, sliding_window=None, soft_cap=None):
-  """The XLA reference: online softmax over chunks of each token's own pages.
+  """The XLA path: each sequence's pages are read once per block of its queries.
 
-  Each query token gathers the pages of its own sequence, C keys at a time,
-  so the work is sum over tokens of their KV length (no padding of queries
-  to the longest sequence, no S-fold blow-up of a block-diagonal mask). The
-  loop runs only as far as the longest sequence in the batch.
+  The batch is split by kind inside one program, as the TPU ragged kernel
+  distributes decode / prefill / mixed work:
+    decode (q_len == 1): vectorized over the S sequences; each gathers its
+      own pages, C keys at a time;
+    longer (prefill chunks, verification): cut into blocks of `_BLOCK_Q`
+      queries of one sequence; a loop over the real blocks gathers the
+      sequence's pages once per block, only as far as the block's causal
+      limit (and from its sliding-window start).
+  Every loop runs only as far as the real work (dynamic trip counts), so
+  padding tokens, padding sequences and the unused part of the page table
+  cost nothing but their [T] / [S] metadata; compiled shapes depend only on
+  the static T, S and P. Work is O(decode tokens x their KV + prefill
+  blocks x their KV): a 512-token chunk reads its KV 512 / _BLOCK_Q times,
+  not 512 times.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens))
   T, H, d = q.shape
-  _, p, K, _ = k_pages.shape
-  S, P = page_indices.shape
-  G = H // K
+  K = k_pages.shape[2]
+  S = page_indices.shape[0]
   scale = d ** -0.5 if sm_scale is None else sm_scale
-  pages_per_chunk = max(1, _KEYS_PER_CHUNK // p)
-  C = pages_per_chunk * p
-  num_chunks_max = -(-P // pages_per_chunk)
-  page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks_max * pages_per_chunk - P)))
-
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, S - 1)
-  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-  q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
-  real = jnp.arange(S) < num_seqs
-  longest = jnp.max(jnp.where(real, kv_lens, 0))
   # q is scaled in float32 and cast to the cache's dtype, so the dots read K and V as
   # stored (float32 accumulation); no float32 copy of the gathered pages is made.
-  qg = (q.astype(jnp.float32) * scale).astype(k_pages.dtype).reshape(T, K, G, d)
+  qs = (q.astype(jnp.float32) * scale).astype(k_pages.dtype).reshape(T, K, H // K, d)
+  qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  real = jnp.arange(S) < num_seqs
+  attend = functools.partial(_attend, k_pages, v_pages, sliding_window=sliding_window,
+                             soft_cap=soft_cap)
+  out = jnp.zeros(qs.shape, jnp.float32)  # [T + _BLOCK_Q, K, G, d]
+  out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, real & (q_lens == 1),
+                     sliding_window)
+  out = _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, real & (q_lens > 1),
+                      sliding_window)
+  return out[:T].reshape(T, H, d).astype(q.dtype)
+
+
+def _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, window):
+  """Sequences with one query: all at once, each reading its own pages."""
+  rows = cu_q_lens[:-1]  # [S]
+  q_pos = kv_lens - 1
+  hi = jnp.max(jnp.where(is_decode, kv_lens, 0))
+  lo = 0 if window is None else jnp.min(jnp.where(is_decode, q_pos - window + 1, hi))
+  res = attend(qs[rows][:, None], q_pos[:, None], page_indices, lo, hi, _DECODE_KEYS)
+  return out.at[jnp.where(is_decode, rows, out.shape[0])].set(res[:, 0], mode="drop")
+
+
+def _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_multi, window):
+  """Sequences with several queries: a loop over blocks of _BLOCK_Q of one sequence's queries."""
+  B = _BLOCK_Q
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  blocks = jnp.where(is_multi, -(-q_lens // B), 0)
+  cu_blocks = jnp.concatenate([jnp.zeros(1, blocks.dtype), jnp.cumsum(blocks)])
+
+  def block(b, out):
+    s = jnp.searchsorted(cu_blocks, b, side="right").astype(jnp.int32) - 1
+    first = cu_q_lens[s] + (b - cu_blocks[s]) * B  # the block's first row
+    rows = first + jnp.arange(B, dtype=jnp.int32)
+    valid = rows < cu_q_lens[s + 1]
+    q_pos = kv_lens[s] - cu_q_lens[s + 1] + rows  # [B]
+    last = jnp.minimum(first + B, cu_q_lens[s + 1]) - 1
+    hi = kv_lens[s] - cu_q_lens[s + 1] + last + 1
+    lo = 0 if window is None else q_pos[0] - window + 1
+    qb = jax.lax.dynamic_slice_in_dim(qs, first, B)
+    res = attend(qb[None], q_pos[None], page_indices[s][None], lo, hi, _PREFILL_KEYS)[0]
+    old = jax.lax.dynamic_slice_in_dim(out, first, B)
+    return jax.lax.dynamic_update_slice_in_dim(
+        out, jnp.where(valid[:, None, None, None], res, old), first, axis=0)
+
+  return jax.lax.fori_loop(0, cu_blocks[-1], block, out)
+
+
+def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, sliding_window,
+            soft_cap):
+  """Online softmax of queries qb [B, R, K, G, d] (at positions q_pos [B, R]) over
+  keys lo .. hi - 1 of each item's pages ([B, P] page ids), C keys at a time.
+
+  Returns float32 [B, R, K, G, d]; a row that sees no key gets zeros. Inside
+  the loop the kv head leads (Q = R * G rows per head), so each chunk's
+  dots are plain batched matmuls and only the gathered K/V tile is
+  transposed, never the queries or the accumulator.
+  """
+  B, R, K, G, d = qb.shape
+  p = k_pages.shape[1]
+  ppc = max(1, keys_per_chunk // p)  # pages per chunk
+  C = ppc * p
+  P = pages.shape[1]
+  n_max = -(-P // ppc)
+  pages = jnp.pad(pages, ((0, 0), (0, n_max * ppc - P)))  # so no chunk's slice is clamped
+  qk = qb.transpose(0, 2, 1, 3, 4).reshape(B, K, R * G, d)
+  pos = jnp.broadcast_to(q_pos[:, :, None], (B, R, G)).reshape(B, 1, R * G, 1)
 
   def chunk(c, carry):
-    m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, d]
-    ids = jax.lax.dynamic_slice_in_dim(page_indices, c * pages_per_chunk, pages_per_chunk, axis=1)
-    ids = ids[seq]  # [T, C/p]
-    k = k_pages[ids].reshape(T, C, K, d)
-    v = v_pages[ids].reshape(T, C, K, d)
-    s = jnp.einsum("TKGd,TCKd->TKGC", qg, k, preferred_element_type=jnp.float32)
+    m, l, acc = carry  # [B, K, Q] x2, [B, K, Q, d]
+    ids = jax.lax.dynamic_slice_in_dim(pages, c * ppc, ppc, axis=1)  # [B, ppc]
+    k = k_pages[ids].reshape(B, C, K, d)
+    v = v_pages[ids].reshape(B, C, K, d)
+    s = jnp.einsum("BKQd,BCKd->BKQC", qk, k, preferred_element_type=jnp.float32)
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [T, C]
+    mask = kv_pos <= pos  # [B, 1, Q, C]
     if sliding_window is not None:
-      mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+      mask &= kv_pos > pos - sliding_window
+    s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a fully masked row so far
     alpha = jnp.exp(m - m_safe)
     w = jnp.exp(s - m_safe[..., None])
     l = alpha * l + w.sum(-1)
-    acc = alpha[..., None] * acc + jnp.einsum("TKGC,TCKd->TKGd", w.astype(v.dtype), v,
+    acc = alpha[..., None] * acc + jnp.einsum("BKQC,BCKd->BKQd", w.astype(v.dtype), v,
                                               preferred_element_type=jnp.float32)
     return m_new, l, acc
 
-  init = (jnp.full((T, K, G), -jnp.inf, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
-          jnp.zeros((T, K, G, d), jnp.float32))
-  num_chunks = jnp.minimum(-(-longest // C), num_chunks_max)
-  _, l, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
+  Q = R * G
+  init = (jnp.full((B, K, Q), -jnp.inf, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
+          jnp.zeros((B, K, Q, d), jnp.float32))
+  c_lo = jnp.maximum(lo, 0) // C
+  c_hi = jnp.minimum(-(-hi // C), n_max)
+  _, l, acc = jax.lax.fori_loop(c_lo, c_hi, chunk, init)
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-  return out.reshape(T, H, d).astype(q.dtype)
+  return out.reshape(B, K, R, G, d).transpose(0, 2, 1, 3, 4)

@@ -1,7 +1,9 @@
 """ops.ragged_paged_attention (XLA reference) against a naive per-sequence numpy attention."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from jaxinfer import ops
 
@@ -99,3 +101,94 @@ def test_bfloat16_inputs_accumulate_in_float32():
   want = naive(np.asarray(bf(q), np.float32), np.asarray(bf(kp), np.float32), np.asarray(bf(vp), np.float32),
                kv_lens, page_indices[:2], cu[:3], 2)
   np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_xla_query_blocks_at_their_edges(window):
+  """Multi-query sequences are cut into blocks of ops._BLOCK_Q queries: lengths at,
+  around and past a block edge, blocks that overhang into the next sequence's rows,
+  decodes in between, KV far past one chunk, and a window that skips leading chunks."""
+  B = ops._BLOCK_Q
+  rng = np.random.default_rng(B)
+  q_lens = [B, 1, B + 1, 2, B - 1, 1, 2 * B + 3]
+  kv_extra = [0, 700, 3, 0, 2 * ops._PREFILL_KEYS + 5, 31, 260]
+  P = 64
+  num_pages = len(q_lens) * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, 16, num_pages, P)
+  T = int(cu[-1]) + 7
+  q = rng.normal(size=(T, 4, 32)).astype(np.float32)
+  k_pages = rng.normal(size=(num_pages, 16, 2, 32)).astype(np.float32)
+  v_pages = rng.normal(size=(num_pages, 16, 2, 32)).astype(np.float32)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  got = np.asarray(ops.ragged_paged_attention(q, k_pages, v_pages, kv_full, page_indices, cu,
+                                              np.int32(len(q_lens)), sliding_window=window, impl="xla"))
+  want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window)
+  real = int(cu[len(q_lens)])
+  np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
+
+
+def _gathered_shapes(jaxpr):
+  """Output shapes of every gather in a jaxpr, nested loops and calls included."""
+  from jax.extend.core import jaxprs_in_params
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "gather":
+      out.append(tuple(eqn.outvars[0].aval.shape))
+    for sub in jaxprs_in_params(eqn.params):
+      out += _gathered_shapes(sub)
+  return out
+
+
+def test_xla_path_reads_each_sequences_kv_once_per_block_not_per_token():
+  """The KV gathered per loop iteration is one chunk per sequence (decode) or per query
+  block, never one per query token: a 512-token prefill chunk must not copy its KV 512 times."""
+  import jax
+  T, S, P, p, K, d = 512, 64, 256, 16, 3, 64
+  args = (np.zeros((T, 9, d), np.float32), np.zeros((P * 2, p, K, d), np.float32),
+          np.zeros((P * 2, p, K, d), np.float32), np.zeros(S, np.int32), np.zeros((S, P), np.int32),
+          np.zeros(S + 1, np.int32), np.int32(1))
+  jaxpr = jax.make_jaxpr(ops.ragged_paged_attention_xla)(*args).jaxpr
+  kv_gathers = [s for s in _gathered_shapes(jaxpr) if s[-2:] == (K, d)]
+  assert kv_gathers, "no K/V gather found: the test no longer sees the XLA path"
+  decode_keys = max(ops._DECODE_KEYS, p)
+  for shape in kv_gathers:
+    keys = int(np.prod(shape[:-2]))
+    assert keys <= max(S * decode_keys, ops._PREFILL_KEYS), shape
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_xla_random_ragged_layouts(data):
+  """Random layouts at fixed static shapes (no recompiles): the XLA path equals naive attention."""
+  T, S, P, p = 160, 6, 12, 16
+  num_seqs = data.draw(st.integers(1, S), label="num_seqs")
+  q_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+  while sum(q_lens) > T - 3:
+    q_lens[q_lens.index(max(q_lens))] //= 2
+  kv_extra = [data.draw(st.integers(0, P * p - q), label="past") for q in q_lens]
+  window = data.draw(st.sampled_from([None, 17]), label="window")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+  num_pages = S * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, p, num_pages, P)
+  pad = S - num_seqs  # layout() adds 2 padding sequences; fill up to S + 2 rows in all
+  page_indices = np.concatenate([page_indices, np.zeros((pad, P), np.int32)])
+  cu = np.concatenate([cu, np.full(pad, cu[-1], np.int32)])
+  kv_full = np.concatenate([kv_lens, np.zeros(pad + 2, np.int32)]).astype(np.int32)
+  q = rng.normal(size=(T, 4, 16)).astype(np.float32)
+  k_pages = rng.normal(size=(num_pages, p, 2, 16)).astype(np.float32)
+  v_pages = rng.normal(size=(num_pages, p, 2, 16)).astype(np.float32)
+  got = np.asarray(_jit_xla(q, k_pages, v_pages, kv_full, page_indices, cu, np.int32(num_seqs),
+                            sliding_window=window))
+  want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, num_seqs, window)
+  real = int(cu[num_seqs])
+  np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
+
+
+def _jit_xla(*args, sliding_window):
+  import jax
+  fn = _JITTED.setdefault(sliding_window, jax.jit(
+      lambda *a: ops.ragged_paged_attention_xla(*a, sliding_window=sliding_window)))
+  return fn(*args)
+
+
+_JITTED: dict = {}
