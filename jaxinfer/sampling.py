@@ -7,7 +7,14 @@ temperature, top-k, top-p, min-p and seed. A row's random stream is
 token's position only, never on what else is in the batch, so seeded runs
 reproduce. Only token ids and (top-n) logprobs leave the device.
 
-Legend: B batch rows, V vocab, N top logprobs.
+The sampler pays for what a batch asks: greedy rows need one argmax, the
+truncations a lax.top_k pre-selection, and only rows whose truncation
+reaches past the candidates sort their row. Its draws are exactly those of
+sorting every row and calling jax.random.categorical on the masked logits
+(the reference in tests/test_sampling.py).
+
+Legend: B batch rows, V vocab, N top logprobs, W candidates (top-k / top-p / min-p),
+L a prefix of the sorted row.
 """
 
 from __future__ import annotations
@@ -18,10 +25,18 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from jaxinfer.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top-n logprobs are computed at this fixed width on device
+# top-k / top-p / min-p look for their threshold among this many best tokens
+# (lax.top_k) before sorting the row; see `sample`. lax.top_k over [64, 49152]
+# costs ~8 / 11 / 18 / 41 ms at 128 / 256 / 512 / 1024 on a 2-core CPU, and a
+# row that falls back ~4 ms; SmolLM2's top-p 0.9 nucleus exceeds 256 tokens
+# in ~3% of rows at temperature 0.8, ~8% at 1.0 (scripts/bench_sampling.py).
+CANDIDATES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,57 +143,229 @@ def apply_penalties(logits: jax.Array, sp: SamplingBatch, output_counts: jax.Arr
 
 
 def sample(logits: jax.Array, sp: SamplingBatch, counts_table: jax.Array, prompt_table: jax.Array,
-           rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+           rows: jax.Array, *, candidates: int = CANDIDATES
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Picks one token per row of logits [B, V].
 
   Row b's history (for penalties) is row rows[b] of counts_table [R, V] and
   prompt_table [R, V]; it is gathered only when some row has a penalty.
 
   Returns (ids [B] int32, their logprobs [B], top-n ids [B, N], top-n
-  logprobs [B, N]). Logprobs are of the unmodified distribution. Batches
-  with no penalties, no sampled rows or no logprob requests skip that work
-  (lax.cond), so a greedy batch costs one argmax.
+  logprobs [B, N]). Logprobs are of the unmodified distribution.
+
+  Each kind of work runs only for batches that need it (lax.cond): a greedy
+  batch costs an argmax and a logsumexp; top-k / top-p / min-p read their
+  threshold off the `candidates` best tokens (lax.top_k) and draw among those,
+  falling back to a full sort only for rows whose threshold lies beyond them;
+  rows that sample from the whole vocabulary draw V Gumbel values. Ids are
+  those of the straightforward full-sort sampler (tests/test_sampling.py
+  keeps one as the reference).
   """
+  B, V = logits.shape
   logits = logits.astype(jnp.float32)
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  # log_softmax = (x - top) - log_z; only the picked entries are ever formed.
+  top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+  log_z = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # [B, 1]
   penalized = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
-  logits = jax.lax.cond(jnp.any(penalized),
-                        lambda x: apply_penalties(x, sp, counts_table[rows], prompt_table[rows]),
-                        lambda x: x, logits)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-  def sampled(_):
-    V = logits.shape[-1]
-    scaled = logits / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
-    desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
-    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [B, 1]
-    # top-p: the smallest prefix of the top-k tokens whose mass reaches top_p.
-    in_k = jnp.arange(V)[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(in_k & (before < sp.top_p[:, None]), axis=-1), 1)
-    pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
-    # min-p: keep tokens whose probability is >= min_p * the top token's.
-    mth = desc[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
-    threshold = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sp.min_p[:, None] > 0, mth, -jnp.inf))
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, drawn, greedy)
+  def pick(scores):
+    greedy = first_argmax(scores)
+    return jax.lax.cond(jnp.any(sp.temperature > 0), lambda s: _draw(s, sp, greedy, candidates),
+                        lambda s: greedy, scores)
 
-  ids = jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: greedy, None)
-  top_lp, top_ids = top_logprobs(log_probs, sp.want_logprobs)
-  return ids, jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0], top_ids, top_lp
+  # Only ids [B] leave the cond: a [B, V] result would be a fresh 12.6 MB
+  # buffer (64 x 49152) even when no row has a penalty. A static shape cannot
+  # hold "only the penalized rows", so such a batch gathers all B history rows.
+  ids = jax.lax.cond(jnp.any(penalized),
+                     lambda x: pick(apply_penalties(x, sp, counts_table[rows], prompt_table[rows])),
+                     pick, logits)
+  lp = (jnp.take_along_axis(logits, ids[:, None], axis=-1) - top) - log_z
+  top_lp, top_ids = top_logprobs(logits, top, log_z, sp.want_logprobs)
+  return ids, lp[:, 0], top_ids, top_lp
 
 
-def top_logprobs(log_probs: jax.Array, want: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The MAX_LOGPROBS best (logprobs, ids) per row of [B, V] (fewer if V is smaller),
-  or zeros when no row wants them."""
-  B, V = log_probs.shape
+def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: int) -> jax.Array:
+  """Token ids [B] of a batch where some row samples: greedy rows keep `greedy`.
+
+  A sampled row draws jax.random.categorical(fold_in(key(seed), position),
+  its scaled logits scores / temperature with everything below its
+  truncation threshold at -inf).
+  """
+  B, V = scores.shape
+  sampling = sp.temperature > 0
+  t = jnp.where(sampling, sp.temperature, 1.0)[:, None]  # [B, 1]
+  top_k = jnp.where(sp.top_k < V, sp.top_k, 0)  # keeping >= V tokens is keeping all
+  truncated = sampling & ((top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0))
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
+
+  def with_candidates(scores):
+    cand, idx, z, thr, decided = candidate_thresholds(scores, t, top_k, sp.top_p, sp.min_p, candidates)
+    if _bits_are_per_index():
+      # All tokens a decided row can draw are candidates, and the Gumbel noise
+      # of token i depends on (key, i) only: the argmax over the candidates is
+      # the argmax over the row, for W noise values instead of V.
+      picked = jnp.where(cand >= thr[:, None], cand, -jnp.inf) + _gumbel_at(keys, idx)  # [B, W]
+      best = jnp.max(picked, axis=-1, keepdims=True)
+      # Ties go to the lowest token id, as in argmax over the row.
+      ids = jnp.where(decided, jnp.min(jnp.where(picked == best, idx, V), axis=-1), greedy)
+    else:
+      decided, ids = jnp.zeros_like(decided), greedy
+
+    # A row whose threshold lies beyond its candidates sorts its whole row and
+    # draws over it, one row at a time (~5 ms per 49152-token row on CPU): the
+    # cost follows the number of such rows, and a row's draw never depends on
+    # its neighbours.
+    undecided = truncated & ~decided
+    order = jnp.argsort(~undecided)  # [B], undecided rows first
+
+    def exact(i, ids):
+      b = order[i]
+      scaled = scores[b] / t[b]  # [V]
+      at = lambda a: a[b][None]
+      thr = truncation_threshold(sort_descending(scaled)[None], at(top_k), at(sp.top_p), at(sp.min_p),
+                                 at(z))
+      masked = jnp.where(scaled >= thr, scaled, -jnp.inf)
+      return ids.at[b].set(jax.random.categorical(keys[b], masked).astype(jnp.int32))
+
+    return jax.lax.fori_loop(0, jnp.sum(undecided), exact, ids)
+
+  ids = jax.lax.cond(jnp.any(truncated), with_candidates, lambda _: greedy, scores)
+  whole_row = sampling & ~truncated
+
+  def draw_row(scores):
+    scaled = scores / t  # [B, V]
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [B, V]
+    return first_argmax(noise + scaled)  # = jax.random.categorical(key, scaled), row by row
+
+  drawn = jax.lax.cond(jnp.any(whole_row), draw_row, lambda _: ids, scores)
+  return jnp.where(whole_row, drawn, jnp.where(truncated, ids, greedy))
+
+
+def candidate_thresholds(scores: jax.Array, t: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                         min_p: jax.Array, width: int) -> tuple[jax.Array, ...]:
+  """Truncation thresholds read off the W = min(width, V) best of each row's
+  scaled logits scores [B, V] / t [B, 1].
+
+  Returns (cand [B, W] descending, their ids [B, W], z [B], thr [B], decided
+  [B]); thr is exact where decided, i.e. where every token at or above it is
+  a candidate: it beats the last candidate, and top-p's normalizer is known
+  (a top-k wider than W hides it).
+  """
+  V = scores.shape[-1]
+  W = min(width, V)
+  # Dividing by t > 0 keeps the order (ties aside), so top_k runs on scores,
+  # which need no [B, V] copy. The barrier keeps XLA:CPU's TopK kernel: once
+  # its users look through to the sort it is lowered to, it compiles as a
+  # full sort (50x slower).
+  best, idx = jax.lax.optimization_barrier(jax.lax.top_k(scores, W))  # [B, W]
+  cand = best / t  # the scaled logits of the candidates, bit for bit
+  # top-p's mass when top-k is off is the whole row's (top-k on: the top-k's).
+  scaled = scores / t
+  z = jnp.sum(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), axis=-1)
+  thr = truncation_threshold(cand, top_k, top_p, min_p, z)
+  decided = ((thr > cand[:, -1]) | (W == V)) & ~((top_k > W) & (top_p < 1))
+  return cand, idx, z, thr, decided
+
+
+def truncation_threshold(desc: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                         z: jax.Array) -> jax.Array:
+  """The smallest scaled logit each row keeps [B], from its L best, desc [B, L] (descending).
+
+  top_k [B] (0: off), top_p [B] (1: off), min_p [B] (0: off); z [B] is the
+  row's sum(exp(x - max)), top-p's normalizer when top-k is off. With L < V,
+  a row whose truncation reaches past its L best gets desc[:, -1] (or less),
+  a lower bound: the caller tells those apart.
+  """
+  L = desc.shape[-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, L), L)  # [B]
+  kth = jnp.where(top_k > 0, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+  # top-p: the smallest prefix of the top-k tokens whose mass reaches top_p.
+  in_k = jnp.arange(L)[None, :] < k[:, None]  # [B, L]
+  unnorm = jnp.exp(jnp.where(in_k, desc, -jnp.inf) - desc[:, :1])
+  probs = unnorm / jnp.where(top_k > 0, jnp.sum(unnorm, axis=-1), z)[:, None]
+  before = jnp.cumsum(probs, axis=-1) - probs
+  n_keep = jnp.maximum(jnp.sum(in_k & (before < top_p[:, None]), axis=-1), 1)
+  # top_p 1 is off: a float32 cumsum can reach 1.0 before the tail and would
+  # drop its last tokens (each of mass < 1e-7).
+  pth = jnp.where(top_p < 1, jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+  # min-p: keep tokens whose probability is >= min_p * the top token's.
+  mth = jnp.where(min_p > 0, desc[:, 0] + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
+  return jnp.maximum(jnp.maximum(kth, pth), mth)
+
+
+def sort_descending(x: jax.Array) -> jax.Array:
+  """-jnp.sort(-x) of float32 x [V] (up to the sign of zeros).
+
+  Sorts the order-preserving int32 image of the floats: XLA:CPU sorts int32
+  ~4x faster than float32, whose comparator also has to order NaNs.
+  """
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  flip = lambda k: jnp.where(k < 0, k ^ 0x7FFFFFFF, k)  # an involution, monotone in x
+  keys = ~jax.lax.sort(~flip(bits), is_stable=False)  # ~ reverses the order: descending
+  return jax.lax.bitcast_convert_type(flip(keys), jnp.float32)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+  """jnp.argmax(x, -1) of x [B, V] as int32 [B]: the first maximum (for NaN
+  rows some index in range).
+
+  XLA:CPU's (value, index) argmax reduce takes ~10 ms on [64, 49152]; a plain
+  max per block of C tokens, then a search of the first block holding the
+  row's max, reads x once and makes no [B, V] temporary (~0.5 ms).
+  """
+  B, V = x.shape
+  C = next((c for c in (512, 256, 128, 64, 32) if V % c == 0), None)
+  if C is None:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  blocks = x.reshape(B, V // C, C)
+  block_max = jnp.max(blocks, axis=-1)  # [B, V / C]
+  top = jnp.max(block_max, axis=-1, keepdims=True)  # [B, 1]
+  first = lambda hit: jnp.argmax(hit, axis=-1).astype(jnp.int32)  # first True (0 if none)
+  block = first(block_max == top)  # [B]
+  within = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, C]
+  return block * C + first(within == top)
+
+
+def _bits_are_per_index() -> bool:
+  """Whether random bit i of a [V] draw depends on (key, i) only (JAX's default,
+  partitionable threefry) and Gumbel noise uses one uniform per value. If not
+  (or a flag is renamed), truncated rows draw over the whole row instead."""
+  flag = lambda name, default: getattr(jax.config, name, default)
+  return (flag("jax_threefry_partitionable", False) is True
+          and flag("jax_default_prng_impl", "") == "threefry2x32"
+          and flag("jax_high_dynamic_range_gumbel", True) is False)
+
+
+def _gumbel_at(keys: jax.Array, idx: jax.Array) -> jax.Array:
+  """jax.random.gumbel(keys[b], (V,), float32)[idx[b]] for each row b of idx [B, W], for any V.
+
+  Partitionable threefry gives element i of a bits array as the xor of
+  threefry2x32(key, (hi(i), lo(i))); the uniform and Gumbel transforms below
+  are jax.random's ("low" mode), op for op. A test checks both against jax.random.
+  """
+  data = jax.random.key_data(keys)  # [B, 2] uint32
+  k1, k2 = (jnp.broadcast_to(data[:, j:j + 1], idx.shape) for j in range(2))
+  b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros(idx.shape, jnp.uint32), idx.astype(jnp.uint32))
+  bits = b1 ^ b2
+  one, tiny = jnp.float32(1), jnp.float32(jnp.finfo(jnp.float32).tiny)
+  floats = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - one
+  u = jax.lax.max(tiny, floats * (one - tiny) + tiny)
+  return -jnp.log(-jnp.log(u))
+
+
+def top_logprobs(logits: jax.Array, top: jax.Array, log_z: jax.Array,
+                 want: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The MAX_LOGPROBS best (logprobs, ids) per row of logits [B, V] (fewer if V is smaller),
+  or zeros when no row wants them. top, log_z [B, 1]: the rows' max and log-normalizer."""
+  B, V = logits.shape
   n = min(MAX_LOGPROBS, V)
+
+  def best(x):
+    vals, ids = jax.lax.top_k(x, n)
+    return (vals - top) - log_z, ids
+
   none = (jnp.zeros((B, n), jnp.float32), jnp.zeros((B, n), jnp.int32))
-  return jax.lax.cond(jnp.any(want), lambda x: tuple(jax.lax.top_k(x, n)), lambda x: none, log_probs)
+  return jax.lax.cond(jnp.any(want), best, lambda x: none, logits)
 
 
 def validate_per_request(params: Sequence[SamplingParams] | SamplingParams | None,

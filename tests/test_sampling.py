@@ -1,12 +1,16 @@
 """SamplingParams validation and the on-device sampler."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, validate_per_request
+from jaxinfer.sampling import (MAX_LOGPROBS, SamplingBatch, SamplingParams, _bits_are_per_index,
+                               _gumbel_at, apply_penalties, candidate_thresholds, first_argmax, sample,
+                               sort_descending, validate_per_request)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -105,7 +109,6 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
   seen = np.array([[True, False, True, False]])
   ids, _ = run(ROW, repetition_penalty=2.0, prompt_mask=seen)
   assert ids[0] == 1  # 2.0 / 2 = 1.0 < 1.9
-  from jaxinfer.sampling import apply_penalties
   sp = SamplingBatch(*[jnp.ones(1)] * 4, jnp.array([2.0]), jnp.zeros(1), jnp.zeros(1),
                      jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool))
   out = apply_penalties(jnp.asarray(ROW), sp, jnp.zeros((1, 4), jnp.int32), jnp.asarray(seen))
@@ -134,3 +137,175 @@ def test_top_logprobs_are_the_best_of_the_raw_distribution():
   np.testing.assert_allclose(lp, ref[np.arange(4), ids], rtol=1e-5)
   _, _, none_ids, none_lp = run(LOGITS, full_output=True)
   assert not none_ids.any() and not none_lp.any()
+
+
+# ---- exactness against the full-sort sampler -------------------------------------------
+
+
+def reference_sample(logits, sp, counts_table, prompt_table, rows):
+  """The sampler before top-k pre-selection: every sampled batch sorts every row.
+  Kept as the reference that `sample` must reproduce."""
+  logits = logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  penalized = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
+  logits = jax.lax.cond(jnp.any(penalized),
+                        lambda x: apply_penalties(x, sp, counts_table[rows], prompt_table[rows]),
+                        lambda x: x, logits)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def sampled(_):
+    V = logits.shape[-1]
+    scaled = logits / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    in_k = jnp.arange(V)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(in_k & (before < sp.top_p[:, None]), axis=-1), 1)
+    pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+    mth = desc[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
+    threshold = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sp.min_p[:, None] > 0, mth, -jnp.inf))
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, drawn, greedy)
+
+  ids = jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: greedy, None)
+  top_lp, top_ids = jax.lax.top_k(log_probs, min(MAX_LOGPROBS, log_probs.shape[-1]))
+  return ids, jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+
+reference = jax.jit(reference_sample)
+
+
+@functools.cache
+def sampler(width):
+  return jax.jit(functools.partial(sample, candidates=width))
+
+
+def random_batch(rng, B, V, W):
+  """Logits of mixed peakiness, and per-row controls around every edge: top-k
+  next to the candidate width W and the vocab, top-p near 1, tiny min-p."""
+  scale = rng.choice([0.3, 1.0, 3.0, 8.0], size=(B, 1))
+  logits = (rng.normal(size=(B, V)) * scale).astype(np.float32)
+  pick = lambda options: np.asarray(options)[rng.integers(0, len(options), B)]
+  penalize = rng.random(B) < 0.3
+  R = B + 3
+  sp = SamplingBatch(
+      temperature=jnp.asarray(pick([0.0, 0.3, 1.0, 1.0, 1.7]), jnp.float32),
+      top_k=jnp.asarray(pick([0, 0, 1, 3, W - 1, W, W + 1, V // 2, V - 1, V, V + 7]), jnp.int32),
+      top_p=jnp.asarray(pick([1.0, 1.0, 0.999999, 0.9999, 0.95, 0.6, 1e-6]), jnp.float32),
+      min_p=jnp.asarray(pick([0.0, 0.0, 1e-9, 1e-4, 0.05, 0.5, 1.0]), jnp.float32),
+      repetition_penalty=jnp.asarray(np.where(penalize, pick([1.0, 0.8, 1.3]), 1.0), jnp.float32),
+      presence_penalty=jnp.asarray(np.where(penalize, pick([0.0, 0.5, -0.5]), 0.0), jnp.float32),
+      frequency_penalty=jnp.asarray(np.where(penalize, pick([0.0, 0.2]), 0.0), jnp.float32),
+      seed=jnp.asarray(rng.integers(0, 2**32, B), jnp.uint32),
+      position=jnp.asarray(rng.integers(0, 4096, B), jnp.int32),
+      want_logprobs=jnp.asarray(rng.random(B) < 0.5))
+  counts = jnp.asarray(rng.integers(0, 3, (R, V)) * (rng.random((R, V)) < 0.05), jnp.int32)
+  prompt = jnp.asarray(rng.random((R, V)) < 0.05)
+  rows = jnp.asarray(rng.permutation(R)[:B], jnp.int32)
+  return jnp.asarray(logits), sp, counts, prompt, rows
+
+
+@pytest.mark.parametrize("width", [8, 64, 256])
+def test_matches_the_full_sort_reference(width):
+  B, V = 16, 512
+  rng = np.random.default_rng(width)
+  paths = np.zeros(2, int)  # truncated sampled rows settled by the candidates, rows that sorted
+  for _ in range(25):
+    args = random_batch(rng, B, V, width)
+    got = [np.asarray(o) for o in sampler(width)(*args)]
+    want = [np.asarray(o) for o in reference(*args)]
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    asked = np.asarray(args[1].want_logprobs)
+    np.testing.assert_array_equal(got[2][asked], want[2][asked])
+    np.testing.assert_allclose(got[3][asked], want[3][asked], rtol=1e-5, atol=1e-5)
+    truncated, decided = truncated_and_decided(*args, width)
+    paths += [np.sum(truncated & decided), np.sum(truncated & ~decided)]
+  assert (paths > 10).all(), paths  # both paths ran
+
+
+def truncated_and_decided(logits, sp, counts, prompt, rows, width):
+  """Which rows sample with a truncation, and which of those `candidate_thresholds`
+  settles ([B] bool each; penalties as in `sample`)."""
+  scores = apply_penalties(logits, sp, counts[rows], prompt[rows])
+  V = logits.shape[-1]
+  t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+  top_k = jnp.where(sp.top_k < V, sp.top_k, 0)
+  truncated = (sp.temperature > 0) & ((top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0))
+  decided = candidate_thresholds(scores, t, top_k, sp.top_p, sp.min_p, width)[-1]
+  return np.asarray(truncated), np.asarray(decided)
+
+
+def batch_of(logits, **controls):
+  B = logits.shape[0]
+  defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                  presence_penalty=0.0, frequency_penalty=0.0, seed=0, position=0, want_logprobs=False)
+  dtypes = dict(top_k=jnp.int32, seed=jnp.uint32, position=jnp.int32, want_logprobs=jnp.bool_)
+  cols = {k: jnp.broadcast_to(jnp.asarray(controls.get(k, v), dtypes.get(k, jnp.float32)), (B,))
+          for k, v in defaults.items()}
+  return SamplingBatch(**cols)
+
+
+FLAT = np.random.default_rng(3).normal(size=(6, 2000)).astype(np.float32)  # mass spread thin
+
+
+@pytest.mark.parametrize("controls", [dict(top_k=300), dict(top_p=0.999), dict(top_p=0.9),
+                                      dict(min_p=1e-9), dict(top_k=1500, top_p=0.5)])
+def test_thresholds_beyond_the_candidates_fall_back_to_the_exact_path(controls):
+  W = 256
+  sp = batch_of(FLAT, seed=np.arange(6), position=7, **controls)
+  V = FLAT.shape[1]
+  top_k = jnp.where(sp.top_k < V, sp.top_k, 0)
+  decided = candidate_thresholds(jnp.asarray(FLAT), jnp.ones((6, 1)), top_k, sp.top_p, sp.min_p, W)[-1]
+  assert not np.asarray(decided).any()
+  history = jnp.zeros((6, V), jnp.int32), jnp.zeros((6, V), bool), jnp.arange(6)
+  got = sampler(W)(jnp.asarray(FLAT), sp, *history)
+  want = reference(jnp.asarray(FLAT), sp, *history)
+  np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_a_row_that_falls_back_does_not_change_its_neighbours():
+  logits = np.concatenate([FLAT[:1] * 8, FLAT[1:2]])  # a peaked row, a flat one
+  run_ = sampler(64)
+  history = jnp.zeros((2, 2000), jnp.int32), jnp.zeros((2, 2000), bool), jnp.arange(2)
+  sp = batch_of(logits, top_p=0.95)
+  _, decided = truncated_and_decided(jnp.asarray(logits), sp, *history, 64)
+  assert decided.tolist() == [True, False]
+  together = run_(jnp.asarray(logits), batch_of(logits, top_p=0.95, seed=11, position=[3, 4]),
+                  *history)[0]
+  alone = run_(jnp.asarray(logits[:1]), batch_of(logits[:1], top_p=0.95, seed=11, position=3),
+               history[0][:1], history[1][:1], history[2][:1])[0]
+  flat_alone = run_(jnp.asarray(logits[1:]), batch_of(logits[1:], top_p=0.95, seed=11, position=4),
+                    history[0][:1], history[1][:1], history[2][:1])[0]
+  assert together[0] == alone[0] and together[1] == flat_alone[0]
+
+
+def test_gumbel_noise_at_chosen_tokens_is_jax_randoms():
+  assert _bits_are_per_index()  # a JAX upgrade that renames a flag would lose the fast path
+  V = 3000
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+      jnp.arange(4, dtype=jnp.uint32) * 977, jnp.arange(4) + 5)
+  idx = jnp.asarray(np.random.default_rng(0).integers(0, V, (4, 64)), jnp.int32)
+  full = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+  np.testing.assert_array_equal(jax.jit(_gumbel_at)(keys, idx), jnp.take_along_axis(full, idx, -1))
+
+
+def test_sort_descending_matches_jnp():
+  x = np.random.default_rng(1).normal(size=999).astype(np.float32)
+  x[[5, 9]] = [0.0, x[3]]
+  np.testing.assert_array_equal(jax.jit(sort_descending)(x), -np.sort(-x))
+
+
+@pytest.mark.parametrize("V", [999, 1024, 49152])  # jnp.argmax; blocks of 512 (2, 96 blocks)
+def test_first_argmax_matches_jnp(V):
+  x = np.random.default_rng(V).normal(size=(4, V)).astype(np.float32)
+  x[0, [V - 3, 700, 10]] = x[0].max() + 1  # ties in different blocks: the first wins
+  x[1] = 0.5  # all tied
+  x[2, -1] = np.inf
+  np.testing.assert_array_equal(jax.jit(first_argmax)(x), jnp.argmax(jnp.asarray(x), axis=-1))
+  x[3, [7, 9]] = np.nan
+  assert 0 <= int(jax.jit(first_argmax)(x)[3]) < V  # NaN rows: some token
