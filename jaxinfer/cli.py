@@ -59,6 +59,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
   engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, page_size=args.page_size, num_pages=args.num_pages,
                 enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl)
+  if args.speculative_method is not None:
+    engine["speculative"] = {"method": args.speculative_method,
+                             "num_speculative_tokens": args.num_speculative_tokens}
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
   return engine
@@ -96,6 +99,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
+  p.add_argument("--speculative-method", default=None, choices=["ngram"],
+                 help="speculative decoding: ngram = prompt lookup (default: off)")
+  p.add_argument("--num-speculative-tokens", type=int, default=3,
+                 help="drafts per step with --speculative-method (1-8)")
 
 
 def _convert(args: argparse.Namespace) -> None:

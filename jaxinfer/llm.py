@@ -45,7 +45,8 @@ class LLM:
     the weights by their logical axes; default: the first device.
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
-    enable_prefix_caching, warmup, compilation_cache_dir, attention_impl).
+    enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,
+    speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}).
     """
     known = set(EngineConfig.__dataclass_fields__)
     unknown = sorted(set(engine_options) - known)

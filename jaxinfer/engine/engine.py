@@ -28,6 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.transformer import cache_bytes_per_token
 from jaxinfer.ops import ATTENTION_IMPLS
@@ -56,8 +57,12 @@ class EngineConfig:
   warmup: bool = True
   compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
   attention_impl: str = "auto"  # jaxinfer.ops: 'auto' (Pallas on GPU, XLA elsewhere), 'xla', 'pallas', 'pallas_interpret'
+  # Speculative decoding: None (off), or a SpeculativeConfig / a dict of its fields,
+  # e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+  speculative: SpeculativeConfig | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -153,11 +158,18 @@ class LLMEngine:
           f"num_pages or a smaller max_model_len")
     self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching)
     self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens)
+    self.spec = ec.speculative
+    self.drafter = make_drafter(self.spec) if self.spec is not None else None
+    k = self.spec.num_speculative_tokens if self.spec is not None else 0
+    # Per draft position j: drafts proposed there and accepted (acceptance rate by position).
+    self.spec_proposed = np.zeros(k, np.int64)
+    self.spec_accepted = np.zeros(k, np.int64)
+    self.num_verify_steps = 0  # sequence-steps that verified at least one draft
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh,
-                              attention_impl=ec.attention_impl)
+                              attention_impl=ec.attention_impl, num_speculative_tokens=k)
     log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
              num_pages * per_page / 2**20, dtype)
     self.kv_cache_bytes = num_pages * per_page
@@ -267,7 +279,7 @@ class LLMEngine:
       seqs.append(ScheduledSeq(
           row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          want_prompt_logprobs=self._wants_prompt_logprobs(req)))
+          want_prompt_logprobs=self._wants_prompt_logprobs(req), draft_ids=req.spec_token_ids))
     try:
       result = self.runner.execute(seqs)
     except Exception as e:  # the requests of this step end; the engine goes on
@@ -279,18 +291,49 @@ class LLMEngine:
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
       try:
-        if result.prompt is not None and seqs[i].want_prompt_logprobs:
-          self._collect_prompt_logprobs(req, seqs[i], result, t)
-        req.num_computed += n
-        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
-        if seqs[i].samples:  # not a partial prefill chunk
-          self._append(req, i, result)
+        seq = seqs[i]
+        if result.prompt is not None and seq.want_prompt_logprobs:
+          self._collect_prompt_logprobs(req, seq, result, t)
+        if seq.samples:  # not a partial prefill chunk
+          c = int(result.num_committed[i])
+          accepted = result.ids[i, :c - 1].tolist()
+          self._count_acceptance(len(seq.draft_ids), len(accepted))
+          # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
+          # later and never cached (only verified tokens are).
+          req.num_computed += seq.num_committed_new + len(accepted)
+          self.kv.cache_blocks(req.request_id, req.token_ids + accepted, req.num_computed)
+          self._append(req, result, i, c)
           outputs.append(self._output(req))
+        else:
+          req.num_computed += n
+          self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
       except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
       t += n
+    if self.drafter is not None:
+      self._propose_drafts()
     return outputs
+
+  def _propose_drafts(self) -> None:
+    """Drafts for the next step, for each running request that has caught up."""
+    k = self.spec.num_speculative_tokens
+    for req in self.scheduler.running:
+      req.spec_token_ids = []
+      # Penalties would need each verified row to see the drafts before it in its
+      # history; such requests decode without speculation.
+      if req.num_uncomputed != 1 or req.params.uses_penalties:
+        continue
+      # Never draft past max_tokens: the bonus token needs one slot of its own.
+      room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+      if room > 0:
+        req.spec_token_ids = self.drafter.propose(req.token_ids, room)
+
+  def _count_acceptance(self, proposed: int, accepted: int) -> None:
+    if proposed:
+      self.num_verify_steps += 1
+      self.spec_proposed[:proposed] += 1
+      self.spec_accepted[:accepted] += 1
 
   def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
     """Ends `req` with finish_reason 'error' (its pages are freed) and says why."""
@@ -325,15 +368,22 @@ class LLMEngine:
       out.prompt_lp.append(_logprob_entry(top_ids[t + j], top_lp[t + j], k, req.token_ids[pos],
                                           target_lp[t + j]))
 
-  def _append(self, req: Request, i: int, result: StepResult) -> None:
-    token = int(result.ids[i])
+  def _append(self, req: Request, result: StepResult, i: int, count: int) -> None:
+    """Commits up to `count` of sequence i's new tokens, stopping at the first that
+    finishes the request (EOS, stop id, stop string, max_tokens)."""
+    for j in range(count):
+      if self._append_one(req, int(result.ids[i, j]), float(result.logprobs[i, j]),
+                          result.top_ids[i, j], result.top_logprobs[i, j]):
+        return
+
+  def _append_one(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> bool:
+    """Appends one token; True when it finished the request."""
     out, p = req.output, req.params
     req.token_ids.append(token)
     self.num_generated_tokens += 1
-    out.logprobs.append(float(result.logprobs[i]))
+    out.logprobs.append(logprob)
     if out.top is not None:
-      out.top.append(_logprob_entry(result.top_ids[i], result.top_logprobs[i], p.logprobs, token,
-                                    result.logprobs[i]))
+      out.top.append(_logprob_entry(top_ids, top_lps, p.logprobs, token, logprob))
     reason = None
     if out.detok is not None:
       before = len(out.detok.text)
@@ -352,6 +402,7 @@ class LLMEngine:
     if reason is not None:
       self.scheduler.finish(req, reason)
       self._requests.pop(req.request_id, None)
+    return reason is not None
 
   def _output(self, req: Request) -> RequestOutput:
     out = req.output
@@ -383,7 +434,21 @@ class LLMEngine:
         "generated_tokens": self.num_generated_tokens,
         "steps": self.num_steps,
         "compiled_programs": self.runner.compiled_programs(),
+        **self._spec_stats(),
     }
+
+  def _spec_stats(self) -> dict[str, float]:
+    """Speculative decoding: mean committed tokens per verifying sequence-step
+    (accepted drafts + 1), and the acceptance rate at each draft position."""
+    if self.spec is None:
+      return {}
+    n = self.num_verify_steps
+    stats = {"spec_verify_steps": n, "spec_draft_tokens": int(self.spec_proposed.sum()),
+             "spec_accepted_tokens": int(self.spec_accepted.sum()),
+             "spec_mean_acceptance_length": 1 + self.spec_accepted.sum() / n if n else 0.0}
+    for j, (p, a) in enumerate(zip(self.spec_proposed, self.spec_accepted)):
+      stats[f"spec_acceptance_rate_{j + 1}"] = a / p if p else 0.0
+    return stats
 
 
 def _logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:

@@ -1,22 +1,28 @@
 """The device side of the engine: one jitted, bucketed ragged step.
 
-    step(params, cache, history, batch) -> (cache, history, ids, logprobs, top-n)
+    step(params, cache, history, batch: StepBatch) -> (cache, history, ids, counts, logprobs, top-n)
 
 Every scheduled request contributes its new tokens (a prefill chunk, one
-decode token, or 1 + k to verify) to one packed batch of T tokens from S
-sequences. T is rounded up to a power-of-two bucket and S to
-min(T, max_num_seqs), so the number of compiled programs is the number of
-token buckets (twice that if some request asks for prompt logprobs), and
-`warmup()` compiles all of them up front. The KV cache and the sampling
-history are donated: updated in place. Only token ids and logprobs come back.
+decode token, or 1 + k to verify k drafts) to one packed batch of T tokens
+from S sequences, built by the pure function `pack`. Each sequence owns
+k + 1 logits rows (`logits_indices`; k = the engine's speculative tokens,
+0 without speculation): the last row of a prefill chunk or decode, or all
+1 + k rows of a verified sequence; the step samples every row, accepts the
+drafts that match (engine/spec_decode.py) and returns [S, k + 1] ids and how
+many of them each sequence commits. T is rounded up to a power-of-two bucket
+and S to min(T, max_num_seqs), so the number of compiled programs is the
+number of token buckets (twice that if some request asks for prompt
+logprobs), and `warmup()` compiles all of them up front. The KV cache and
+the sampling history are donated: updated in place. Only token ids and
+logprobs come back.
 
 `history` holds, per sampler row (one per running request), how often each
 token occurred in the output and which tokens are in the prompt: the
 repetition / presence / frequency penalties read it on device, so no
 per-step [S, V] array crosses to the device.
 
-Legend: T tokens, S sequences, P pages per sequence, R sampler rows,
-V vocab, N top logprobs.
+Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
+P pages per sequence, R sampler rows, V vocab, N top logprobs.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
+from jaxinfer.engine.spec_decode import accept
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -58,31 +65,136 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass
 class ScheduledSeq:
-  """One sequence's share of a step: tokens[start:start + n] at positions start.."""
+  """One sequence's share of a step: token_ids[start:] (num_new - len(draft_ids)
+  of them) followed by the drafts, at positions start, start + 1, ..."""
 
   row: int  # sampler-history row
-  token_ids: Sequence[int]  # all tokens of the request so far (prompt + output)
+  token_ids: Sequence[int]  # all committed tokens of the request (prompt + output)
   start: int  # tokens before this are already in the cache
-  num_new: int
+  num_new: int  # tokens this step computes, drafts included
   pages: Sequence[int]
   params: SamplingParams
   seed: int
   want_prompt_logprobs: bool = False
+  draft_ids: Sequence[int] = ()  # speculative tokens to verify after the committed ones
+
+  @property
+  def num_committed_new(self) -> int:
+    return self.num_new - len(self.draft_ids)
 
   @property
   def samples(self) -> bool:
     """Whether this step reaches the end of the known tokens (else: a prefill chunk)."""
-    return self.start + self.num_new == len(self.token_ids)
+    return self.start + self.num_committed_new == len(self.token_ids)
+
+
+class StepBatch(NamedTuple):
+  """Everything one step reads, as arrays (a pytree: host numpy in, device arrays in the step)."""
+
+  tokens: Any  # [T]
+  positions: Any  # [T]
+  paged: PagedBatch  # slot mapping, kv lens, page table, cu_q_lens, num_seqs
+  logits_indices: Any  # [L] the row of the T rows that each logits row reads
+  sampling: SamplingBatch  # [L] per logits row
+  rows: Any  # [L] sampler-history row of each logits row
+  samples: Any  # [S] bool: the sequence commits tokens this step (not a prefill chunk)
+  draft_ids: Any  # [S, k]
+  num_drafts: Any  # [S]
+  targets: Any  # [T] next prompt token of each row (prompt logprobs)
+
+
+def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
+         scratch_row: int) -> StepBatch:
+  """Packs the scheduled sequences, in order, into one padded StepBatch of T tokens,
+  S sequences and S * (k + 1) logits rows. Padding tokens write to page 0 (NULL_PAGE);
+  padding sequences and logits rows are greedy on the scratch history row."""
+  if len(seqs) > S:
+    raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
+  ps, K1 = page_size, k + 1
+  L = S * K1
+  tokens = np.zeros(T, np.int32)
+  positions = np.zeros(T, np.int32)
+  slots = np.full(T, NULL_PAGE * ps, np.int32)
+  targets = np.zeros(T, np.int32)
+  cu = np.zeros(S + 1, np.int32)
+  kv_lens = np.zeros(S, np.int32)
+  page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
+  samples = np.zeros(S, bool)
+  draft_ids = np.zeros((S, k), np.int32)
+  num_drafts = np.zeros(S, np.int32)
+  logits_indices = np.zeros(L, np.int32)
+  rows = np.full(L, scratch_row, np.int32)
+  params: list[SamplingParams | None] = [None] * L
+  seeds = np.zeros(L, np.uint32)
+  sample_pos = np.zeros(L, np.int32)
+  t = 0
+  for i, s in enumerate(seqs):
+    n, nd = s.num_new, len(s.draft_ids)
+    if nd > k:
+      raise ValueError(f"{nd} drafts exceed the step's {k} speculative tokens")
+    end = s.start + n
+    pos = np.arange(s.start, end, dtype=np.int32)
+    pages = np.asarray(s.pages, np.int32)
+    tokens[t:t + n - nd] = s.token_ids[s.start:s.start + n - nd]
+    tokens[t + n - nd:t + n] = s.draft_ids
+    positions[t:t + n] = pos
+    slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+    if s.want_prompt_logprobs:
+      nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
+      targets[t:t + len(nxt)] = nxt
+    kv_lens[i] = end
+    page_indices[i, :len(pages)] = pages
+    samples[i] = s.samples
+    draft_ids[i, :nd] = s.draft_ids
+    num_drafts[i] = nd
+    # Logits rows i*(k+1) .. i*(k+1)+nd read the last nd + 1 token rows; row j samples
+    # the token at position end - nd + j.
+    lo = i * K1
+    logits_indices[lo:lo + nd + 1] = t + n - nd - 1 + np.arange(nd + 1)
+    rows[lo:lo + nd + 1] = s.row
+    params[lo:lo + nd + 1] = [s.params] * (nd + 1)
+    seeds[lo:lo + nd + 1] = s.seed
+    sample_pos[lo:lo + nd + 1] = end - nd + np.arange(nd + 1)
+    t += n
+    cu[i + 1] = t
+  cu[len(seqs) + 1:] = t
+  sampling = sampling_batch(params, seeds, sample_pos)
+  return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
+                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets)
+
+
+def sampling_batch(params: Sequence[SamplingParams | None], seeds: np.ndarray,
+                   positions: np.ndarray) -> SamplingBatch:
+  """Per-row sampling controls; a None row (padding) is greedy and wants nothing."""
+  B = len(params)
+  sp = SamplingBatch(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
+                     np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.float32),
+                     np.zeros(B, np.float32), np.asarray(seeds, np.uint32),
+                     np.asarray(positions, np.int32), np.zeros(B, bool))
+  for i, p in enumerate(params):
+    if p is None:
+      continue
+    sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+    sp.repetition_penalty[i] = p.repetition_penalty
+    sp.presence_penalty[i], sp.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+    sp.want_logprobs[i] = bool(p.logprobs)
+  return sp
 
 
 @dataclasses.dataclass
 class StepResult:
-  """Host copies of what one step produced, row i for the i-th scheduled sequence."""
+  """Host copies of what one step produced, row i for the i-th scheduled sequence.
 
-  ids: np.ndarray  # [S] int32
-  logprobs: np.ndarray  # [S]
-  top_ids: np.ndarray  # [S, N]
-  top_logprobs: np.ndarray  # [S, N]
+  A sequence that samples commits ids[i, :num_committed[i]] (its accepted
+  drafts, then the correction or bonus token); one that ran a prefill chunk
+  commits nothing.
+  """
+
+  ids: np.ndarray  # [S, k + 1] int32
+  num_committed: np.ndarray  # [S]
+  logprobs: np.ndarray  # [S, k + 1]
+  top_ids: np.ndarray  # [S, k + 1, N]
+  top_logprobs: np.ndarray  # [S, k + 1, N]
   prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # per token: target logprob, top ids, top lps
 
 
@@ -91,7 +203,7 @@ class ModelRunner:
 
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
-               attention_impl: str = "auto"):
+               attention_impl: str = "auto", num_speculative_tokens: int = 0):
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
     self.params = params
@@ -100,6 +212,7 @@ class ModelRunner:
     self.num_pages = num_pages
     self.max_num_seqs = max_num_seqs
     self.max_model_len = max_model_len
+    self.num_speculative_tokens = num_speculative_tokens
     self.pages_per_seq = -(-max_model_len // page_size)
     self.token_buckets = power_of_two_buckets(1, max_num_batched_tokens)
     self.len_buckets = power_of_two_buckets(min(64, max_model_len), max_model_len)
@@ -163,60 +276,14 @@ class ModelRunner:
     return self._run(seqs, bucket(num_tokens, self.token_buckets))
 
   def _run(self, seqs: list[ScheduledSeq], T: int) -> StepResult:
-    S, P, ps = self.num_seqs_bucket(T), self.pages_per_seq, self.page_size
-    if len(seqs) > S:
-      raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
-    tokens = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, NULL_PAGE * ps, np.int32)
-    targets = np.zeros(T, np.int32)
-    cu = np.zeros(S + 1, np.int32)
-    kv_lens = np.zeros(S, np.int32)
-    page_indices = np.full((S, P), NULL_PAGE, np.int32)
-    rows = np.full(S, self.scratch_row, np.int32)
-    do_sample = np.zeros(S, bool)
-    temperature = np.zeros(S, np.float32)
-    top_k = np.zeros(S, np.int32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    rep = np.ones(S, np.float32)
-    pres = np.zeros(S, np.float32)
-    freq = np.zeros(S, np.float32)
-    seed = np.zeros(S, np.uint32)
-    want_lp = np.zeros(S, bool)
-    t = 0
-    for i, s in enumerate(seqs):
-      end = s.start + s.num_new
-      pos = np.arange(s.start, end, dtype=np.int32)
-      pages = np.asarray(s.pages, np.int32)
-      tokens[t:t + s.num_new] = s.token_ids[s.start:end]
-      positions[t:t + s.num_new] = pos
-      slots[t:t + s.num_new] = pages[pos // ps] * ps + pos % ps
-      if s.want_prompt_logprobs:
-        nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
-        targets[t:t + len(nxt)] = nxt
-      t += s.num_new
-      cu[i + 1] = t
-      kv_lens[i] = end
-      page_indices[i, :len(pages)] = pages
-      rows[i] = s.row
-      do_sample[i] = s.samples
-      p = s.params
-      temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-      rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-      seed[i] = s.seed
-      want_lp[i] = bool(p.logprobs)
-    cu[len(seqs) + 1:] = t
-    sample_idx = np.maximum(cu[1:] - 1, 0)
-    batch = PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs)))
-    sp = SamplingBatch(temperature, top_k, top_p, min_p, rep, pres, freq, seed, kv_lens, want_lp)
+    batch = pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
+                 self.page_size, self.scratch_row)
     prompt_lp = any(s.want_prompt_logprobs for s in seqs)
     self._programs.add(("step", T, prompt_lp))
-    self.cache, self.history, out = self._step(
-        self.params, self.cache, self.history, tokens, positions, batch, sample_idx, rows,
-        do_sample, sp, targets, prompt_logprobs=prompt_lp)
+    self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
+                                               prompt_logprobs=prompt_lp)
     out = jax.device_get(out)
-    return StepResult(*out[:4], prompt=out[4] if prompt_lp else None)
+    return StepResult(*out[:5], prompt=out[5] if prompt_lp else None)
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
     """Loads a request's prompt and output so far into its sampler row (for penalties)."""
@@ -240,19 +307,24 @@ class ModelRunner:
     return np.asarray(out)[:len(token_ids)]
 
 
-def _step(cfg, attention_impl, params, cache, history, tokens, positions, batch: PagedBatch, sample_idx,
-          rows, do_sample, sp: SamplingBatch, targets, *, prompt_logprobs: bool):
-  hidden, cache = forward(params, cfg, tokens, positions, cache, batch,
+def _step(cfg, attention_impl, params, cache, history, batch: StepBatch, *, prompt_logprobs: bool):
+  hidden, cache = forward(params, cfg, batch.tokens, batch.positions, cache, batch.paged,
                           attention_impl=attention_impl)  # [T, D]
-  logits = compute_logits(params, cfg, hidden[sample_idx])  # [S, V]
-  ids, lp, top_ids, top_lp = sample(logits, sp, history["counts"], history["prompt"], rows)
-  # The sampled token joins the output: later steps penalize it.
-  counts = history["counts"].at[rows, ids].add(do_sample.astype(jnp.int32))
+  logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
+  ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
+                                    batch.rows)
+  S, k = batch.draft_ids.shape
+  ids = ids.reshape(S, k + 1)
+  committed = jnp.where(batch.samples, accept(ids, batch.draft_ids, batch.num_drafts) + 1, 0)  # [S]
+  # The committed tokens join the output: later steps penalize them.
+  keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)
+  counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))
   history = {"counts": counts, "prompt": history["prompt"]}
-  out = (ids, lp, top_ids, top_lp)
+  out = (ids, committed, lp.reshape(S, k + 1), top_ids.reshape(S, k + 1, -1),
+         top_lp.reshape(S, k + 1, -1))
   if prompt_logprobs:
     all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
-    target_lp = jnp.take_along_axis(all_lp, targets[:, None], axis=-1)[:, 0]
+    target_lp = jnp.take_along_axis(all_lp, batch.targets[:, None], axis=-1)[:, 0]
     p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
     out = out + ((target_lp, p_top_ids, p_top_lp),)
   return cache, history, out

@@ -3,8 +3,10 @@
 There is no prefill phase and no decode phase: each running request's
 computed tokens catch up with its known tokens (prompt + output so far).
 A request with many tokens to compute gets a chunk of the per-step token
-budget; one that is caught up gets 1 (its newest sampled token). Both kinds
-share one ragged step.
+budget; one that is caught up gets 1 (its newest sampled token), plus its
+speculative drafts when it has some (lookahead slots: pages are allocated
+for them; the engine takes back the rejected ones by not counting them as
+computed). All kinds share one ragged step.
 
 Passes, in order, each small:
   1. running requests, oldest first: grow their pages for this step's
@@ -47,6 +49,7 @@ class Request:
   status: Status = Status.WAITING
   row: int | None = None  # sampler-history row while running
   needs_history: bool = False  # the row must be (re)loaded before the next step
+  spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
   finish_reason: str | None = None
   output: Any = None  # the engine's per-request output state
 
@@ -108,6 +111,10 @@ class Scheduler:
     while i < len(self.running) and budget > 0:
       req = self.running[i]
       n = min(req.num_uncomputed, budget)
+      # Drafts only follow a caught-up request's last token, as far as the budget goes.
+      spec = req.spec_token_ids[:budget - n] if n == req.num_uncomputed == 1 else []
+      req.spec_token_ids = spec
+      n += len(spec)
       while not self.kv.can_allocate(req.request_id, req.num_computed + n):
         victim = self.running[-1]
         self._preempt(victim)
@@ -146,6 +153,7 @@ class Scheduler:
   def _preempt(self, req: Request) -> None:
     """Back to the front of the queue; recomputed from its tokens (outputs kept)."""
     self.running.remove(req)
+    req.spec_token_ids = []
     self._release(req)
     req.status = Status.WAITING
     req.num_computed = 0

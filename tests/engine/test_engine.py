@@ -249,10 +249,10 @@ def test_a_request_that_fails_in_postprocessing_ends_alone():
   want = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(12))
   real = engine._append
 
-  def append(req, i, result):
+  def append(req, *args):
     if req.request_id == "r1" and len(req.output_token_ids) == 3:
       raise RuntimeError("boom")
-    real(req, i, result)
+    real(req, *args)
 
   engine._append = append
   outs, _ = run_engine(engine, [[1, 2, 3], [9, 9], [4, 5, 6]], [greedy(12)] * 3)

@@ -1,0 +1,119 @@
+"""Speculative decoding: drafters propose k tokens, the step verifies them.
+
+A running request that has caught up with its tokens is scheduled with
+1 + k new tokens: its newest token and k drafts. The step computes logits
+at all k + 1 rows and samples the target token t_j of each row exactly as
+it would without speculation (same processing, same key fold_in(seed,
+position)). Draft d_j+1 is accepted while it equals t_j; the committed tokens
+are t_0 .. t_a, where a is the number of accepted drafts (the last one is
+the correction, or the bonus token when every draft was accepted).
+
+Why "sample, then compare" is lossless: a drafter here is deterministic (its
+q is a point mass on d), so rejection sampling accepts d with probability
+min(1, p(d) / q(d)) = p(d), which is exactly P(t = d) for t ~ p; and after a
+rejection, t ~ p conditioned on t != d, which is norm(max(0, p - q)). So the
+committed tokens have the target's distribution, and, because t_j is drawn
+with the key that the same position would use without speculation, a seeded
+request produces the same tokens with or without it (and in any batch).
+
+Legend: S sequences, k drafts per sequence (static), V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import InvalidRequestError
+
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """How many tokens to draft per step, and with what.
+
+  'ngram' (prompt lookup, no training): the continuation of the most recent
+  earlier occurrence of the sequence's last n tokens (n from ngram_max down
+  to ngram_min) in its own prompt and output.
+  """
+
+  method: str = "ngram"
+  num_speculative_tokens: int = 3
+  ngram_min: int = 1
+  ngram_max: int = 4
+
+  def __post_init__(self):
+    if self.method == "mtp":
+      raise InvalidRequestError(
+          "speculative method 'mtp' needs an MTP head, which jaxinfer cannot load or train yet; "
+          "use method='ngram'")
+    if self.method not in SPEC_METHODS:
+      raise InvalidRequestError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+    k = self.num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+      raise InvalidRequestError(
+          f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    for name in ("ngram_min", "ngram_max"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
+    if self.ngram_min > self.ngram_max:
+      raise InvalidRequestError(f"ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+
+  @classmethod
+  def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+    """None, a SpeculativeConfig, or a dict of its fields (what LLM(speculative=...) takes)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+      return value
+    if not isinstance(value, dict):
+      raise InvalidRequestError(f"speculative must be a dict or SpeculativeConfig, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+    if unknown:
+      raise InvalidRequestError(f"unknown speculative option(s) {unknown}; options are "
+                                f"{sorted(cls.__dataclass_fields__)}")
+    return cls(**value)
+
+
+class Drafter(Protocol):
+  def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    """Up to k draft tokens to follow token_ids (fewer, or none, when it has no guess)."""
+
+
+class NgramDrafter:
+  """Prompt lookup: continue the latest earlier match of the trailing n-gram."""
+
+  def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+    self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+  def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    ids = np.asarray(token_ids, np.int64)
+    L = len(ids)
+    for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+      tail = ids[L - n:]
+      # Windows starting at 0 .. L - n - 1: every earlier occurrence, not the tail itself.
+      win = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)
+      hits = np.flatnonzero((win == tail).all(axis=1))
+      if len(hits):
+        start = int(hits[-1]) + n  # the most recent match: its continuation is the freshest
+        return ids[start:start + k].tolist()
+    return []
+
+
+def make_drafter(cfg: SpeculativeConfig) -> Drafter:
+  return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+
+
+def accept(targets: jnp.ndarray, drafts: jnp.ndarray, num_drafts: jnp.ndarray) -> jnp.ndarray:
+  """Accepted drafts per sequence: the longest prefix with d_j+1 == t_j.
+
+  targets [S, k + 1] (the sampled target tokens), drafts [S, k], num_drafts [S].
+  Returns [S] int32 in 0 .. num_drafts.
+  """
+  k = drafts.shape[1]
+  ok = (drafts == targets[:, :k]) & (jnp.arange(k) < num_drafts[:, None])
+  return jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)

@@ -1,0 +1,182 @@
+"""Speculative decoding: drafters, verification in the ragged step, losslessness."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import DATA, tiny_dir
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.spec_decode import NgramDrafter, SpeculativeConfig
+from jaxinfer.errors import InvalidRequestError
+
+
+def ngram(k):
+  return {"method": "ngram", "num_speculative_tokens": k}
+
+
+def make_llm(family="llama3", **kw):
+  kw = dict(max_num_seqs=16, max_num_batched_tokens=64, warmup=False) | kw
+  return LLM(tiny_dir(family), **kw)
+
+
+# ---- drafters and options --------------------------------------------------------------
+
+def test_ngram_drafter_continues_the_latest_longest_match():
+  d = NgramDrafter(1, 3)
+  #        0  1  2  3  4  5  6  7  8  9
+  ids = [5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7]
+  assert d.propose(ids, 2) == [8, 1]  # trailing 3-gram 5 6 7: latest earlier match at 4
+  assert d.propose(ids, 9) == [8, 1, 5, 6, 7]  # the continuation runs out at the end
+  assert d.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+  assert d.propose([4, 2, 4], 2) == [2, 4]  # falls back to a 1-gram
+  assert NgramDrafter(2, 3).propose([4, 2, 4], 2) == []  # ... unless ngram_min forbids it
+  assert d.propose([7], 3) == []
+
+
+@pytest.mark.parametrize("value,message", [
+    (dict(method="ngram", num_speculative_tokens=0), r"num_speculative_tokens must be an int in \[1, 8\], got 0"),
+    (dict(method="ngram", num_speculative_tokens=9), r"num_speculative_tokens must be an int in \[1, 8\], got 9"),
+    (dict(method="medusa"), r"speculative method must be one of \('ngram',\), got 'medusa'"),
+    (dict(method="mtp"), r"'mtp' needs an MTP head"),
+    (dict(method="ngram", lookahead=2), r"unknown speculative option\(s\) \['lookahead'\]"),
+    (dict(ngram_min=3, ngram_max=2), r"ngram_min=3 exceeds ngram_max=2"),
+    ("ngram", r"speculative must be a dict or SpeculativeConfig, got str"),
+])
+def test_bad_speculative_options_name_the_option(value, message):
+  with pytest.raises(InvalidRequestError, match=message):
+    SpeculativeConfig.parse(value)
+
+
+# ---- greedy: identical to transformers ---------------------------------------------------
+
+def batch_golden(name):
+  return json.loads((DATA / "golden" / f"batch_{name}.json").read_text())
+
+
+def greedy(n):
+  return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family,k", [("llama3", 1), ("llama3", 3), ("mistral", 2)])
+def test_greedy_with_ngram_drafts_equals_transformers(family, k):
+  """The golden batch (16 requests, chunked prefill mixed with verification); then a
+  second run that hits the prefix cache; then a pool so small that requests are preempted."""
+  g = batch_golden(family)
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  want = [r["greedy_ids"] for r in g["records"]]
+  llm = make_llm(family, speculative=ngram(k))
+  for _ in range(2):
+    outs = llm.generate(prompts, greedy(g["max_new_tokens"]))
+    assert [o.token_ids for o in outs] == want
+  stats = llm.engine.stats()
+  assert stats["spec_accepted_tokens"] > 0  # drafts were verified and some accepted
+  assert 1 < stats["spec_mean_acceptance_length"] <= k + 1
+  assert sum(o.num_cached_tokens for o in outs) > 0
+  assert llm.engine.kv.usage == 0.0
+  small = make_llm(family, speculative=ngram(k), num_pages=17)
+  assert [o.token_ids for o in small.generate(prompts, greedy(g["max_new_tokens"]))] == want
+  assert small.engine.stats()["preemptions"] > 0
+
+
+# ---- sampling: the same tokens, and the target's distribution ----------------------------
+
+def test_seeded_sampling_commits_the_same_tokens_with_and_without_drafts():
+  """Each target token is drawn with the key its position has without speculation, so a
+  seeded request's tokens, logprobs, stop and length handling are unchanged."""
+  g = batch_golden("llama3")
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  base = make_llm().generate(prompts, greedy(24))
+  stop_at = [o.token_ids[5] for o in base]  # a stop id that greedy decoding meets mid-run
+  params = [SamplingParams(temperature=(0.0, 0.2, 0.8, 0.2)[i % 4], top_k=(0, 7)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0],
+                           seed=100 + i, max_tokens=(24, 9)[i % 2], ignore_eos=True, logprobs=2,
+                           stop_token_ids=(stop_at[i],) if i % 4 == 0 else ())
+            for i in range(len(prompts))]
+  want = make_llm().generate(prompts, params)
+  llm = make_llm(speculative=ngram(3))
+  got = llm.generate(prompts, params)
+  for w, o in zip(want, got):
+    assert o.token_ids == w.token_ids
+    assert o.finish_reason == w.finish_reason
+    np.testing.assert_allclose(o.logprobs, w.logprobs, atol=1e-4)
+  assert [o.finish_reason for o in got[::4]] == ["stop"] * 4  # stopped inside a run
+  assert all(len(o.token_ids) == 9 for o in got[1::2])  # max_tokens never overshot
+  assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+class FixedDrafter:
+  """Drafts chosen by the test: the model's own greedy continuation ('good') or a token
+  the model never samples ('poor')."""
+
+  def __init__(self, table):
+    self.table = table
+
+  def propose(self, token_ids, k):
+    return list(self.table.get(tuple(token_ids), ()))[:k]
+
+
+@pytest.mark.parametrize("quality", ["good", "poor"])
+def test_two_token_distribution_matches_the_model(quality):
+  """Chi-square of 2 sampled tokens (top_k=3, temperature 1) over 600 seeds, drafts
+  verified, against the exact joint distribution computed from the model's logits."""
+  llm = make_llm(speculative=ngram(1))
+  prompt = [1, 17, 42, 99, 5]
+  K = 3
+
+  def top(ids):
+    z = llm.logits(ids)[-1].astype(np.float64)
+    best = np.argsort(-z)[:K]
+    p = np.exp(z[best] - z[best].max())
+    return best, p / p.sum()
+
+  first, p1 = top(prompt)
+  exact = {}
+  table = {}
+  for a, pa in zip(first, p1):
+    second, p2 = top(prompt + [int(a)])
+    exact.update({(int(a), int(b)): pa * pb for b, pb in zip(second, p2)})
+  # After the first token, draft the second: the model's top choice, or an unseen token.
+  for a in first:
+    second, _ = top(prompt + [int(a)])
+    table[tuple(prompt + [int(a)])] = [int(second[0])] if quality == "good" else [300]
+  llm.engine.drafter = FixedDrafter(table)
+  n = 600
+  outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=K, seed=s, max_tokens=2,
+                                                    ignore_eos=True) for s in range(n)])
+  counts = {}
+  for o in outs:
+    counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+  assert set(counts) <= set(exact)
+  chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
+  # 9 cells, 8 degrees of freedom: P(chi2 > 26.1) = 0.001 for a correct sampler.
+  assert chi2 < 26.1, (chi2, counts)
+  stats = llm.engine.stats()
+  assert stats["spec_draft_tokens"] == n  # one draft per request, after its first token
+  if quality == "good":
+    assert stats["spec_accepted_tokens"] > n / 3
+  else:
+    assert stats["spec_accepted_tokens"] == 0
+
+
+def test_abort_mid_speculation_frees_every_page():
+  llm = make_llm(speculative=ngram(3))
+  engine = llm.engine
+  g = batch_golden("llama3")
+  for i, r in enumerate(g["records"][:6]):
+    engine.add_request(f"r{i}", r["prompt_ids"], greedy(40))
+  while engine.stats()["spec_verify_steps"] == 0:
+    engine.step()
+  for i in range(6):
+    engine.abort(f"r{i}")
+  assert not engine.has_unfinished()
+  assert engine.kv.usage == 0.0
+
+
+def test_cli_generates_with_speculation_and_rejects_a_bad_count(capsys):
+  from jaxinfer.cli import main
+  model = str(tiny_dir("llama3"))
+  assert main(["generate", "--model", model, "--speculative-method", "ngram", "--num-speculative-tokens",
+               "2", "--max-tokens", "4", "--no-chat-template", "--quiet", "hello"]) == 0
+  assert main(["generate", "--model", model, "--speculative-method", "ngram", "--num-speculative-tokens",
+               "0", "hello"]) == 1
+  assert "num_speculative_tokens must be an int in [1, 8], got 0" in capsys.readouterr().err
