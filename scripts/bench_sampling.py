@@ -25,6 +25,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/sampling-<date>.json)")
   args = ap.parse_args(argv)
   B, V = args.batch, args.vocab
+  load = [round(x, 2) for x in os.getloadavg()]  # the CPU may be shared: record how busy it was
   rng = np.random.default_rng(0)
   logits = {kind: jnp.asarray(make_logits(kind, B, V, rng)) for kind in ("lm", "flat")}
   R = B + 1  # history rows, as the runner's max_num_seqs + 1
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
   out = args.out or ROOT / "benchmarks" / "results" / f"sampling-{datetime.date.today().isoformat()}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(dict(benchmark="sampling", commit=commit, cpu_model=cpu_model(),
-                                 jax=jax.__version__, batch=B, vocab=V, iters=args.iters,
+                                 load_average_at_start=load, jax=jax.__version__, batch=B, vocab=V,
+                                 iters=args.iters,
                                  candidates=CANDIDATES, rows=results, width_sweep=sweep), indent=1))
   print(f"\nwrote {out}")
   return 0
