@@ -51,7 +51,8 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
-                           soft_cap: float | None = None, impl: str = "auto") -> jax.Array:
+                           soft_cap: float | None = None, impl: str = "auto",
+                           decode_q_len: int = 1) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -64,12 +65,15 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   the scaled scores to c * tanh(s / c) (Gemma 2 style). One call serves decode
   (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
   Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
+  `decode_q_len` (static) tells the XLA path which sequences to treat as
+  decodes: those with at most this many queries (1 + the drafts verified per
+  step); the Pallas kernel needs no such hint.
   """
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                       num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap)
+                                      soft_cap=soft_cap, decode_q_len=decode_q_len)
   import pallas_kernels
   return pallas_kernels.ragged_paged_attention(
       q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
@@ -77,13 +81,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale=None, sliding_window=None, soft_cap=None):
+                               sm_scale=None, sliding_window=None, soft_cap=None, decode_q_len=1):
   """The XLA path: each sequence's pages are read once per block of its queries.
 
   The batch is split by kind inside one program, as the TPU ragged kernel
   distributes decode / prefill / mixed work:
-    decode (q_len == 1): vectorized over the S sequences; each gathers its
-      own pages, C keys at a time;
+    decode (1 <= q_len <= decode_q_len: one token, or one plus the drafts
+      it verifies): vectorized over the S sequences, decode_q_len query rows
+      each; each sequence gathers its own pages, C keys at a time, once;
     longer (prefill chunks, verification): cut into blocks of `_BLOCK_Q`
       queries of one sequence; a loop over the real blocks gathers the
       sequence's pages once per block, only as far as the block's causal
@@ -110,21 +115,27 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   attend = functools.partial(_attend, k_pages, v_pages, sliding_window=sliding_window,
                              soft_cap=soft_cap)
   out = jnp.zeros(qs.shape, jnp.float32)  # [T + _BLOCK_Q, K, G, d]
-  out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, real & (q_lens == 1),
+  if not 1 <= decode_q_len <= _BLOCK_Q:
+    raise ValueError(f"decode_q_len={decode_q_len} must be in [1, {_BLOCK_Q}]")
+  is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
+  out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
                      sliding_window)
-  out = _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, real & (q_lens > 1),
-                      sliding_window)
+  out = _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens,
+                      real & (q_lens > decode_q_len), sliding_window)
   return out[:T].reshape(T, H, d).astype(q.dtype)
 
 
-def _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, window):
-  """Sequences with one query: all at once, each reading its own pages."""
-  rows = cu_q_lens[:-1]  # [S]
-  q_pos = kv_lens - 1
+def _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, R, window):
+  """Sequences with at most R queries: all at once, R rows each, each reading its own pages."""
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  j = jnp.arange(R, dtype=jnp.int32)
+  rows = cu_q_lens[:-1, None] + j  # [S, R]; < T + R <= the padded length of qs
+  valid = is_decode[:, None] & (j < q_lens[:, None])
+  q_pos = (kv_lens - q_lens)[:, None] + j
   hi = jnp.max(jnp.where(is_decode, kv_lens, 0))
-  lo = 0 if window is None else jnp.min(jnp.where(is_decode, q_pos - window + 1, hi))
-  res = attend(qs[rows][:, None], q_pos[:, None], page_indices, lo, hi, _DECODE_KEYS)
-  return out.at[jnp.where(is_decode, rows, out.shape[0])].set(res[:, 0], mode="drop")
+  lo = 0 if window is None else jnp.min(jnp.where(valid, q_pos - window + 1, hi))
+  res = attend(qs[rows], q_pos, page_indices, lo, hi, _DECODE_KEYS)  # [S, R, K, G, d]
+  return out.at[jnp.where(valid, rows, out.shape[0])].set(res, mode="drop")
 
 
 def _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_multi, window):

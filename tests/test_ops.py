@@ -103,11 +103,12 @@ def test_bfloat16_inputs_accumulate_in_float32():
   np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_xla_query_blocks_at_their_edges(window):
+@pytest.mark.parametrize("window,decode_q_len", [(None, 1), (40, 1), (None, 4)])
+def test_xla_query_blocks_at_their_edges(window, decode_q_len):
   """Multi-query sequences are cut into blocks of ops._BLOCK_Q queries: lengths at,
   around and past a block edge, blocks that overhang into the next sequence's rows,
-  decodes in between, KV far past one chunk, and a window that skips leading chunks."""
+  decodes in between, KV far past one chunk, and a window that skips leading chunks;
+  with decode_q_len 4, the 2-query sequences join the vectorized decode path."""
   B = ops._BLOCK_Q
   rng = np.random.default_rng(B)
   q_lens = [B, 1, B + 1, 2, B - 1, 1, 2 * B + 3]
@@ -121,7 +122,8 @@ def test_xla_query_blocks_at_their_edges(window):
   v_pages = rng.normal(size=(num_pages, 16, 2, 32)).astype(np.float32)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
   got = np.asarray(ops.ragged_paged_attention(q, k_pages, v_pages, kv_full, page_indices, cu,
-                                              np.int32(len(q_lens)), sliding_window=window, impl="xla"))
+                                              np.int32(len(q_lens)), sliding_window=window, impl="xla",
+                                              decode_q_len=decode_q_len))
   want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window)
   real = int(cu[len(q_lens)])
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
@@ -162,11 +164,13 @@ def test_xla_random_ragged_layouts(data):
   """Random layouts at fixed static shapes (no recompiles): the XLA path equals naive attention."""
   T, S, P, p = 160, 6, 12, 16
   num_seqs = data.draw(st.integers(1, S), label="num_seqs")
-  q_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+  q_lens = data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 5, 9, 30, 64, 65, 100]), min_size=num_seqs,
+                              max_size=num_seqs), label="q_lens")
   while sum(q_lens) > T - 3:
     q_lens[q_lens.index(max(q_lens))] //= 2
   kv_extra = [data.draw(st.integers(0, P * p - q), label="past") for q in q_lens]
   window = data.draw(st.sampled_from([None, 17]), label="window")
+  decode_q_len = data.draw(st.sampled_from([1, 4]), label="decode_q_len")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
   num_pages = S * P + 1
   kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, p, num_pages, P)
@@ -178,17 +182,18 @@ def test_xla_random_ragged_layouts(data):
   k_pages = rng.normal(size=(num_pages, p, 2, 16)).astype(np.float32)
   v_pages = rng.normal(size=(num_pages, p, 2, 16)).astype(np.float32)
   got = np.asarray(_jit_xla(q, k_pages, v_pages, kv_full, page_indices, cu, np.int32(num_seqs),
-                            sliding_window=window))
+                            sliding_window=window, decode_q_len=decode_q_len))
   want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, num_seqs, window)
   real = int(cu[num_seqs])
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
 
 
-def _jit_xla(*args, sliding_window):
+def _jit_xla(*args, **static):
   import jax
-  fn = _JITTED.setdefault(sliding_window, jax.jit(
-      lambda *a: ops.ragged_paged_attention_xla(*a, sliding_window=sliding_window)))
-  return fn(*args)
+  key = tuple(sorted(static.items()))
+  if key not in _JITTED:
+    _JITTED[key] = jax.jit(lambda *a: ops.ragged_paged_attention_xla(*a, **static))
+  return _JITTED[key](*args)
 
 
 _JITTED: dict = {}

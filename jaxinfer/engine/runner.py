@@ -219,7 +219,7 @@ class ModelRunner:
     self.mesh = mesh
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl),
+    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size))
@@ -307,9 +307,10 @@ class ModelRunner:
     return np.asarray(out)[:len(token_ids)]
 
 
-def _step(cfg, attention_impl, params, cache, history, batch: StepBatch, *, prompt_logprobs: bool):
+def _step(cfg, attention_impl, decode_q_len, params, cache, history, batch: StepBatch, *,
+          prompt_logprobs: bool):
   hidden, cache = forward(params, cfg, batch.tokens, batch.positions, cache, batch.paged,
-                          attention_impl=attention_impl)  # [T, D]
+                          attention_impl=attention_impl, decode_q_len=decode_q_len)  # [T, D]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
                                     batch.rows)

@@ -56,7 +56,8 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
                     layer_cache: dict[str, jax.Array], batch: PagedBatch, *,
-                    attention_impl: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
+                    attention_impl: str = "auto", decode_q_len: int = 1
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
   q = jnp.einsum("TD,DHd->THd", x, p["wq"])
   k = jnp.einsum("TD,DKd->TKd", x, p["wk"])
   v = jnp.einsum("TD,DKd->TKd", x, p["wv"])
@@ -73,7 +74,8 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
                "v": _write(layer_cache["v"], v, batch.slot_mapping)}
   out = ops.ragged_paged_attention(q, new_cache["k"], new_cache["v"], batch.kv_lens,
                                    batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-                                   sliding_window=cfg.sliding_window, impl=attention_impl)
+                                   sliding_window=cfg.sliding_window, impl=attention_impl,
+                                   decode_q_len=decode_q_len)
   return jnp.einsum("THd,HdD->TD", out, p["wo"]), new_cache
 
 
@@ -82,27 +84,30 @@ def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 
 def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, batch: PagedBatch, ffn=dense_ffn, *,
-                  attention_impl: str = "auto"):
+                  attention_impl: str = "auto", decode_q_len: int = 1):
   h, layer_cache = attention_block(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
-                                   positions, layer_cache, batch, attention_impl=attention_impl)
+                                   positions, layer_cache, batch, attention_impl=attention_impl,
+                                   decode_q_len=decode_q_len)
   x = x + h
   x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
   return x, layer_cache
 
 
 def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: Cache, batch: PagedBatch, *, attention_impl: str = "auto") -> tuple[jax.Array, Cache]:
+            cache: Cache, batch: PagedBatch, *, attention_impl: str = "auto",
+            decode_q_len: int = 1) -> tuple[jax.Array, Cache]:
   """Runs the ragged tokens [T] at positions [T] through the decoder.
 
   Writes their K/V into the paged `cache` at `batch.slot_mapping` and
   returns the final normed hidden states [T, D] and the updated cache.
-  `attention_impl` picks the attention kernel (see jaxinfer.ops).
+  `attention_impl` picks the attention kernel and `decode_q_len` says which
+  sequences the XLA path treats as decodes (see jaxinfer.ops).
   """
   x = jnp.take(params["embed"], tokens, axis=0)
   new_cache = []
   for layer_params, layer_cache in zip(params["layers"], cache):
     x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch,
-                                   attention_impl=attention_impl)
+                                   attention_impl=attention_impl, decode_q_len=decode_q_len)
     new_cache.append(layer_cache)
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
