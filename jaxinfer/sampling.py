@@ -127,6 +127,25 @@ class SamplingBatch(NamedTuple):
   position: jax.Array  # int32: the position of the token being sampled
   want_logprobs: jax.Array  # bool: compute the top-n logprobs for this row
 
+  @classmethod
+  def from_params(cls, params: "Sequence[SamplingParams | None]", seeds: Sequence[int],
+                  positions: Sequence[int]) -> "SamplingBatch":
+    """Host (numpy) rows from each row's SamplingParams; a None row (padding) is
+    greedy, unpenalized and wants no logprobs."""
+    B = len(params)
+    sp = cls(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
+             np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.float32),
+             np.zeros(B, np.float32), np.asarray(seeds, np.uint32), np.asarray(positions, np.int32),
+             np.zeros(B, bool))
+    for i, p in enumerate(params):
+      if p is None:
+        continue
+      sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+      sp.repetition_penalty[i] = p.repetition_penalty
+      sp.presence_penalty[i], sp.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+      sp.want_logprobs[i] = bool(p.logprobs)
+    return sp
+
 
 def apply_penalties(logits: jax.Array, sp: SamplingBatch, output_counts: jax.Array,
                     prompt_mask: jax.Array) -> jax.Array:

@@ -158,27 +158,9 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     t += n
     cu[i + 1] = t
   cu[len(seqs) + 1:] = t
-  sampling = sampling_batch(params, seeds, sample_pos)
+  sampling = SamplingBatch.from_params(params, seeds, sample_pos)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
                    logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets)
-
-
-def sampling_batch(params: Sequence[SamplingParams | None], seeds: np.ndarray,
-                   positions: np.ndarray) -> SamplingBatch:
-  """Per-row sampling controls; a None row (padding) is greedy and wants nothing."""
-  B = len(params)
-  sp = SamplingBatch(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
-                     np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.float32),
-                     np.zeros(B, np.float32), np.asarray(seeds, np.uint32),
-                     np.asarray(positions, np.int32), np.zeros(B, bool))
-  for i, p in enumerate(params):
-    if p is None:
-      continue
-    sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-    sp.repetition_penalty[i] = p.repetition_penalty
-    sp.presence_penalty[i], sp.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
-    sp.want_logprobs[i] = bool(p.logprobs)
-  return sp
 
 
 @dataclasses.dataclass

@@ -1,0 +1,52 @@
+"""runner.pack: the host side of the step, to exact arrays (no model)."""
+
+import numpy as np
+import pytest
+
+from jaxinfer.engine.runner import ScheduledSeq, pack
+from jaxinfer.sampling import SamplingParams
+
+
+def test_pack_lays_out_a_prefill_chunk_a_decode_and_a_verification():
+  greedy = SamplingParams(temperature=0)
+  hot = SamplingParams(temperature=0.5, top_k=7, logprobs=3)
+  seqs = [
+      # a prefill chunk: tokens 2..4 of 6 known (no sampling this step)
+      ScheduledSeq(row=5, token_ids=[10, 11, 12, 13, 14, 15], start=2, num_new=3, pages=[7, 3],
+                   params=greedy, seed=1),
+      # a decode: its newest token at position 4
+      ScheduledSeq(row=0, token_ids=[20, 21, 22, 23, 24], start=4, num_new=1, pages=[9, 8], params=hot,
+                   seed=2),
+      # a verification: newest token 32 at position 2, then drafts 40, 41
+      ScheduledSeq(row=3, token_ids=[30, 31, 32], start=2, num_new=3, pages=[4, 6], params=hot, seed=3,
+                   draft_ids=[40, 41]),
+  ]
+  b = pack(seqs, T=8, S=4, k=2, pages_per_seq=3, page_size=4, scratch_row=9)
+  np.testing.assert_array_equal(b.tokens, [12, 13, 14, 24, 32, 40, 41, 0])
+  np.testing.assert_array_equal(b.positions, [2, 3, 4, 4, 2, 3, 4, 0])
+  # slot = page * page_size + offset; padding writes go to page 0
+  np.testing.assert_array_equal(b.paged.slot_mapping, [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 8 * 4 + 0,
+                                                       4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 0])
+  np.testing.assert_array_equal(b.paged.cu_q_lens, [0, 3, 4, 7, 7])
+  np.testing.assert_array_equal(b.paged.kv_lens, [5, 5, 5, 0])
+  np.testing.assert_array_equal(b.paged.page_indices, [[7, 3, 0], [9, 8, 0], [4, 6, 0], [0, 0, 0]])
+  assert int(b.paged.num_seqs) == 3
+  # k + 1 = 3 logits rows per sequence: the chunk's and the decode's last token, all 3 verify rows
+  np.testing.assert_array_equal(b.logits_indices, [2, 0, 0, 3, 0, 0, 4, 5, 6, 0, 0, 0])
+  np.testing.assert_array_equal(b.rows, [5, 9, 9, 0, 9, 9, 3, 3, 3, 9, 9, 9])
+  np.testing.assert_array_equal(b.sampling.position, [5, 0, 0, 5, 0, 0, 3, 4, 5, 0, 0, 0])
+  np.testing.assert_array_equal(b.sampling.seed, [1, 0, 0, 2, 0, 0, 3, 3, 3, 0, 0, 0])
+  np.testing.assert_array_equal(b.sampling.top_k, [0, 0, 0, 7, 0, 0, 7, 7, 7, 0, 0, 0])
+  np.testing.assert_array_equal(b.sampling.want_logprobs, [0, 0, 0, 1, 0, 0, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(b.samples, [False, True, True, False])
+  np.testing.assert_array_equal(b.draft_ids, [[0, 0], [0, 0], [40, 41], [0, 0]])
+  np.testing.assert_array_equal(b.num_drafts, [0, 0, 2, 0])
+
+
+def test_pack_refuses_what_does_not_fit():
+  s = ScheduledSeq(row=0, token_ids=[1, 2], start=1, num_new=3, pages=[1], params=SamplingParams(),
+                   seed=0, draft_ids=[5, 6])
+  with pytest.raises(ValueError, match="2 drafts exceed the step's 1 speculative tokens"):
+    pack([s], T=4, S=1, k=1, pages_per_seq=1, page_size=4, scratch_row=1)
+  with pytest.raises(ValueError, match="2 sequences do not fit the 4-token bucket"):
+    pack([s, s], T=4, S=1, k=2, pages_per_seq=1, page_size=4, scratch_row=1)
