@@ -309,16 +309,40 @@ def run_peer(name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_
   python, spec, env = job
   spec.update(max_new_tokens=int(max_new_tokens), return_outputs=return_outputs,
               prompts=[[int(t) for t in p] for p in prompts_token_ids])
-  t0 = time.perf_counter()
-  try:
-    result = _run_worker(python, "run", spec, timeout_s, env=env, verbose=verbose)
-  except PeerUnavailable as e:
-    print(f"bench_peers: skipping {name}: {e}", file=sys.stderr)
+  result = _timed_worker(name, python, "run", spec, timeout_s, env, verbose)
+  if result is None:
     return None
-  result["process_s"] = round(time.perf_counter() - t0, 2)  # start-up + load + warm-up + run
   for k in ("wall_s", "ttft_s", "tokens_per_s"):
     result[k] = round(result[k], 4)
   return result
+
+
+def _timed_worker(name: str, python: str, command: str, spec: dict[str, Any], timeout_s: float,
+                  env: dict[str, str], verbose: bool) -> dict[str, Any] | None:
+  """_run_worker plus `process_s` (start-up + load + warm-up + work); None, said on
+  stderr, when the peer turns out to be unavailable."""
+  t0 = time.perf_counter()
+  try:
+    result = _run_worker(python, command, spec, timeout_s, env=env, verbose=verbose)
+  except PeerUnavailable as e:
+    print(f"bench_peers: skipping {name}: {e}", file=sys.stderr)
+    return None
+  result["process_s"] = round(time.perf_counter() - t0, 2)
+  return result
+
+
+def write_results(kind: str, payload: dict[str, Any], out: str | os.PathLike[str] | None = None) -> Path:
+  """Writes a benchmark's JSON with this repository's commit and the CPU it ran on:
+  `out`, or benchmarks/results/<kind>-<date>.json."""
+  import datetime
+  root = Path(__file__).resolve().parent.parent
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+  path = Path(out) if out else root / "benchmarks" / "results" / f"{kind}-{datetime.date.today().isoformat()}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(dict(benchmark=kind, commit=commit, cpu=cpu_info(), command=" ".join(sys.argv),
+                                  **payload), indent=1))
+  return path
 
 
 def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
@@ -411,13 +435,9 @@ def run_peer_ttft(name: str, dtype: str, prompt_token_ids: list[int] | list[list
     return None
   python, spec, env = job
   spec["cases"] = cases
-  t0 = time.perf_counter()
-  try:
-    result = _run_worker(python, "ttft", spec, timeout_s, env=env, verbose=verbose)
-  except PeerUnavailable as e:
-    print(f"bench_peers: skipping {name}: {e}", file=sys.stderr)
+  result = _timed_worker(name, python, "ttft", spec, timeout_s, env, verbose)
+  if result is None:
     return None
-  result["process_s"] = round(time.perf_counter() - t0, 2)
   for c in result["cases"]:
     c["ttft_s"] = round(c["ttft_s"], 4)
     c["warmup_s"] = round(c["warmup_s"], 4)

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Speculative decoding on the default model: decode tokens/s without speculation and
+with n-gram drafts (k = 1, 2, 3), at batch 1 and batch 16, side by side in one run.
+
+  python scripts/bench_spec.py [--dtype float32] [--max-tokens 128] [--ks 1,2,3]
+
+Prompts are chats we ship here: half ask the model to rework a text given in
+the prompt (where prompt lookup finds drafts), half are open questions.
+Greedy, EOS ignored, so every configuration generates the same number of
+tokens, and the script checks they are the same tokens. Prints a table;
+writes benchmarks/results/spec-<date>.json with the CPU and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+        "trimmed the wick and polished the great lens until it shone. Ships passing the rocky point "
+        "looked for his light, and on stormy nights he stayed awake until dawn, watching the sea.")
+CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(values)\n")
+PROMPTS = [
+    f"Rewrite this story in the past perfect tense:\n\n{TEXT}",
+    f"Add type hints and a docstring to this Python function, and show the whole function:\n\n{CODE}",
+    f"Repeat the following text, but replace 'lighthouse keeper' with 'old sailor':\n\n{TEXT}",
+    f"Summarize this text in three sentences, quoting it where you can:\n\n{TEXT}",
+    "What is the capital of France? Explain its history briefly.",
+    "Write a short poem about autumn leaves.",
+    "List five tips for learning a new language.",
+    "Explain how a bicycle works to a child.",
+]
+
+
+def run(dtype: str, spec: dict | None, max_tokens: int, batch: int) -> dict:
+  from jaxinfer import LLM, SamplingParams
+  llm = LLM(None, dtype=dtype, speculative=spec, max_num_seqs=max(16, batch))
+  chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+  sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+  llm.generate(chats[:1], SamplingParams(temperature=0, max_tokens=4))  # first-use work out of the timing
+  base = dict(llm.engine.stats())
+  t0 = time.perf_counter()
+  if batch == 1:
+    outs = [llm.generate([c], sp)[0] for c in chats]
+  else:
+    outs = llm.generate((chats * (-(-batch // len(chats))))[:batch], sp)
+  dt = time.perf_counter() - t0
+  stats = llm.engine.stats()
+  tokens = sum(len(o.token_ids) for o in outs)
+  row = dict(method=spec["method"] if spec else "none", k=spec["num_speculative_tokens"] if spec else 0,
+             batch=batch, tokens=tokens, seconds=dt, tokens_per_s=tokens / dt,
+             steps=stats["steps"] - base["steps"], ids=[o.token_ids for o in outs])
+  if spec:
+    row["mean_acceptance_length"] = float(stats["spec_mean_acceptance_length"])
+    row["acceptance_rate"] = [float(stats[f"spec_acceptance_rate_{j + 1}"])
+                              for j in range(spec["num_speculative_tokens"])]
+  del llm
+  gc.collect()
+  return row
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--max-tokens", type=int, default=128)
+  ap.add_argument("--ks", default="1,2,3")
+  ap.add_argument("--batches", default="1,16")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+  rows = []
+  for batch in map(int, args.batches.split(",")):
+    for k in [0] + [int(x) for x in args.ks.split(",")]:
+      spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+      print(f"== batch {batch}, k={k}", file=sys.stderr, flush=True)
+      rows.append(run(args.dtype, spec, args.max_tokens, batch))
+  print(f"\nDecode with speculation, default model, {args.dtype}, greedy, {args.max_tokens} tokens per prompt")
+  print("| batch | method | k | tok/s | speedup | steps | mean acceptance length | acceptance by position | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    base = next(b for b in rows if b["batch"] == r["batch"] and b["k"] == 0)
+    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    r["same_tokens_as_without"] = r["ids"] == base["ids"]
+    acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_rate", [])) or "-"
+    mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
+    print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+          f"{r['steps']} | {mal} | {acc} | {r['same_tokens_as_without']} |")
+  for r in rows:
+    del r["ids"]
+  import bench_peers
+  out = bench_peers.write_results("spec", dict(dtype=args.dtype, rows=rows), args.out)
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
