@@ -89,7 +89,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     decode (1 <= q_len <= decode_q_len: one token, or one plus the drafts
       it verifies): vectorized over the S sequences, decode_q_len query rows
       each; each sequence gathers its own pages, C keys at a time, once;
-    longer (prefill chunks, verification): cut into blocks of `_BLOCK_Q`
+    longer (prefill chunks): cut into blocks of `_BLOCK_Q`
       queries of one sequence; a loop over the real blocks gathers the
       sequence's pages once per block, only as far as the block's causal
       limit (and from its sliding-window start).
@@ -100,6 +100,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   blocks x their KV): a 512-token chunk reads its KV 512 / _BLOCK_Q times,
   not 512 times.
   """
+  if not 1 <= decode_q_len <= _BLOCK_Q:
+    raise ValueError(f"decode_q_len={decode_q_len} must be in [1, {_BLOCK_Q}]")
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens))
   T, H, d = q.shape
@@ -115,8 +117,6 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   attend = functools.partial(_attend, k_pages, v_pages, sliding_window=sliding_window,
                              soft_cap=soft_cap)
   out = jnp.zeros(qs.shape, jnp.float32)  # [T + _BLOCK_Q, K, G, d]
-  if not 1 <= decode_q_len <= _BLOCK_Q:
-    raise ValueError(f"decode_q_len={decode_q_len} must be in [1, {_BLOCK_Q}]")
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
                      sliding_window)

@@ -40,31 +40,39 @@ PROMPTS = [
 ]
 
 
-def run(dtype: str, spec: dict | None, max_tokens: int, batch: int) -> dict:
+def run(dtype: str, spec: dict | None, max_tokens: int, batches: list[int]) -> list[dict]:
+  """One engine (one warm-up) per configuration, timed at each batch size."""
   from jaxinfer import LLM, SamplingParams
-  llm = LLM(None, dtype=dtype, speculative=spec, max_num_seqs=max(16, batch))
+  llm = LLM(None, dtype=dtype, speculative=spec, max_num_seqs=max(16, *batches),
+            max_num_batched_tokens=256)
   chats = [[{"role": "user", "content": p}] for p in PROMPTS]
   sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
   llm.generate(chats[:1], SamplingParams(temperature=0, max_tokens=4))  # first-use work out of the timing
-  base = dict(llm.engine.stats())
-  t0 = time.perf_counter()
-  if batch == 1:
-    outs = [llm.generate([c], sp)[0] for c in chats]
-  else:
-    outs = llm.generate((chats * (-(-batch // len(chats))))[:batch], sp)
-  dt = time.perf_counter() - t0
-  stats = llm.engine.stats()
-  tokens = sum(len(o.token_ids) for o in outs)
-  row = dict(method=spec["method"] if spec else "none", k=spec["num_speculative_tokens"] if spec else 0,
-             batch=batch, tokens=tokens, seconds=dt, tokens_per_s=tokens / dt,
-             steps=stats["steps"] - base["steps"], ids=[o.token_ids for o in outs])
-  if spec:
-    row["mean_acceptance_length"] = float(stats["spec_mean_acceptance_length"])
-    row["acceptance_rate"] = [float(stats[f"spec_acceptance_rate_{j + 1}"])
-                              for j in range(spec["num_speculative_tokens"])]
+  rows = []
+  for batch in batches:
+    engine = llm.engine
+    base = dict(engine.stats())
+    proposed0, accepted0 = engine.spec_proposed.copy(), engine.spec_accepted.copy()
+    t0 = time.perf_counter()
+    if batch == 1:  # two prompts of each kind, one at a time
+      outs = [llm.generate([c], sp)[0] for c in chats[:2] + chats[4:6]]
+    else:
+      outs = llm.generate((chats * (-(-batch // len(chats))))[:batch], sp)
+    dt = time.perf_counter() - t0
+    stats = engine.stats()
+    tokens = sum(len(o.token_ids) for o in outs)
+    row = dict(method=spec["method"] if spec else "none", k=spec["num_speculative_tokens"] if spec else 0,
+               batch=batch, tokens=tokens, seconds=dt, tokens_per_s=tokens / dt,
+               steps=stats["steps"] - base["steps"], ids=[o.token_ids for o in outs])
+    if spec:
+      proposed, accepted = engine.spec_proposed - proposed0, engine.spec_accepted - accepted0
+      verify = stats["spec_verify_steps"] - base["spec_verify_steps"]
+      row["mean_acceptance_length"] = float(1 + accepted.sum() / verify) if verify else 1.0
+      row["acceptance_rate"] = [float(a / p) if p else 0.0 for p, a in zip(proposed, accepted)]
+    rows.append(row)
   del llm
   gc.collect()
-  return row
+  return rows
 
 
 def main() -> int:
@@ -76,11 +84,12 @@ def main() -> int:
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   rows = []
-  for batch in map(int, args.batches.split(",")):
-    for k in [0] + [int(x) for x in args.ks.split(",")]:
-      spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
-      print(f"== batch {batch}, k={k}", file=sys.stderr, flush=True)
-      rows.append(run(args.dtype, spec, args.max_tokens, batch))
+  batches = [int(b) for b in args.batches.split(",")]
+  for k in [0] + [int(x) for x in args.ks.split(",")]:
+    spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+    print(f"== k={k}", file=sys.stderr, flush=True)
+    rows += run(args.dtype, spec, args.max_tokens, batches)
+  rows.sort(key=lambda r: (r["batch"], r["k"]))
   print(f"\nDecode with speculation, default model, {args.dtype}, greedy, {args.max_tokens} tokens per prompt")
   print("| batch | method | k | tok/s | speedup | steps | mean acceptance length | acceptance by position | same tokens |")
   print("|---|---|---|---|---|---|---|---|---|")

@@ -1,16 +1,27 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes: the full step against the same step with
-attention or sampling replaced by trivial stand-ins, each in a fresh process.
+"""Where a step's time goes, as a table, a JSON and a picture.
 
   python scripts/profile_step.py [--dtype float32] [--batches 64,1] [--kv-len 100]
+                                 [--host-batches 64,256]
 
-Prints a table and writes benchmarks/results/profile-step-<date>.json.
+Device step (one decode token per sequence, kv length --kv-len): the full
+step against the same step with attention or sampling replaced by trivial
+stand-ins, each in a fresh process; attention = full - no-attention,
+sampling = full - no-sampling, and the rest (the matmuls, norms, KV writes)
+= full - attention - sampling - host pack.
+
+Host overhead (engine.step() with the device call taken out): the
+scheduler, pack() and postprocessing (append, detokenize, stop checks) per
+step at --host-batches running sequences, and the share of the step they
+leave exposed (today all of it: the host does not overlap the device yet).
+
+Prints tables; writes benchmarks/results/profile-step-<date>.json and a
+stacked-bar PNG beside it (matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -19,10 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> float:
-  """ms per step of `variant` (full | no-attention | no-sampling)."""
+def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> dict:
+  """ms per step of `variant` (full | no-attention | no-sampling), and of pack() alone."""
   import jax.numpy as jnp
 
   import jaxinfer.engine.runner as runner_mod
@@ -36,18 +48,87 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> flo
               jnp.zeros((B, 20), jnp.int32), jnp.zeros((B, 20)))
     runner_mod.sample = argmax_only
   from jaxinfer import LLM, SamplingParams
-  from jaxinfer.engine.runner import ScheduledSeq
+  from jaxinfer.engine.runner import ScheduledSeq, bucket, pack
   llm = LLM(None, dtype=dtype, max_num_seqs=max(batch, 1), warmup=False, kv_cache_bytes=600_000_000)
   sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
   per_seq = kv_len // 16 + 2
   seqs = [ScheduledSeq(row=i, token_ids=[5] * (kv_len + 1), start=kv_len, num_new=1,
                        pages=list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), params=sp, seed=0)
           for i in range(batch)]
-  llm.runner.execute(seqs)
+  r = llm.runner
+  r.execute(seqs)
   t0 = time.perf_counter()
   for _ in range(iters):
-    llm.runner.execute(seqs)
-  return (time.perf_counter() - t0) / iters * 1000
+    r.execute(seqs)
+  step = (time.perf_counter() - t0) / iters * 1000
+  T = bucket(batch, r.token_buckets)
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    pack(seqs, T, r.num_seqs_bucket(T), r.num_speculative_tokens, r.pages_per_seq, r.page_size,
+         r.scratch_row)
+  return dict(step_ms=step, pack_ms=(time.perf_counter() - t0) / iters * 1000)
+
+
+def host_worker(batch: int, steps: int) -> dict:
+  """Host ms per engine step at `batch` running decodes, the device call excluded."""
+  import jax
+  import numpy as np
+
+  from jaxinfer import LLM, SamplingParams
+  llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=max(512, batch), warmup=False,
+            kv_cache_bytes=600_000_000)
+  engine, runner = llm.engine, llm.runner
+  device = []
+  step = runner._step
+
+  def timed(*a, **k):  # the device call: dispatch and run to completion (pack() stays host time)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(step(*a, **k))
+    device.append(time.perf_counter() - t0)
+    return out
+
+  runner._step = timed
+  rng = np.random.default_rng(0)
+  sp = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True)
+  for i in range(batch):
+    engine.add_request(f"r{i}", rng.integers(100, 40000, 32).tolist(), sp)
+  while engine.stats()["running"] < batch or any(r.num_uncomputed > 1 for r in engine.scheduler.running):
+    engine.step()
+  totals = []
+  device.clear()
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    engine.step()
+    totals.append(time.perf_counter() - t0)
+  host = np.array(totals) - np.array(device)
+  return dict(batch=batch, host_ms=float(np.median(host) * 1000), step_ms=float(np.median(totals) * 1000),
+              exposed_share=float(np.median(host / np.array(totals))))
+
+
+def _spawn(spec: dict) -> dict:
+  out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
+                       text=True, check=True).stdout
+  return json.loads(out.split("RESULT")[-1])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  parts = [("attention_ms", "attention"), ("sampling_ms", "sampling"), ("rest_ms", "matmuls + rest"),
+           ("host_pack_ms", "host (pack)")]
+  fig, ax = plt.subplots(figsize=(6, 3.2))
+  labels = [f"batch {r['batch']}" for r in rows]
+  left = [0.0] * len(rows)
+  for key, name in parts:
+    vals = [max(r[key], 0.0) for r in rows]
+    ax.barh(labels, vals, left=left, label=name)
+    left = [a + b for a, b in zip(left, vals)]
+  ax.set_xlabel("ms per decode step")
+  ax.set_title(f"decode step, kv length {rows[0]['kv_len']}, {rows[0]['dtype']}")
+  ax.legend(loc="lower right", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 def main() -> int:
@@ -55,36 +136,44 @@ def main() -> int:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--batches", default="64,1")
+  ap.add_argument("--host-batches", default="64,256")
   ap.add_argument("--kv-len", type=int, default=100)
   ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--out", default=None)
   args = ap.parse_args()
   if args.worker:
     spec = json.loads(args.worker)
-    print("RESULT", worker(**spec))
+    res = host_worker(**spec["host"]) if "host" in spec else worker(**spec)
+    print("RESULT", json.dumps(res))
     return 0
   rows = []
   for batch in map(int, args.batches.split(",")):
-    ms = {}
-    for variant in ("full", "no-attention", "no-sampling"):
-      spec = dict(variant=variant, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters)
-      out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
-                           text=True, check=True).stdout
-      ms[variant] = float(out.split("RESULT")[-1])
-    rows.append(dict(batch=batch, kv_len=args.kv_len, dtype=args.dtype, step_ms=ms["full"],
-                     attention_ms=ms["full"] - ms["no-attention"], sampling_ms=ms["full"] - ms["no-sampling"],
-                     tokens_per_s=batch / ms["full"] * 1000,
-                     tokens_per_s_without_attention=batch / ms["no-attention"] * 1000))
-  print("| batch | kv len | dtype | step ms | attention ms | sampling ms | tok/s | tok/s w/o attention |")
-  print("|---|---|---|---|---|---|---|---|")
+    ms = {v: _spawn(dict(variant=v, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters))
+          for v in ("full", "no-attention", "no-sampling")}
+    full = ms["full"]["step_ms"]
+    attention = full - ms["no-attention"]["step_ms"]
+    sampling = full - ms["no-sampling"]["step_ms"]
+    pack_ms = ms["full"]["pack_ms"]
+    rows.append(dict(batch=batch, kv_len=args.kv_len, dtype=args.dtype, step_ms=full, attention_ms=attention,
+                     sampling_ms=sampling, host_pack_ms=pack_ms, rest_ms=full - attention - sampling - pack_ms,
+                     tokens_per_s=batch / full * 1000,
+                     tokens_per_s_without_attention=batch / ms["no-attention"]["step_ms"] * 1000))
+  print("| batch | kv len | dtype | step ms | attention ms | sampling ms | host pack ms | rest ms | tok/s |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['batch']} | {r['kv_len']} | {r['dtype']} | {r['step_ms']:.1f} | {r['attention_ms']:.1f} | "
-          f"{r['sampling_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_without_attention']:.0f} |")
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-  out = ROOT / "benchmarks" / "results" / f"profile-step-{datetime.date.today().isoformat()}.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(benchmark="profile_step", commit=commit, rows=rows), indent=1))
-  print(f"wrote {out}")
+          f"{r['sampling_ms']:.1f} | {r['host_pack_ms']:.2f} | {r['rest_ms']:.1f} | {r['tokens_per_s']:.0f} |")
+  host = [_spawn({"host": dict(batch=b, steps=args.iters)}) for b in map(int, args.host_batches.split(",") if args.host_batches else [])]
+  if host:
+    print("\n| running sequences | host ms / step (schedule + pack + postprocess) | step ms | exposed share |")
+    print("|---|---|---|---|")
+    for h in host:
+      print(f"| {h['batch']} | {h['host_ms']:.2f} | {h['step_ms']:.1f} | {h['exposed_share']:.1%} |")
+  import bench_peers
+  out = bench_peers.write_results("profile-step", dict(rows=rows, host=host), args.out)
+  png = out.with_suffix(".png")
+  plot(rows, png)
+  print(f"wrote {out} and {png}")
   return 0
 
 

@@ -445,9 +445,9 @@ class LLMEngine:
     n = self.num_verify_steps
     stats = {"spec_verify_steps": n, "spec_draft_tokens": int(self.spec_proposed.sum()),
              "spec_accepted_tokens": int(self.spec_accepted.sum()),
-             "spec_mean_acceptance_length": 1 + self.spec_accepted.sum() / n if n else 0.0}
+             "spec_mean_acceptance_length": float(1 + self.spec_accepted.sum() / n) if n else 0.0}
     for j, (p, a) in enumerate(zip(self.spec_proposed, self.spec_accepted)):
-      stats[f"spec_acceptance_rate_{j + 1}"] = a / p if p else 0.0
+      stats[f"spec_acceptance_rate_{j + 1}"] = float(a / p) if p else 0.0
     return stats
 
 

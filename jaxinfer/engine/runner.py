@@ -208,19 +208,26 @@ class ModelRunner:
     self._programs: set[tuple] = set()
 
   def reset_state(self) -> None:
-    """A zeroed KV cache and sampler history (at start, or after a failed step lost them)."""
-    cfg = self.cfg
-    self.cache = init_cache(cfg, self.num_pages, self.page_size, self.dtype)
-    if self.mesh is not None:
-      from jax.sharding import NamedSharding
+    """A zeroed KV cache and sampler history (at start, or after a failed step lost them).
 
-      from jaxinfer.sharding import logical_to_spec
-      shape = self.cache[0]["k"].shape
-      spec = logical_to_spec((None, None, "kv_heads", None), shape, self.mesh)
-      self.cache = jax.device_put(self.cache, NamedSharding(self.mesh, spec))
+    Both are committed to their device(s) from the start: the step's outputs are, and
+    jit keys its cache on committedness, so fresh uncommitted arrays would make the
+    second call of the first bucket trace and compile again (seen: 2 s)."""
+    cfg = self.cfg
     rows = self.max_num_seqs + 1
+    self.cache = init_cache(cfg, self.num_pages, self.page_size, self.dtype)
     self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                     "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
+    if self.mesh is None:
+      self.cache, self.history = jax.device_put((self.cache, self.history), jax.devices()[0])
+      return
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxinfer.sharding import logical_to_spec
+    shape = self.cache[0]["k"].shape
+    spec = logical_to_spec((None, None, "kv_heads", None), shape, self.mesh)
+    self.cache = jax.device_put(self.cache, NamedSharding(self.mesh, spec))
+    self.history = jax.device_put(self.history, NamedSharding(self.mesh, PartitionSpec()))
 
   def state_lost(self) -> bool:
     """Whether a failed step consumed the donated cache or history without replacing them."""

@@ -50,6 +50,14 @@ class Metrics:
                                      ["code"], registry=r)
     self.preemptions = Gauge("jaxinfer_preemptions", "Requests preempted (recomputed) so far.",
                              registry=r)
+    # Speculative decoding (set only by an engine that speculates).
+    self.spec_draft_tokens = Gauge("jaxinfer_spec_decode_draft_tokens",
+                                   "Draft tokens proposed for verification so far.", registry=r)
+    self.spec_accepted_tokens = Gauge("jaxinfer_spec_decode_accepted_tokens",
+                                      "Draft tokens accepted so far.", registry=r)
+    self.spec_mean_acceptance_length = Gauge(
+        "jaxinfer_spec_decode_mean_acceptance_length",
+        "Tokens committed per verifying sequence-step (accepted drafts + 1).", registry=r)
 
   def set_engine_stats(self, stats: dict[str, float]) -> None:
     self.waiting_requests.set(stats["waiting"])
@@ -57,6 +65,10 @@ class Metrics:
     self.kv_cache_usage.set(stats["kv_usage"])
     self.prefix_cache_hit_rate.set(stats["prefix_hit_rate"])
     self.preemptions.set(stats["preemptions"])
+    if "spec_draft_tokens" in stats:
+      self.spec_draft_tokens.set(stats["spec_draft_tokens"])
+      self.spec_accepted_tokens.set(stats["spec_accepted_tokens"])
+      self.spec_mean_acceptance_length.set(stats["spec_mean_acceptance_length"])
 
   def exposition(self) -> bytes:
     """The text format Prometheus scrapes (also served over HTTP by the server)."""

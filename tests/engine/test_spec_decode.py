@@ -180,3 +180,18 @@ def test_cli_generates_with_speculation_and_rejects_a_bad_count(capsys):
   assert main(["generate", "--model", model, "--speculative-method", "ngram", "--num-speculative-tokens",
                "0", "hello"]) == 1
   assert "num_speculative_tokens must be an int in [1, 8], got 0" in capsys.readouterr().err
+
+
+def test_acceptance_stats_reach_prometheus():
+  from jaxinfer.serving.metrics import Metrics
+  llm = make_llm(speculative=ngram(2))
+  g = batch_golden("llama3")
+  llm.generate([r["prompt_ids"] for r in g["records"][:4]], greedy(30))
+  stats = llm.engine.stats()
+  m = Metrics()
+  m.set_engine_stats(stats)
+  text = m.exposition().decode()
+  assert f"jaxinfer_spec_decode_draft_tokens {float(stats['spec_draft_tokens'])}" in text
+  assert f"jaxinfer_spec_decode_accepted_tokens {float(stats['spec_accepted_tokens'])}" in text
+  assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"] > 0
+  assert stats["spec_mean_acceptance_length"] == 1 + stats["spec_accepted_tokens"] / stats["spec_verify_steps"]

@@ -186,10 +186,10 @@ def test_a_failure_inside_one_request_is_internal_for_it_only(server, client, re
   engine = server.llm.engine
   real_append = engine._append
 
-  def append(req, i, result):
+  def append(req, *args):
     if req.prompt_token_ids[0] == 13:  # the poisoned request
       raise RuntimeError("boom")
-    real_append(req, i, result)
+    real_append(req, *args)
 
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
   engine._append = append
