@@ -162,9 +162,9 @@ class LLMEngine:
     self.drafter = make_drafter(self.spec) if self.spec is not None else None
     k = self.spec.num_speculative_tokens if self.spec is not None else 0
     # Per draft position j: drafts proposed there and accepted (acceptance rate by position).
+    # spec_proposed[0] counts the sequence-steps that verified drafts.
     self.spec_proposed = np.zeros(k, np.int64)
     self.spec_accepted = np.zeros(k, np.int64)
-    self.num_verify_steps = 0  # sequence-steps that verified at least one draft
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -294,19 +294,17 @@ class LLMEngine:
         seq = seqs[i]
         if result.prompt is not None and seq.want_prompt_logprobs:
           self._collect_prompt_logprobs(req, seq, result, t)
-        if seq.samples:  # not a partial prefill chunk
-          c = int(result.num_committed[i])
-          accepted = result.ids[i, :c - 1].tolist()
-          self._count_acceptance(len(seq.draft_ids), len(accepted))
-          # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
-          # later and never cached (only verified tokens are).
-          req.num_computed += seq.num_committed_new + len(accepted)
-          self.kv.cache_blocks(req.request_id, req.token_ids + accepted, req.num_computed)
+        c = int(result.num_committed[i])  # 0 for a partial prefill chunk
+        accepted = result.ids[i, :c - 1].tolist() if c else []
+        self._count_acceptance(len(seq.draft_ids), len(accepted))
+        # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
+        # later and never cached (only verified tokens are).
+        req.num_computed += seq.num_committed_new + len(accepted)
+        self.kv.cache_blocks(req.request_id, req.token_ids + accepted if accepted else req.token_ids,
+                             req.num_computed)
+        if c:
           self._append(req, result, i, c)
           outputs.append(self._output(req))
-        else:
-          req.num_computed += n
-          self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
       except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
@@ -330,10 +328,8 @@ class LLMEngine:
         req.spec_token_ids = self.drafter.propose(req.token_ids, room)
 
   def _count_acceptance(self, proposed: int, accepted: int) -> None:
-    if proposed:
-      self.num_verify_steps += 1
-      self.spec_proposed[:proposed] += 1
-      self.spec_accepted[:accepted] += 1
+    self.spec_proposed[:proposed] += 1
+    self.spec_accepted[:accepted] += 1
 
   def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
     """Ends `req` with finish_reason 'error' (its pages are freed) and says why."""
@@ -442,7 +438,7 @@ class LLMEngine:
     (accepted drafts + 1), and the acceptance rate at each draft position."""
     if self.spec is None:
       return {}
-    n = self.num_verify_steps
+    n = int(self.spec_proposed[0])  # sequence-steps that verified drafts
     stats = {"spec_verify_steps": n, "spec_draft_tokens": int(self.spec_proposed.sum()),
              "spec_accepted_tokens": int(self.spec_accepted.sum()),
              "spec_mean_acceptance_length": float(1 + self.spec_accepted.sum() / n) if n else 0.0}
