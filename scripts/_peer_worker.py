@@ -404,6 +404,24 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
           "n_threads": lm.n_threads}
 
 
+def _load_transformers(spec: dict[str, Any]) -> tuple[Any, Any, Any, int]:
+  """(torch, transformers, the spec's model in eval mode at its dtype, a pad token id):
+  what both transformers runs start with."""
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise Unavailable(f"torch/transformers not importable: {e}") from e
+  torch.set_num_threads(spec.get("n_threads", 2))
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+  model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
+  pad = model.generation_config.pad_token_id
+  if pad is None:
+    eos = model.generation_config.eos_token_id
+    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+  return torch, transformers, model, pad
+
+
 def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """HF transformers model.generate on one left-padded batch.
 
@@ -413,20 +431,9 @@ def run_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   peers). ttft_s is taken by a logits processor: generate calls it for the
   first time right after the prefill forward pass.
   """
-  try:
-    import torch
-    import transformers
-  except ImportError as e:
-    raise Unavailable(f"torch/transformers not importable: {e}") from e
+  torch, transformers, model, pad = _load_transformers(spec)
   prompts: list[list[int]] = spec["prompts"]
   max_new: int = spec["max_new_tokens"]
-  torch.set_num_threads(spec.get("n_threads", 2))
-  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
-  model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
-  pad = model.generation_config.pad_token_id
-  if pad is None:
-    eos = model.generation_config.eos_token_id
-    pad = (eos[0] if isinstance(eos, list) else eos) or 0
   width = max(len(p) for p in prompts)
   ids = torch.full((len(prompts), width), pad, dtype=torch.long)
   mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -582,18 +589,7 @@ def ttft_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
 
 def ttft_transformers(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   """transformers: model.generate(max_new_tokens=1) on one unpadded prompt."""
-  try:
-    import torch
-    import transformers
-  except ImportError as e:
-    raise Unavailable(f"torch/transformers not importable: {e}") from e
-  torch.set_num_threads(spec.get("n_threads", 2))
-  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
-  model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
-  pad = model.generation_config.pad_token_id
-  if pad is None:
-    eos = model.generation_config.eos_token_id
-    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+  torch, transformers, model, pad = _load_transformers(spec)
 
   def first_token(p: list[int]) -> tuple[int, float]:
     ids = torch.tensor([p], dtype=torch.long)
