@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # top-n logprobs are computed at this fixed width on device
 # top-k / top-p / min-p look for their threshold among this many best tokens
@@ -55,7 +56,8 @@ class SamplingParams:
   sampled one; `prompt_logprobs=n` does the same for every prompt token
   (such a request skips the prefix cache: its prompt must be computed).
   Logprobs are those of the model's own distribution, before penalties,
-  temperature and truncation.
+  temperature and truncation. `structured` constrains the output to a JSON
+  schema, a regex or a list of choices (jaxinfer.structured).
   """
 
   temperature: float = 1.0
@@ -72,6 +74,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  structured: StructuredOutput | None = None
 
   def __post_init__(self):
     # Lists are accepted for convenience and stored as tuples (hashable, frozen).
@@ -99,6 +102,9 @@ class SamplingParams:
     for t in self.stop_token_ids:
       if not isinstance(t, int) or isinstance(t, bool) or t < 0:
         raise InvalidRequestError(f"stop_token_ids must hold non-negative ints, got {t!r}")
+    if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+      raise InvalidRequestError(
+          f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
   @property
   def uses_penalties(self) -> bool:
