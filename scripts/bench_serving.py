@@ -120,10 +120,10 @@ def run_engine(args, prompts_path: Path) -> dict:
 class Server:
   """`jaxinfer serve` on a free port, in its own process."""
 
-  def __init__(self, args):
-    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--port", "0", *engine_options(args),
-           "--max-waiting-requests", str(max(256, args.num_prompts)),
-           "--max-waiting-tokens", str(10**9)]
+  def __init__(self, options: list[str], max_waiting_requests: int = 256):
+    """`options`: `jaxinfer serve` engine flags (--model, --dtype, ...)."""
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--port", "0", *options,
+           "--max-waiting-requests", str(max_waiting_requests), "--max-waiting-tokens", str(10**9)]
     self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     self.log: list[str] = []
     self.port = None
@@ -259,7 +259,7 @@ def main() -> None:
   finally:
     prompts_path.unlink(missing_ok=True)
   print("phase 2/3: gRPC server at saturation (starting the server, warm-up excluded)", file=sys.stderr)
-  server = Server(args)
+  server = Server(engine_options(args), max(256, args.num_prompts))
   try:
     results, seconds = asyncio.run(drive(server.port, prompts, args.output_len, rate=None,
                                          concurrency=None, seed=args.seed))
