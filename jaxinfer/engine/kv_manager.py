@@ -34,10 +34,27 @@ NULL_PAGE = 0
 
 def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
   """Chained block hash, stable across processes (a router compares workers' hashes)."""
-  h = hashlib.blake2b(digest_size=8)
-  h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
-  h.update(np.asarray(token_ids, np.int64).tobytes())
-  return int.from_bytes(h.digest(), "little")
+  return hash_blocks(token_ids, len(token_ids), parent)[0]
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = None,
+                num_blocks: int | None = None) -> list[int]:
+  """The chain of hashes of the full blocks of `token_ids` (or its first `num_blocks`).
+
+  hash_blocks(t, ps)[i] == hash_block(hash_blocks(t, ps)[i - 1], t[i*ps:(i+1)*ps]).
+  The tokens become bytes once; a 2k-token prompt hashes in ~60 us instead
+  of ~300 us block by block (the router hashes every prompt it routes).
+  """
+  data = np.asarray(token_ids, np.int64).tobytes()
+  n = len(token_ids) // block_size if num_blocks is None else num_blocks
+  step = 8 * block_size
+  blake2b = hashlib.blake2b
+  prev = b"root" if parent is None else parent.to_bytes(8, "little")
+  out = []
+  for i in range(n):
+    prev = blake2b(prev + data[i * step:(i + 1) * step], digest_size=8).digest()
+    out.append(int.from_bytes(prev, "little"))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +120,9 @@ class KVManager:
     if not self.enable_prefix_caching:
       return []
     ps = self.page_size
-    pages, parent = [], None
-    for i in range((len(token_ids) - 1) // ps):
-      parent = hash_block(parent, token_ids[i * ps:(i + 1) * ps])
-      page = self._hash_page.get(parent)
+    pages = []
+    for h in hash_blocks(token_ids, ps, num_blocks=(len(token_ids) - 1) // ps):
+      page = self._hash_page.get(h)
       if page is None:
         break
       pages.append(page)

@@ -1,0 +1,269 @@
+"""KV-aware routing: which worker should run a request, given what each has cached.
+
+Each worker publishes the blocks that enter and leave its prefix cache
+(`KVEvent`s, numbered per worker). `KVIndex` folds them into one table,
+block hash -> the set of workers holding it (a bitmask over worker slots),
+so the cached prefix of a request on every worker at once is a walk down
+the request's chain of block hashes with one AND per block.
+
+`KVRouter` scores each live worker with Dynamo's cost
+
+    cost(w) = overlap_weight * prefill_blocks_not_cached(w) + decode_blocks(w)
+              + request_weight * active_requests(w)
+
+(decode_blocks: the KV blocks of the requests it is running) and picks the
+argmin at temperature 0, or samples softmax(-cost / (temperature * spread))
+otherwise, spread being the max - min cost, so the temperature does not
+depend on the request's size.
+
+    router = KVRouter(RouterConfig(block_size=16))
+    router.add_worker("w0"); router.add_worker("w1")
+    router.index.apply("w0", seq=1, events=[...])          # from the worker's event stream
+    choice = router.select(hash_blocks(prompt_ids, 16))   # .worker, .overlap_blocks, .costs
+    router.started(choice.worker, blocks=len(prompt_ids) // 16 + 1)
+    ...
+    router.finished(choice.worker, blocks=...)
+
+Legend: W worker slots, N blocks of the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from jaxinfer.engine.kv_manager import KVEvent
+
+
+class SequenceGap(Exception):
+  """A worker's event stream skipped numbers: the index must resync from a snapshot."""
+
+
+class KVIndex:
+  """block hash -> bitmask of the worker slots whose prefix cache holds it."""
+
+  def __init__(self):
+    self._holders: dict[int, int] = {}
+    self._slots: dict[str, int] = {}
+    self._names: list[str | None] = []
+    self._held: list[set[int]] = []  # per slot: its hashes (to drop a dead worker's entries)
+    self._seq: list[int] = []
+
+  # ---- workers ----------------------------------------------------------------------
+
+  @property
+  def num_slots(self) -> int:
+    return len(self._names)
+
+  def slot(self, worker: str) -> int:
+    try:
+      return self._slots[worker]
+    except KeyError:
+      raise KeyError(f"unknown worker {worker!r}") from None
+
+  def name(self, slot: int) -> str:
+    return self._names[slot]
+
+  def add_worker(self, worker: str) -> int:
+    """A slot for `worker` (a freed slot is reused, so W stays the live count)."""
+    if worker in self._slots:
+      raise ValueError(f"worker {worker!r} is already indexed")
+    try:
+      slot = self._names.index(None)
+    except ValueError:
+      slot = len(self._names)
+      self._names.append(None)
+      self._held.append(set())
+      self._seq.append(0)
+    self._names[slot] = worker
+    self._slots[worker] = slot
+    self._seq[slot] = 0
+    return slot
+
+  def remove_worker(self, worker: str) -> None:
+    slot = self._slots.pop(worker)
+    self._forget(slot)
+    self._names[slot] = None
+
+  def _forget(self, slot: int) -> None:
+    clear = ~(1 << slot)
+    for h in self._held[slot]:
+      mask = self._holders[h] & clear
+      if mask:
+        self._holders[h] = mask
+      else:
+        del self._holders[h]
+    self._held[slot] = set()
+
+  # ---- events -----------------------------------------------------------------------
+
+  def apply(self, worker: str, seq: int, events: Iterable[KVEvent]) -> None:
+    """Folds in the worker's batch number `seq` (1, 2, ...). Raises SequenceGap if a
+    batch was missed; then nothing is applied and `load_snapshot` must follow."""
+    slot = self.slot(worker)
+    if seq != self._seq[slot] + 1:
+      raise SequenceGap(f"worker {worker!r}: expected event batch {self._seq[slot] + 1}, got {seq}")
+    bit = 1 << slot
+    held = self._held[slot]
+    holders = self._holders
+    for e in events:
+      if e.kind == "stored":
+        holders[e.block_hash] = holders.get(e.block_hash, 0) | bit
+        held.add(e.block_hash)
+      elif e.kind == "removed":
+        if e.block_hash in held:
+          held.discard(e.block_hash)
+          mask = holders[e.block_hash] & ~bit
+          if mask:
+            holders[e.block_hash] = mask
+          else:
+            del holders[e.block_hash]
+      else:
+        raise ValueError(f"worker {worker!r}: unknown KV event kind {e.kind!r}")
+    self._seq[slot] = seq
+
+  def load_snapshot(self, worker: str, seq: int, block_hashes: Iterable[int]) -> None:
+    """Replaces what the index knows of `worker` by its full cache as of batch `seq`."""
+    slot = self.slot(worker)
+    self._forget(slot)
+    bit = 1 << slot
+    held = self._held[slot]
+    for h in block_hashes:
+      self._holders[h] = self._holders.get(h, 0) | bit
+      held.add(h)
+    self._seq[slot] = seq
+
+  def holds(self, worker: str) -> set[int]:
+    return set(self._held[self.slot(worker)])
+
+  # ---- queries ----------------------------------------------------------------------
+
+  def overlap(self, block_hashes: Sequence[int]) -> np.ndarray:
+    """[W] int32: how many leading blocks of the request each worker slot holds.
+
+    A worker counts a block only if it holds every block before it (a
+    prefix hit needs the whole chain). Runs of blocks with the same holder
+    set are unpacked once, so a long shared system prompt costs one AND per
+    block and a handful of numpy ops.
+    """
+    W = self.num_slots
+    counts = np.zeros(W, np.int32)
+    nbytes = (W + 7) // 8
+    alive, run = -1, 0
+    holders = self._holders
+    for h in block_hashes:
+      nxt = holders.get(h, 0) if alive == -1 else alive & holders.get(h, 0)
+      if nxt != alive and run:
+        counts += run * _bits(alive, W, nbytes)
+        run = 0
+      alive = nxt
+      if not alive:
+        break
+      run += 1
+    if run and alive > 0:
+      counts += run * _bits(alive, W, nbytes)
+    return counts
+
+
+def _bits(mask: int, width: int, nbytes: int) -> np.ndarray:
+  raw = np.frombuffer(mask.to_bytes(nbytes, "little"), np.uint8)
+  return np.unpackbits(raw, bitorder="little")[:width].astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """Cost weights (see the module docstring) and the page size the workers hash with."""
+
+  block_size: int = 16
+  overlap_weight: float = 1.0
+  request_weight: float = 0.0
+  temperature: float = 0.0
+
+  def __post_init__(self):
+    if self.block_size < 1:
+      raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+    for name in ("overlap_weight", "request_weight", "temperature"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  worker: str
+  slot: int
+  overlap_blocks: int  # leading blocks the chosen worker holds (the predicted hit)
+  costs: np.ndarray  # [W] every slot's cost (inf: dead or empty slot)
+
+
+class KVRouter:
+  """Picks a worker per request from the index and each worker's load."""
+
+  def __init__(self, config: RouterConfig = RouterConfig(), seed: int = 0):
+    self.config = config
+    self.index = KVIndex()
+    self._live = np.zeros(0, bool)
+    self.active_blocks = np.zeros(0, np.float64)
+    self.active_requests = np.zeros(0, np.float64)
+    self._rng = np.random.default_rng(seed)
+
+  def add_worker(self, worker: str) -> None:
+    slot = self.index.add_worker(worker)
+    if slot == len(self._live):
+      self._live = np.append(self._live, True)
+      self.active_blocks = np.append(self.active_blocks, 0.0)
+      self.active_requests = np.append(self.active_requests, 0.0)
+    self._live[slot] = True
+    self.active_blocks[slot] = self.active_requests[slot] = 0.0
+
+  def remove_worker(self, worker: str) -> None:
+    """A dead or drained worker: forgotten by the index, never chosen."""
+    slot = self.index.slot(worker)
+    self.index.remove_worker(worker)
+    self._live[slot] = False
+
+  def set_alive(self, worker: str, alive: bool) -> None:
+    """Health checks: an unhealthy worker keeps its index entries but gets no requests."""
+    self._live[self.index.slot(worker)] = alive
+
+  @property
+  def workers(self) -> list[str]:
+    return [self.index.name(s) for s in np.flatnonzero(self._live)]
+
+  def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """([W] cost, [W] overlap) for a request whose prompt has these full-block
+    hashes (`num_blocks`: its block count including a partial last one)."""
+    c = self.config
+    overlap = self.index.overlap(block_hashes)
+    n = len(block_hashes) if num_blocks is None else num_blocks
+    cost = (c.overlap_weight * (n - overlap) + self.active_blocks
+            + c.request_weight * self.active_requests)
+    return np.where(self._live, cost, np.inf), overlap
+
+  def select(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> Choice:
+    cost, overlap = self.costs(block_hashes, num_blocks)
+    if not self._live.any():
+      raise LookupError("no live worker to route to")
+    if self.config.temperature == 0:
+      best = np.flatnonzero(cost == cost.min())
+      # Ties (e.g. an idle cluster and a new prefix) go to a random one of
+      # them: always the first would pile every cold request on one worker.
+      slot = int(best[0] if len(best) == 1 else self._rng.choice(best))
+    else:
+      live = np.isfinite(cost)
+      spread = max(float(cost[live].max() - cost[live].min()), 1e-9)
+      logits = np.where(live, -(cost - cost[live].min()) / (spread * self.config.temperature), -np.inf)
+      p = np.exp(logits - logits.max())
+      slot = int(self._rng.choice(len(p), p=p / p.sum()))
+    return Choice(self.index.name(slot), slot, int(overlap[slot]), cost)
+
+  def started(self, worker: str, blocks: float) -> None:
+    s = self.index.slot(worker)
+    self.active_blocks[s] += blocks
+    self.active_requests[s] += 1
+
+  def finished(self, worker: str, blocks: float) -> None:
+    s = self.index.slot(worker)
+    self.active_blocks[s] = max(0.0, self.active_blocks[s] - blocks)
+    self.active_requests[s] = max(0.0, self.active_requests[s] - 1)

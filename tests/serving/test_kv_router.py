@@ -1,0 +1,137 @@
+"""The KV-aware router's index and cost, against real KVManagers and brute force."""
+
+import numpy as np
+import pytest
+
+from jaxinfer.engine.kv_manager import KVEvent, KVManager, hash_block, hash_blocks
+from jaxinfer.serving.kv_router import KVIndex, KVRouter, RouterConfig, SequenceGap
+
+PS = 4
+
+
+def test_hash_blocks_is_the_chain_of_hash_block():
+  rng = np.random.default_rng(0)
+  toks = [int(t) for t in rng.integers(0, 50_000, 37)]
+  chain, parent = [], None
+  for i in range(37 // PS):
+    parent = hash_block(parent, toks[i * PS:(i + 1) * PS])
+    chain.append(parent)
+  assert hash_blocks(toks, PS) == chain
+  assert hash_blocks(np.asarray(toks), PS, num_blocks=3) == chain[:3]
+  assert hash_blocks(toks[2 * PS:], PS, parent=chain[1]) == chain[2:]
+
+
+def _run(kv: KVManager, rid: str, toks: list[int]) -> None:
+  cached = kv.lookup(toks)
+  kv.allocate(rid, len(toks), cached)
+  kv.cache_blocks(rid, toks, len(toks))
+  kv.free(rid)
+
+
+def test_overlap_equals_each_workers_own_prefix_lookup():
+  """Three real KV managers serve different prompts (with evictions); the index fed by
+  their events predicts, for new prompts, exactly the blocks each manager's lookup finds."""
+  rng = np.random.default_rng(1)
+  system = [int(t) for t in rng.integers(0, 1000, 6 * PS)]
+  managers = {f"w{i}": KVManager(num_pages=14, page_size=PS) for i in range(3)}
+  index = KVIndex()
+  seqs = {}
+  for name in managers:
+    index.add_worker(name)
+    seqs[name] = 0
+  prompts = []
+  for i in range(30):
+    cut = int(rng.integers(0, len(system)))
+    p = system[:cut] + [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 3 * PS)))]
+    prompts.append(p)
+    name = f"w{int(rng.integers(0, 3))}"
+    _run(managers[name], f"r{i}", p)
+    seqs[name] += 1
+    index.apply(name, seqs[name], managers[name].drain_events())
+  for p in prompts[-10:] + [system + [1, 2, 3]]:
+    hashes = hash_blocks(p, PS, num_blocks=(len(p) - 1) // PS)  # as lookup: one token left to compute
+    got = index.overlap(hashes)
+    for name, kv in managers.items():
+      assert got[index.slot(name)] == len(kv.lookup(p)), name
+
+
+def test_overlap_needs_the_whole_chain_and_brute_force_agrees():
+  rng = np.random.default_rng(2)
+  index = KVIndex()
+  W, N = 70, 12  # more than 64 slots: masks wider than one machine word
+  held = np.zeros((W, N), bool)
+  for w in range(W):
+    index.add_worker(f"w{w}")
+    held[w] = rng.random(N) < 0.85
+    index.apply(f"w{w}", 1, [KVEvent("stored", 1000 + b) for b in range(N) if held[w, b]])
+  want = np.array([np.argmin(np.append(row, False)) for row in held])  # leading run of True
+  np.testing.assert_array_equal(index.overlap([1000 + b for b in range(N)]), want)
+
+
+def test_events_are_numbered_a_gap_is_refused_and_a_snapshot_resyncs():
+  index = KVIndex()
+  index.add_worker("a")
+  index.apply("a", 1, [KVEvent("stored", 1), KVEvent("stored", 2)])
+  with pytest.raises(SequenceGap, match="expected event batch 2, got 3"):
+    index.apply("a", 3, [KVEvent("removed", 1)])
+  assert index.holds("a") == {1, 2}  # nothing of the refused batch applied
+  index.load_snapshot("a", 3, [2, 5])
+  assert index.holds("a") == {2, 5}
+  index.apply("a", 4, [KVEvent("removed", 2), KVEvent("removed", 99)])  # 99: never stored
+  assert index.overlap([5]).tolist() == [1] and index.overlap([2]).tolist() == [0]
+  with pytest.raises(ValueError, match="unknown KV event kind"):
+    index.apply("a", 5, [KVEvent("moved", 5)])
+
+
+def test_a_removed_worker_disappears_from_the_index_and_its_slot_is_reused():
+  index = KVIndex()
+  for name in ("a", "b"):
+    index.add_worker(name)
+    index.apply(name, 1, [KVEvent("stored", 7)])
+  index.remove_worker("a")
+  assert index.add_worker("c") == 0
+  assert index.overlap([7]).tolist() == [0, 1]  # c starts empty; b still holds 7
+  with pytest.raises(KeyError, match="unknown worker 'a'"):
+    index.slot("a")
+
+
+def _router(**kw) -> KVRouter:
+  r = KVRouter(RouterConfig(block_size=PS, **kw))
+  for name in ("a", "b", "c"):
+    r.add_worker(name)
+  return r
+
+
+def test_cost_trades_cached_prefix_against_load():
+  r = _router()
+  r.index.apply("b", 1, [KVEvent("stored", h) for h in (1, 2, 3)])
+  assert r.select([1, 2, 3, 4]).worker == "b"  # b only prefills 1 block, the others 4
+  r.started("b", blocks=5)  # b is busy: 1 + 5 > 4 + 0
+  choice = r.select([1, 2, 3, 4])
+  assert choice.worker in ("a", "c") and choice.overlap_blocks == 0
+  np.testing.assert_array_equal(choice.costs, [4, 6, 4])
+  r.finished("b", blocks=5)
+  r.set_alive("b", False)
+  assert r.select([1, 2, 3, 4]).worker != "b"
+  weighted = _router(overlap_weight=2.0, request_weight=10.0)
+  weighted.index.apply("a", 1, [KVEvent("stored", 1)])
+  weighted.started("a", blocks=0)
+  np.testing.assert_array_equal(weighted.costs([1, 2])[0], [2 * 1 + 10, 4, 4])
+
+
+def test_ties_spread_and_temperature_samples_by_cost():
+  r = _router()
+  picks = {r.select([9]).worker for _ in range(60)}
+  assert picks == {"a", "b", "c"}  # an idle cluster: cold requests do not pile onto slot 0
+  hot = _router(temperature=0.5)
+  hot.index.apply("a", 1, [KVEvent("stored", h) for h in range(10)])
+  counts = {"a": 0, "b": 0, "c": 0}
+  for _ in range(400):
+    counts[hot.select(list(range(10))).worker] += 1
+  # costs 0, 10, 10 -> logits 0, -2, -2: P(a) = 1 / (1 + 2 e^-2) = 0.787
+  assert 0.70 < counts["a"] / 400 < 0.87
+  with pytest.raises(LookupError, match="no live worker"):
+    dead = KVRouter()
+    dead.add_worker("x")
+    dead.set_alive("x", False)
+    dead.select([1])
