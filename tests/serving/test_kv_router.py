@@ -55,17 +55,21 @@ def test_overlap_equals_each_workers_own_prefix_lookup():
       assert got[index.slot(name)] == len(kv.lookup(p)), name
 
 
-def test_overlap_needs_the_whole_chain_and_brute_force_agrees():
+def test_overlap_matches_brute_force_on_chains_held_from_their_start():
+  """Workers hold a prefix of the chain (they lose chains from the end); the bisecting
+  walk must find each one's depth exactly, including with more than 64 slots."""
   rng = np.random.default_rng(2)
   index = KVIndex()
-  W, N = 70, 12  # more than 64 slots: masks wider than one machine word
-  held = np.zeros((W, N), bool)
+  W, N = 70, 300
+  depth = rng.integers(0, N + 1, W)
+  depth[:20] = rng.choice([0, 7, 150, N], 20)  # many workers sharing a few depths (a system prompt)
   for w in range(W):
     index.add_worker(f"w{w}")
-    held[w] = rng.random(N) < 0.85
-    index.apply(f"w{w}", 1, [KVEvent("stored", 1000 + b) for b in range(N) if held[w, b]])
-  want = np.array([np.argmin(np.append(row, False)) for row in held])  # leading run of True
-  np.testing.assert_array_equal(index.overlap([1000 + b for b in range(N)]), want)
+    index.apply(f"w{w}", 1, [KVEvent("stored", 1000 + b) for b in range(depth[w])])
+  chain = [1000 + b for b in range(N)]
+  np.testing.assert_array_equal(index.overlap(chain), depth)
+  np.testing.assert_array_equal(index.overlap(chain[:10]), np.minimum(depth, 10))
+  assert index.overlap([]).tolist() == [0] * W
 
 
 def test_events_are_numbered_a_gap_is_refused_and_a_snapshot_resyncs():
