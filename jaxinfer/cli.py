@@ -4,6 +4,7 @@
   jaxinfer generate --model path/to/model.gguf "Hello" "Bonjour"
   jaxinfer generate --input prompts.jsonl --output out.jsonl  # offline batch, resumable
   jaxinfer serve --port 50051 --metrics-port 9090              # gRPC server, drains on SIGTERM
+  jaxinfer serve --http-port 8000                              # + OpenAI-compatible HTTP, same engine
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -78,7 +79,8 @@ def _serve(args: argparse.Namespace) -> None:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   config = ServerConfig(host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
                         max_waiting_tokens=args.max_waiting_tokens, grace_period_s=args.grace_period,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, http_port=args.http_port,
+                        served_model_name=args.served_model_name)
   # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
   llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
   code = serve(llm, config)
@@ -141,12 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send prompts raw instead of as a chat user turn")
   gen.set_defaults(func=_generate)
 
-  srv = sub.add_parser("serve", help="run the gRPC server (jaxinfer.v1.Inference) until SIGTERM")
+  srv = sub.add_parser("serve", help="run the gRPC server (jaxinfer.v1.Inference; --http-port: also OpenAI HTTP) until SIGTERM")
   _add_model_options(srv)
   srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
   srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
   srv.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)")
+  srv.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port, same engine (0: any free port)")
+  srv.add_argument("--served-model-name", default=None,
+                   help="the model name the HTTP API answers to (default: the model's basename)")
   srv.add_argument("--max-waiting-requests", type=int, default=256,
                    help="admitted requests without a first token yet; more get RESOURCE_EXHAUSTED")
   srv.add_argument("--max-waiting-tokens", type=int, default=131072,

@@ -64,7 +64,8 @@ class LLM:
 
   # ---- prompts -----------------------------------------------------------------
 
-  def _require_tokenizer(self, what: str) -> Tokenizer:
+  def tokenizer_or_error(self, what: str) -> Tokenizer:
+    """The tokenizer, or TokenizerError saying that `what` needs one (the model shipped none)."""
     if self.tokenizer is None:
       raise TokenizerError(f"{self.source} has no tokenizer files: {what} needs one "
                            "(pass token ids instead)")
@@ -75,13 +76,13 @@ class LLM:
     if isinstance(prompt, str):
       if not prompt:
         raise InvalidRequestError("prompt is empty")
-      tok = self._require_tokenizer("a text prompt")
+      tok = self.tokenizer_or_error("a text prompt")
       if apply_chat_template and tok.chat_template:
         return prompt, tok.encode_chat([{"role": "user", "content": prompt}])
       return prompt, tok.encode(prompt)
     prompt = list(prompt)
     if prompt and all(isinstance(m, dict) for m in prompt):
-      tok = self._require_tokenizer("a chat prompt")
+      tok = self.tokenizer_or_error("a chat prompt")
       text = tok.apply_chat_template(prompt)
       return text, tok.encode(text, add_special_tokens=False)
     return None, self.engine.check_token_ids(prompt)

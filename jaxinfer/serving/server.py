@@ -1,22 +1,18 @@
-"""The gRPC batching server: `jaxinfer.v1.Inference` over one `LLMEngine`.
+"""The batching server: `jaxinfer.v1.Inference` over gRPC, and optionally the
+OpenAI HTTP API, over one `LLMEngine`.
 
     llm = LLM(warmup=False)                        # the engine thread warms up
-    server = InferenceServer(llm, ServerConfig(port=50051, metrics_port=9090))
+    server = InferenceServer(llm, ServerConfig(port=50051, http_port=8000, metrics_port=9090))
     server.start_in_thread()                       # or: await server.start() on your loop
     ...
     server.stop_in_thread()                        # drains within the grace period
 
-Threads: grpc.aio handlers run on one asyncio loop; the engine runs on its
-own thread (`EngineLoop`). A handler validates its request (tokenizing on
-the loop), checks admission, posts it to the engine and then awaits its
-`_Stream`: a bounded per-request queue that the engine thread fills through
-`loop.call_soon_threadsafe`, so the engine never waits for a client. When
-the queue is full, new deltas merge into the last queued one (the client
-sees fewer, larger messages; nothing is dropped). A handler that ends
-before its request finished (client cancel, deadline, disconnect) aborts it
-in the engine, which frees its KV pages on its next command pass.
+Threads: grpc.aio handlers and the HTTP app (uvicorn) run on one asyncio
+loop and share one `Backend` (backend.py): validation, admission, the
+per-request streams and the engine thread. This file is the gRPC adapter
+and the lifecycle of both listeners.
 
-Status codes: INVALID_ARGUMENT (bad input, naming the field),
+Status codes (`_status_of`): INVALID_ARGUMENT (bad input, naming the field),
 RESOURCE_EXHAUSTED (admission limits, naming the limit), FAILED_PRECONDITION
 (the model has no tokenizer for a text prompt), UNAVAILABLE (shutting down),
 INTERNAL (this request failed in the engine; the others go on).
@@ -25,31 +21,29 @@ INTERNAL (this request failed in the engine; the others go on).
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import dataclasses
-import itertools
 import logging
 import signal
+import socket
 import sys
 import threading
-import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
-from jaxinfer.llm import LLM
-from jaxinfer.serving.convert import (messages_from_proto, response_from_output,
-                                      sampling_from_proto)
-from jaxinfer.serving.engine_loop import EngineLoop, Sink
-from jaxinfer.serving.metrics import Metrics
+from jaxinfer.llm import LLM, Prompt
+from jaxinfer.serving.backend import Backend, Overloaded, RequestFailed, Unavailable, Usage
+from jaxinfer.serving.convert import messages_from_proto, response_from_output, sampling_from_proto
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+  import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +56,8 @@ class ServerConfig:
 
   Admission bounds the work that waits for the engine: requests admitted
   but without a first token yet, and their prompt tokens. Past either,
-  Generate answers RESOURCE_EXHAUSTED at once instead of queueing without
-  bound.
+  Generate answers RESOURCE_EXHAUSTED (HTTP: 429) at once instead of
+  queueing without bound.
   """
 
   host: str = "127.0.0.1"
@@ -73,13 +67,15 @@ class ServerConfig:
   stream_buffer: int = 64  # queued messages per request before deltas merge
   grace_period_s: float = 30.0  # shutdown: how long in-flight requests may take to finish
   metrics_port: int | None = None  # Prometheus HTTP endpoint; None: off, 0: any free port
+  http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: any free port
+  served_model_name: str | None = None  # the HTTP API's model name; None: the source's basename
 
   def __post_init__(self):
     for name in ("max_waiting_requests", "max_waiting_tokens", "stream_buffer"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
-    for name in ("port", "metrics_port"):
+    for name in ("port", "metrics_port", "http_port"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536):
         raise InvalidRequestError(f"{name} must be in [0, 65536), got {v!r}")
@@ -87,221 +83,138 @@ class ServerConfig:
       raise InvalidRequestError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")
 
 
-class _Shutdown(Exception):
-  """Put into the streams still running when the grace period ends."""
-
-
 def _status_of(e: BaseException) -> grpc.StatusCode:
+  """The one place errors become gRPC statuses."""
   if isinstance(e, InvalidRequestError):
     return grpc.StatusCode.INVALID_ARGUMENT
   if isinstance(e, TokenizerError):
     return grpc.StatusCode.FAILED_PRECONDITION
-  if isinstance(e, _Shutdown):
+  if isinstance(e, Overloaded):
+    return grpc.StatusCode.RESOURCE_EXHAUSTED
+  if isinstance(e, Unavailable):
     return grpc.StatusCode.UNAVAILABLE
   return grpc.StatusCode.INTERNAL
 
 
-class _Admission:
-  """A request's claim on the waiting budget, given back once (first token or end)."""
-
-  def __init__(self, server: "InferenceServer", tokens: int):
-    self._server, self.tokens, self._held = server, tokens, True
-    server._waiting_requests += 1
-    server._waiting_tokens += tokens
-
-  def release(self) -> None:
-    if self._held:
-      self._held = False
-      self._server._waiting_requests -= 1
-      self._server._waiting_tokens -= self.tokens
+def _prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
+  which = request.WhichOneof("prompt")
+  if which is None:
+    raise InvalidRequestError("prompt: set one of text, token_ids, chat")
+  if which == "text":
+    return request.text
+  if which == "token_ids":
+    return list(request.token_ids.ids)
+  return messages_from_proto(request.chat)
 
 
-class _Stream(Sink):
-  """A request's bounded output queue: filled from the engine thread, read on the loop."""
-
-  def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, admission: _Admission):
-    super().__init__()
-    self._loop = loop
-    self._capacity = capacity
-    self._admission = admission
-    self._items: collections.deque = collections.deque()
-    self._ready = asyncio.Event()
-
-  # engine thread
-  def deliver(self, out: RequestOutput) -> None:
-    self._post(out)
-
-  def fail(self, error: BaseException) -> None:
-    self._post(error)
-
-  def _post(self, item) -> None:
-    try:
-      self._loop.call_soon_threadsafe(self.put, item)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-      pass
-
-  # loop thread
-  def put(self, item: RequestOutput | BaseException) -> None:
-    self._admission.release()  # it has left the waiting queue (first output, or ended)
-    last = self._items[-1] if self._items else None
-    if (len(self._items) >= self._capacity and isinstance(item, RequestOutput)
-        and isinstance(last, RequestOutput)):
-      # Merge: `item` carries the cumulative state; only the deltas need joining.
-      self._items[-1] = dataclasses.replace(item, new_token_ids=last.new_token_ids + item.new_token_ids,
-                                            new_text=last.new_text + item.new_text)
-    else:
-      self._items.append(item)
-    self._ready.set()
-
-  async def get(self) -> RequestOutput | BaseException:
-    while not self._items:
-      self._ready.clear()
-      await self._ready.wait()
-    return self._items.popleft()
-
-  def __len__(self) -> int:
-    return len(self._items)
+def _usage_to_proto(u: Usage) -> pb.Usage:
+  return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                  cached_tokens=u.cached_tokens, time_to_first_token_s=u.time_to_first_token_s,
+                  latency_s=u.latency_s)
 
 
 class _Servicer(pb_grpc.InferenceServicer):
-  def __init__(self, server: "InferenceServer"):
-    self.s = server
+  """jaxinfer.v1.Inference over a Backend: proto in, proto out, errors as statuses."""
+
+  def __init__(self, backend: Backend):
+    self.b = backend
+
+  async def _refuse(self, context, e: JaxinferError):
+    self.b.reject(e)
+    await context.abort(_status_of(e), str(e))
 
   async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-    s = self.s
+    b = self.b
     rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-    if s.draining:
-      await s.reject(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
     try:
-      prompt, ids, params = s.parse_generate(request)
+      if b.draining:  # before parsing: a draining server owes no validation
+        raise Unavailable("the server is shutting down")
+      prompt, ids, params = b.parse(_prompt_from_proto(request), sampling_from_proto(request.sampling))
+      gen = b.generate(ids, params, request_id=rid, prompt=prompt)
     except JaxinferError as e:
-      await s.reject(context, _status_of(e), str(e))
-    admission = s.admit(len(ids))
-    if isinstance(admission, str):
-      await s.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, admission)
-    key = f"{rid}#{next(s._keys)}"  # the engine's id: unique even when clients reuse theirs
-    stream = _Stream(asyncio.get_running_loop(), s.config.stream_buffer, admission)
-    s.active[key] = stream
-    s.engine_loop.add(key, ids, params, stream, prompt=prompt)
-    finished = False
-    try:
-      while not finished:
-        item = await stream.get()
-        if isinstance(item, BaseException):
-          finished = not isinstance(item, _Shutdown)
-          await context.abort(_status_of(item), f"request {rid}: {item}")
-        finished = item.finished
-        if item.finish_reason == "error":
-          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed in the engine: {item.error}")
-        if request.stream and (item.new_token_ids or item.new_text or finished):
-          yield response_from_output(rid, item, whole=False, usage=s.usage(item, stream) if finished else None)
-        elif finished:
-          yield response_from_output(rid, item, whole=True, usage=s.usage(item, stream))
-    finally:
-      admission.release()
-      s.active.pop(key, None)
-      if not finished:  # cancelled, past its deadline, disconnected or shut down: free its pages now
-        s.engine_loop.abort(key)
+      await self._refuse(context, e)
+    async with gen:  # leaving early (cancel, deadline, disconnect) aborts it in the engine
+      try:
+        async for out in gen:
+          if request.stream and (out.new_token_ids or out.new_text or out.finished):
+            yield response_from_output(rid, out, whole=False,
+                                       usage=_usage_to_proto(gen.usage(out)) if out.finished else None)
+          elif out.finished:
+            yield response_from_output(rid, out, whole=True, usage=_usage_to_proto(gen.usage(out)))
+      except JaxinferError as e:
+        message = str(e) if isinstance(e, RequestFailed) else f"request {rid}: {e}"
+        await context.abort(_status_of(e), message)
 
   async def Tokenize(self, request: pb.TokenizeRequest, context):
-    s = self.s
+    b = self.b
     try:
-      tok = s.llm._require_tokenizer("Tokenize")
       which = request.WhichOneof("input")
       if which is None:
+        b.llm.tokenizer_or_error("Tokenize")
         raise InvalidRequestError("input: set text or chat")
       if which == "chat":
-        _, ids = s.llm.encode_prompt(messages_from_proto(request.chat))
+        ids = b.tokenize(messages_from_proto(request.chat))
       else:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = tok.encode(request.text, add_special_tokens=add)
+        ids = b.tokenize(request.text, add_special_tokens=add)
+      pieces = b.token_pieces(ids)
     except JaxinferError as e:
-      await s.reject(context, _status_of(e), str(e))
-    return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(t) for t in ids])
+      await self._refuse(context, e)
+    return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
   async def Detokenize(self, request: pb.DetokenizeRequest, context):
-    s = self.s
     try:
-      tok = s.llm._require_tokenizer("Detokenize")
-      ids = list(request.token_ids)
-      if ids:
-        s.llm.engine.check_token_ids(ids)
+      text = self.b.detokenize(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
     except JaxinferError as e:
-      await s.reject(context, _status_of(e), f"token_ids: {e}" if isinstance(e, InvalidRequestError) else str(e))
-    return pb.DetokenizeResponse(text=tok.decode(ids, skip_special_tokens=request.skip_special_tokens))
+      await self._refuse(context, e)
+    return pb.DetokenizeResponse(text=text)
 
   async def GetModelInfo(self, request, context):
-    return self.s.model_info
+    i = self.b.model_info
+    return pb.ModelInfo(model=i.model, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+                        dtype=i.dtype, devices=list(i.devices), max_num_seqs=i.max_num_seqs,
+                        page_size=i.page_size, num_pages=i.num_pages, architecture=i.architecture,
+                        eos_token_ids=list(i.eos_token_ids))
+
+
+def _uvicorn_server(config: "uvicorn.Config") -> "uvicorn.Server":
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # serve() owns SIGTERM / SIGINT: one drain for both listeners
+      yield
+
+  return Server(config)
 
 
 class InferenceServer:
-  """gRPC server + engine thread + health + reflection + metrics, for one model."""
+  """gRPC server (+ health, reflection), optional OpenAI HTTP server and metrics
+  endpoint, all over one Backend (one engine thread) for one model."""
 
   def __init__(self, llm: LLM, config: ServerConfig = ServerConfig(), *, warmup: bool = True):
     self.llm = llm
     self.config = config
-    self.metrics = Metrics()
     self.health = health.aio.HealthServicer()
-    self.engine_loop = EngineLoop(llm.engine, self.metrics, warmup=warmup, on_ready=self._engine_ready)
-    self.active: dict[str, _Stream] = {}
-    self.draining = False
+    self.backend = Backend(llm, max_waiting_requests=config.max_waiting_requests,
+                           max_waiting_tokens=config.max_waiting_tokens,
+                           stream_buffer=config.stream_buffer, warmup=warmup, on_ready=self._engine_ready)
+    self.metrics = self.backend.metrics
+    self.engine_loop = self.backend.engine_loop
     self.port: int | None = None
+    self.http_port: int | None = None
     self.metrics_port: int | None = None
-    self._keys = itertools.count()
-    self._waiting_requests = 0
-    self._waiting_tokens = 0
     self._server: grpc.aio.Server | None = None
+    self._http: "uvicorn.Server | None" = None
+    self._http_task: asyncio.Task | None = None
     self._httpd = None
     self._loop: asyncio.AbstractEventLoop | None = None
     self._stopped: asyncio.Event | None = None
     self._thread: threading.Thread | None = None
-    e, cfg = llm.engine, llm.config
-    self.model_info = pb.ModelInfo(
-        model=str(getattr(llm, "source", "")), max_model_len=e.max_model_len, vocab_size=cfg.vocab_size,
-        dtype=str(llm.runner.dtype), devices=[str(d) for d in jax.devices()],
-        max_num_seqs=e.engine_config.max_num_seqs, page_size=e.engine_config.page_size,
-        num_pages=e.kv.num_pages, architecture=cfg.architecture, eos_token_ids=list(e.eos_ids))
 
-  # ---- request handling (loop thread) -----------------------------------------------
-
-  def parse_generate(self, request: pb.GenerateRequest):
-    """(prompt text, prompt ids, SamplingParams) or InvalidRequestError naming the field."""
-    which = request.WhichOneof("prompt")
-    if which is None:
-      raise InvalidRequestError("prompt: set one of text, token_ids, chat")
-    if which == "text":
-      prompt = request.text
-    elif which == "token_ids":
-      prompt = list(request.token_ids.ids)
-    else:
-      prompt = messages_from_proto(request.chat)
-    params = sampling_from_proto(request.sampling)
-    text, ids = self.llm.encode_prompt(prompt)
-    self.llm.engine.validate(ids, params)
-    return text, ids, params
-
-  def admit(self, num_tokens: int) -> _Admission | str:
-    """A claim on the waiting budget, or the message saying which limit is full."""
-    c = self.config
-    if self._waiting_requests >= c.max_waiting_requests:
-      return (f"server busy: {self._waiting_requests} requests are waiting "
-              f"(max_waiting_requests={c.max_waiting_requests}); retry later")
-    if self._waiting_tokens + num_tokens > c.max_waiting_tokens:
-      return (f"server busy: {self._waiting_tokens} prompt tokens are waiting and this request adds "
-              f"{num_tokens} (max_waiting_tokens={c.max_waiting_tokens}); retry later")
-    return _Admission(self, num_tokens)
-
-  async def reject(self, context, code: grpc.StatusCode, message: str):
-    self.metrics.rejected_requests.labels(code.name).inc()
-    await context.abort(code, message)
-
-  def usage(self, out: RequestOutput, stream: _Stream) -> pb.Usage:
-    first = stream.first_token_at
-    last = stream.last_token_at or time.monotonic()
-    return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                    cached_tokens=out.num_cached_tokens,
-                    time_to_first_token_s=(first - stream.arrival) if first is not None else 0.0,
-                    latency_s=last - stream.arrival)
+  @property
+  def draining(self) -> bool:
+    return self.backend.draining
 
   # ---- lifecycle -----------------------------------------------------------------
 
@@ -310,7 +223,7 @@ class InferenceServer:
     self._loop = asyncio.get_running_loop()
     self._stopped = asyncio.Event()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error
-    pb_grpc.add_InferenceServicer_to_server(_Servicer(self), server)
+    pb_grpc.add_InferenceServicer_to_server(_Servicer(self.backend), server)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
     for name in ("", SERVICE_NAME):
       await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -321,6 +234,8 @@ class InferenceServer:
       self.port = server.add_insecure_port(address)
     except RuntimeError as e:
       raise JaxinferError(f"cannot listen on {address}: {e}") from None
+    if self.config.http_port is not None:
+      await self._start_http()
     await server.start()
     self._server = server
     if self.config.metrics_port is not None:
@@ -328,9 +243,36 @@ class InferenceServer:
       self._httpd, _ = start_http_server(self.config.metrics_port, self.config.host,
                                          registry=self.metrics.registry)
       self.metrics_port = self._httpd.server_port
-    self.engine_loop.start()
-    log.info("listening on %s:%d", self.config.host, self.port)
+    self.backend.start()
+    log.info("listening on %s:%d%s", self.config.host, self.port,
+             f" (OpenAI HTTP on port {self.http_port})" if self.http_port is not None else "")
     return self.port
+
+  async def _start_http(self) -> None:
+    """uvicorn on this loop: the HTTP handlers share the Backend with gRPC, no second engine."""
+    import uvicorn
+
+    from jaxinfer.serving.openai_api import create_app
+
+    host, port = self.config.host, self.config.http_port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+      sock.bind((host, port))  # bound here so that port 0 is known before serving, and a busy port fails now
+    except OSError as e:
+      sock.close()
+      raise JaxinferError(f"cannot listen on {host}:{port} (HTTP): {e}") from None
+    self.http_port = sock.getsockname()[1]
+    app = create_app(self.backend, served_model_name=self.config.served_model_name)
+    # lifespan off: the app has no startup work; signals stay with serve(), which drains both servers.
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
+                            access_log=False)
+    self._http = _uvicorn_server(config)
+    self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
+    while not self._http.started:
+      if self._http_task.done():  # startup failed: say why
+        self._http_task.result()
+        raise JaxinferError(f"the HTTP server on {host}:{self.http_port} did not start")
+      await asyncio.sleep(0.01)
 
   def _engine_ready(self) -> None:  # engine thread
     async def serving():
@@ -345,31 +287,34 @@ class InferenceServer:
       raise JaxinferError(f"engine warm-up failed: {self.engine_loop.error}") from self.engine_loop.error
 
   async def shutdown(self, grace: float | None = None) -> dict[str, int]:
-    """Drains: refuse new work, let in-flight requests finish within `grace`
-    seconds, abort the rest (UNAVAILABLE), then stop the engine thread."""
-    if self.draining:
+    """Drains: refuse new work (both transports), let in-flight requests finish
+    within `grace` seconds, end the rest (UNAVAILABLE / an error event), then
+    stop the servers and the engine thread."""
+    b = self.backend
+    if b.draining:
       await self._stopped.wait()
       return {}
     grace = self.config.grace_period_s if grace is None else grace
-    self.draining = True
+    b.draining = True
     await self.health.enter_graceful_shutdown()
-    in_flight = len(self.active)
+    in_flight = len(b.active)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while self.active and loop.time() < deadline:
+    while b.active and loop.time() < deadline:
       await asyncio.sleep(0.02)
-    left = list(self.active.values())
-    for stream in left:
-      stream.put(_Shutdown(f"the server shut down before it finished (grace period {grace:g} s)"))
+    aborted = b.shut_down_all(f"the server shut down before it finished (grace period {grace:g} s)")
     until = loop.time() + 5.0
-    while self.active and loop.time() < until:  # let the handlers send their status
+    while b.active and loop.time() < until:  # let the handlers send their status
       await asyncio.sleep(0.01)
     await self._server.stop(1.0)
+    if self._http is not None:
+      self._http.should_exit = True
+      await self._http_task
     await loop.run_in_executor(None, self.engine_loop.stop)
     if self._httpd is not None:
       self._httpd.shutdown()
       self._httpd.server_close()
-    summary = {"in_flight": in_flight, "finished": in_flight - len(left), "aborted": len(left)}
+    summary = {"in_flight": in_flight, "finished": in_flight - aborted, "aborted": aborted}
     log.info("stopped: %s", summary)
     self._stopped.set()
     return summary
@@ -429,8 +374,10 @@ def serve(llm: LLM, config: ServerConfig = ServerConfig()) -> int:
     server = InferenceServer(llm, config)
     await server.start()
     where = f"{config.host}:{server.port}"
+    http = (f"; OpenAI HTTP on http://{config.host}:{server.http_port}/v1"
+            if server.http_port is not None else "")
     metrics = f"; metrics on http://{config.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"jaxinfer: listening on {where} ({llm.source}){metrics}; warming up", file=sys.stderr, flush=True)
+    print(f"jaxinfer: listening on {where} ({llm.source}){http}{metrics}; warming up", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = []
@@ -442,8 +389,7 @@ def serve(llm: LLM, config: ServerConfig = ServerConfig()) -> int:
               file=sys.stderr, flush=True)
         stop.set()
       else:  # impatient: abort the rest now
-        for stream in list(server.active.values()):
-          stream.put(_Shutdown("the server was stopped"))
+        server.backend.shut_down_all("the server was stopped")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
       loop.add_signal_handler(sig, on_signal, sig)

@@ -303,13 +303,13 @@ def test_health_and_admission_limits_before_warm_up(model_dir):
         threads.append(threading.Thread(target=run, args=(name, prompt)))
         threads[-1].start()
         end = time.monotonic() + 30
-        while server._waiting_requests < waiting and time.monotonic() < end:
+        while server.backend.waiting_requests < waiting and time.monotonic() < end:
           time.sleep(0.01)
 
       threads = []
       admit("a", [1] * 30, 1)
       admit("b", [2] * 5, 2)
-      assert (server._waiting_requests, server._waiting_tokens) == (2, 35)
+      assert (server.backend.waiting_requests, server.backend.waiting_tokens) == (2, 35)
       with pytest.raises(grpc.RpcError) as e:
         c.generate([3] * 6, max_tokens=4)  # 35 + 6 > 40 tokens
       assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -329,27 +329,27 @@ def test_health_and_admission_limits_before_warm_up(model_dir):
         assert not isinstance(deltas, Exception), deltas
         assert sum(len(d.token_ids) for d in deltas) == 12
         assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH
-      assert (server._waiting_requests, server._waiting_tokens) == (0, 0)
+      assert (server.backend.waiting_requests, server.backend.waiting_tokens) == (0, 0)
   finally:
     gate.set()
     server.stop_in_thread(5)
 
 
-def test_stream_queue_merges_deltas_when_full():
+def test_stream_queue_merges_deltas_when_full(reference):
   from jaxinfer.engine.engine import RequestOutput
-  from jaxinfer.serving.server import _Admission, _Stream
+  from jaxinfer.serving.backend import Backend, _Admission, _Stream
 
-  class Owner:
-    _waiting_requests = 0
-    _waiting_tokens = 0
+  backend = Backend(reference, warmup=False)  # never started: only its admission counters are used
 
   async def run():
-    s = _Stream(asyncio.get_running_loop(), 2, _Admission(Owner(), 3))
+    s = _Stream(asyncio.get_running_loop(), 2, _Admission(backend, 3))
+    assert (backend.waiting_requests, backend.waiting_tokens) == (1, 3)
     for i in range(5):
       ids = list(range(i + 1))
       s.put(RequestOutput("r", None, [1], text="abcde"[:i + 1], token_ids=ids, logprobs=[0.0] * (i + 1),
                           new_token_ids=[i], new_text="abcde"[i]))
     assert len(s) == 2
+    assert (backend.waiting_requests, backend.waiting_tokens) == (0, 0)  # released once, by the first put
     return [await s.get(), await s.get()]
 
   first, merged = asyncio.run(run())
