@@ -1,11 +1,13 @@
-"""Serving: the gRPC batching server (`jaxinfer.v1.Inference`) and its client.
+"""Serving: the batching server (gRPC `jaxinfer.v1.Inference`, optionally the
+OpenAI HTTP API on the same engine) and its gRPC client.
 
     jaxinfer serve --port 50051                 # the embedded default model
+    jaxinfer serve --http-port 8000             # + /v1/completions, /v1/chat/completions
     from jaxinfer.serving import Client
     Client("127.0.0.1:50051").generate("Hello", max_tokens=16).text
 
-See server.py for the threading model and status codes, proto/inference.proto
-for the wire API.
+See backend.py for the threading model, server.py and openai_api.py for each
+transport's statuses, proto/inference.proto for the gRPC wire API.
 """
 
 from jaxinfer.serving.client import Client, GenerateResult

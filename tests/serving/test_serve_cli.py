@@ -1,4 +1,5 @@
-"""`jaxinfer serve` as a real process: it listens, turns SERVING, and on
+"""`jaxinfer serve` as a real process: it listens (gRPC and, with
+--http-port, OpenAI HTTP over the same engine), turns SERVING, and on
 SIGTERM lets in-flight requests finish within the grace period, aborts the
 rest with UNAVAILABLE, and exits 0."""
 
@@ -12,6 +13,8 @@ import threading
 import time
 
 import grpc
+import pytest
+import httpx
 
 from conftest import tiny_dir
 from jaxinfer.serving import Client
@@ -24,7 +27,7 @@ def start(model_dir, *args):
        "--max-num-seqs", "8", "--max-num-batched-tokens", "32", *args],
       stderr=subprocess.PIPE, text=True)
   lines = []
-  port = None
+  port = http_port = None
   end = time.monotonic() + 300
   while time.monotonic() < end:
     line = proc.stderr.readline()
@@ -33,11 +36,13 @@ def start(model_dir, *args):
     lines.append(line)
     if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
       port = int(m.group(1))
+    if m := re.search(r"OpenAI HTTP on http://127\.0\.0\.1:(\d+)/v1", line):
+      http_port = int(m.group(1))
     if "health: SERVING" in line:
       break
   assert port is not None and proc.poll() is None, "".join(lines)
   threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-  return proc, port, lines
+  return proc, port, http_port, lines
 
 
 def test_sigterm_drains(tmp_path):
@@ -46,10 +51,17 @@ def test_sigterm_drains(tmp_path):
   cfg = json.loads((model / "config.json").read_text())
   cfg["max_position_embeddings"] = 4096
   (model / "config.json").write_text(json.dumps(cfg))
-  proc, port, log = start(model, "--grace-period", "2")
+  proc, port, http_port, log = start(model, "--grace-period", "2", "--http-port", "0")
   try:
     with Client(f"127.0.0.1:{port}", timeout=120) as c:
       assert c.health() == "SERVING"
+      http = f"http://127.0.0.1:{http_port}"
+      assert httpx.get(f"{http}/health").status_code == 200
+      # One engine, one registry: HTTP's /metrics counts the tokens of both transports.
+      r = httpx.post(f"{http}/v1/completions", json=dict(prompt=[1, 2], max_tokens=3, ignore_eos=True), timeout=60)
+      assert r.json()["usage"]["completion_tokens"] == 3
+      assert len(c.generate([1, 2], max_tokens=4, ignore_eos=True).token_ids) == 4
+      assert "jaxinfer_generation_tokens_total 7.0" in httpx.get(f"{http}/metrics").text
       short = c.stream([1, 2, 3], temperature=0, max_tokens=40, ignore_eos=True)
       long = c.stream([4, 5, 6], temperature=0, max_tokens=4000, ignore_eos=True)
       got_short, got_long = [next(short)], [next(long)]
@@ -65,6 +77,8 @@ def test_sigterm_drains(tmp_path):
         assert e.code() == grpc.StatusCode.UNAVAILABLE
         assert "shut down before it finished (grace period 2 s)" in e.details()
     assert proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):  # the HTTP listener went down with the rest
+      httpx.get(f"{http}/health")
   finally:
     if proc.poll() is None:
       proc.kill()
