@@ -222,6 +222,33 @@ def test_bad_requests_are_openai_errors_naming_the_field(url, client, reference)
   assert r.choices[0].text == ref.text
 
 
+def test_a_failure_inside_one_request_is_500_for_it_only(client, server, reference):
+  engine = server.llm.engine
+  real_append = engine._append
+
+  def append(req, *args):
+    if req.prompt_token_ids[0] == 13:  # the poisoned requests
+      raise RuntimeError("boom")
+    real_append(req, *args)
+
+  want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+  engine._append = append
+  try:
+    healthy = client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
+                                        temperature=0, extra_body=dict(ignore_eos=True))
+    with pytest.raises(openai.InternalServerError) as e:
+      client.completions.create(model="llama3", prompt=[13, 14], max_tokens=5)
+    assert "failed in the engine: RuntimeError: boom" in e.value.message
+    with pytest.raises(openai.APIError) as e:  # streamed: headers were sent, so an error event
+      list(client.completions.create(model="llama3", prompt=[13, 15], max_tokens=5, stream=True))
+    assert "failed in the engine: RuntimeError: boom" in e.value.message
+    text = "".join(c.choices[0].text for c in healthy)
+  finally:
+    engine._append = real_append
+  assert text == want.text
+  assert pool_is_full(server)
+
+
 def test_disconnect_mid_stream_frees_pages(url, server):
   body = dict(prompt=[1, 2, 3], stream=True, **LONG)
   with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
