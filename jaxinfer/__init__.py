@@ -19,6 +19,7 @@ _EXPORTS = {
     "LLM": "jaxinfer.llm",
     "RequestOutput": "jaxinfer.llm",
     "SamplingParams": "jaxinfer.sampling",
+    "StructuredOutput": "jaxinfer.structured",
     "ModelConfig": "jaxinfer.config",
     "Tokenizer": "jaxinfer.tokenizer",
     "JaxinferError": "jaxinfer.errors",

@@ -10,6 +10,12 @@ step() = schedule (host) -> run (device: one ragged step, sampling
 included) -> postprocess (host: append tokens, detokenize, stop checks,
 free finished requests' pages). Servers drive it from their own loop;
 `jaxinfer.LLM` drives it for notebooks and scripts.
+
+A structured-output request keeps an llguidance matcher (engine/grammar.py):
+it masks the request's logits rows in each step, consumes every committed
+token (never the recomputed ones after a preemption), cuts drafts at the
+first one the grammar rejects, and ends the request with 'stop' once only
+EOS could follow.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.grammar import GrammarCompiler
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
@@ -123,6 +130,7 @@ class _Output:
     self.sent_tokens = 0
     self.sent_chars = 0
     self.stopped_by_text = False
+    self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
 
   def visible_text(self, finished: bool) -> str:
     if self.detok is None:
@@ -174,6 +182,7 @@ class LLMEngine:
              num_pages * per_page / 2**20, dtype)
     self.kv_cache_bytes = num_pages * per_page
     self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+    self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
     self._requests: dict[str, Request] = {}
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
     self.num_generated_tokens = 0
@@ -218,6 +227,8 @@ class LLMEngine:
       raise InvalidRequestError(
           f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
           f"max_model_len={self.max_model_len}")
+    if params.structured is not None:
+      self.grammars.check(params.structured)  # compiled once (cached): a bad schema fails here
     return ids
 
   def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
@@ -242,15 +253,17 @@ class LLMEngine:
     seed = params.seed if params.seed is not None else secrets.randbits(32)
     req = Request(request_id, ids, params, seed, prompt=prompt)
     req.output = _Output(req, self.tokenizer, self.eos_ids)
+    if params.structured is not None:
+      req.output.grammar = self.grammars.matcher(params.structured)
     self._requests[request_id] = req
     self.scheduler.add(req)
 
   def abort(self, request_id: str) -> RequestOutput | None:
     """Ends a request now and frees its pages; returns its final output (None if unknown)."""
-    req = self._requests.pop(request_id, None)
+    req = self._requests.get(request_id)
     if req is None:
       return None
-    self.scheduler.finish(req, "abort")
+    self._finish(req, "abort")
     return self._output(req)
 
   def has_unfinished(self) -> bool:
@@ -279,7 +292,8 @@ class LLMEngine:
       seqs.append(ScheduledSeq(
           row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          want_prompt_logprobs=self._wants_prompt_logprobs(req), draft_ids=req.spec_token_ids))
+          want_prompt_logprobs=self._wants_prompt_logprobs(req), draft_ids=req.spec_token_ids,
+          grammar=req.output.grammar))
     try:
       result = self.runner.execute(seqs)
     except Exception as e:  # the requests of this step end; the engine goes on
@@ -325,7 +339,11 @@ class LLMEngine:
       # Never draft past max_tokens: the bonus token needs one slot of its own.
       room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
       if room > 0:
-        req.spec_token_ids = self.drafter.propose(req.token_ids, room)
+        drafts = self.drafter.propose(req.token_ids, room)
+        grammar = req.output.grammar
+        if grammar is not None:  # the first draft the grammar rejects could never be accepted
+          drafts = drafts[:grammar.valid_prefix(drafts)]
+        req.spec_token_ids = drafts
 
   def _count_acceptance(self, proposed: int, accepted: int) -> None:
     self.spec_proposed[:proposed] += 1
@@ -333,8 +351,7 @@ class LLMEngine:
 
   def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
     """Ends `req` with finish_reason 'error' (its pages are freed) and says why."""
-    self.scheduler.finish(req, "error")
-    self._requests.pop(req.request_id, None)
+    self._finish(req, "error")
     out = self._output(req)
     out.error = f"{type(exc).__name__}: {exc}"
     return out
@@ -391,14 +408,23 @@ class LLMEngine:
         hits = [at for at in (text.find(s, lo) for s in p.stop) if at >= 0]
         if hits:
           out.text, out.stopped_by_text, reason = text[:min(hits)], True, "stop"
+    if out.grammar is not None:
+      out.grammar.consume(token)  # on commit only: a preempted request's recompute never re-consumes
     if reason is None and token in out.stop_ids:
       reason = "stop"
+    elif reason is None and out.grammar is not None and out.grammar.finished:
+      reason = "stop"  # only EOS could follow
     elif reason is None and len(req.output_token_ids) >= p.max_tokens:
       reason = "length"
     if reason is not None:
-      self.scheduler.finish(req, reason)
-      self._requests.pop(req.request_id, None)
+      self._finish(req, reason)
     return reason is not None
+
+  def _finish(self, req: Request, reason: str) -> None:
+    """Ends a request: pages and sampler row freed, the engine forgets it, its matcher goes."""
+    self.scheduler.finish(req, reason)
+    self._requests.pop(req.request_id, None)
+    req.output.grammar = None
 
   def _output(self, req: Request) -> RequestOutput:
     out = req.output

@@ -16,13 +16,19 @@ logprobs), and `warmup()` compiles all of them up front. The KV cache and
 the sampling history are donated: updated in place. Only token ids and
 logprobs come back.
 
+Structured output: each logits row carries an allowed-token bitmask
+(`StepBatch.allowed`, [L, W] int32, llguidance's layout; all ones for free
+rows), filled on the host by engine/grammar.py from the request's matcher
+(a verified row j from the state after its first j drafts), and applied to
+the logits before sampling.
+
 `history` holds, per sampler row (one per running request), how often each
 token occurred in the output and which tokens are in the prompt: the
 repetition / presence / frequency penalties read it on device, so no
 per-step [S, V] array crosses to the device.
 
 Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
-P pages per sequence, R sampler rows, V vocab, N top logprobs.
+P pages per sequence, R sampler rows, V vocab, W = ceil(V / 32) mask words, N top logprobs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
@@ -77,6 +84,7 @@ class ScheduledSeq:
   seed: int
   want_prompt_logprobs: bool = False
   draft_ids: Sequence[int] = ()  # speculative tokens to verify after the committed ones
+  grammar: Grammar | None = None  # structured output: its matcher, at the committed tokens
 
   @property
   def num_committed_new(self) -> int:
@@ -101,13 +109,15 @@ class StepBatch(NamedTuple):
   draft_ids: Any  # [S, k]
   num_drafts: Any  # [S]
   targets: Any  # [T] next prompt token of each row (prompt logprobs)
+  allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token)
 
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
-         scratch_row: int) -> StepBatch:
+         scratch_row: int, vocab_size: int) -> StepBatch:
   """Packs the scheduled sequences, in order, into one padded StepBatch of T tokens,
   S sequences and S * (k + 1) logits rows. Padding tokens write to page 0 (NULL_PAGE);
-  padding sequences and logits rows are greedy on the scratch history row."""
+  padding sequences and logits rows are greedy on the scratch history row. Grammar
+  masks are computed here for the rows that sample (this reads matcher state only)."""
   if len(seqs) > S:
     raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
   ps, K1 = page_size, k + 1
@@ -127,6 +137,8 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   params: list[SamplingParams | None] = [None] * L
   seeds = np.zeros(L, np.uint32)
   sample_pos = np.zeros(L, np.int32)
+  allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
+  constrained: list[tuple[Grammar, int, Sequence[int]]] = []
   t = 0
   for i, s in enumerate(seqs):
     n, nd = s.num_new, len(s.draft_ids)
@@ -155,12 +167,15 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     params[lo:lo + nd + 1] = [s.params] * (nd + 1)
     seeds[lo:lo + nd + 1] = s.seed
     sample_pos[lo:lo + nd + 1] = end - nd + np.arange(nd + 1)
+    if s.grammar is not None and s.samples:  # a prefill chunk's row is never sampled
+      constrained.append((s.grammar, lo, s.draft_ids))
     t += n
     cu[i + 1] = t
   cu[len(seqs) + 1:] = t
   sampling = SamplingBatch.from_params(params, seeds, sample_pos)
+  fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
-                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets)
+                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed)
 
 
 @dataclasses.dataclass
@@ -266,7 +281,7 @@ class ModelRunner:
 
   def _run(self, seqs: list[ScheduledSeq], T: int) -> StepResult:
     batch = pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
-                 self.page_size, self.scratch_row)
+                 self.page_size, self.scratch_row, self.cfg.vocab_size)
     prompt_lp = any(s.want_prompt_logprobs for s in seqs)
     self._programs.add(("step", T, prompt_lp))
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
@@ -302,7 +317,7 @@ def _step(cfg, attention_impl, decode_q_len, params, cache, history, batch: Step
                           attention_impl=attention_impl, decode_q_len=decode_q_len)  # [T, D]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
-                                    batch.rows)
+                                    batch.rows, batch.allowed)
   S, k = batch.draft_ids.shape
   ids = ids.reshape(S, k + 1)
   committed = jnp.where(batch.samples, accept(ids, batch.draft_ids, batch.num_drafts) + 1, 0)  # [S]

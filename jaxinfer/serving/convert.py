@@ -12,6 +12,7 @@ from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.proto import inference_pb2 as pb
+from jaxinfer.structured import StructuredOutput
 
 # SamplingOptions fields that are `optional` in the proto: unset = the engine's default.
 _OPTIONAL = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -29,6 +30,8 @@ def sampling_from_proto(o: pb.SamplingOptions) -> SamplingParams:
   kw: dict[str, Any] = {name: getattr(o, name) for name in _OPTIONAL if o.HasField(name)}
   kw.update(stop=tuple(o.stop), stop_token_ids=tuple(o.stop_token_ids), ignore_eos=o.ignore_eos)
   try:
+    if o.HasField("structured"):
+      kw["structured"] = structured_from_proto(o.structured)
     return SamplingParams(**kw)
   except InvalidRequestError as e:
     raise InvalidRequestError(f"sampling.{e}") from None
@@ -36,7 +39,7 @@ def sampling_from_proto(o: pb.SamplingOptions) -> SamplingParams:
 
 def sampling_to_proto(params: SamplingParams | None = None, **overrides: Any) -> pb.SamplingOptions:
   """SamplingOptions from a SamplingParams and/or keyword fields (unknown names are an error)."""
-  known = set(_OPTIONAL) | {"stop", "stop_token_ids", "ignore_eos"}
+  known = set(_OPTIONAL) | {"stop", "stop_token_ids", "ignore_eos", "structured"}
   unknown = sorted(set(overrides) - known)
   if unknown:
     raise InvalidRequestError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
@@ -48,7 +51,28 @@ def sampling_to_proto(params: SamplingParams | None = None, **overrides: Any) ->
   values.update(overrides)
   if isinstance(values.get("stop"), str):
     values["stop"] = [values["stop"]]
+  if values.get("structured") is not None:
+    values["structured"] = structured_to_proto(values["structured"])
   return pb.SamplingOptions(**{k: v for k, v in values.items() if v is not None})
+
+
+def structured_from_proto(o: pb.StructuredOutput) -> StructuredOutput:
+  """Errors read `structured.<field>: ...` (sampling_from_proto prefixes `sampling.`)."""
+  kind = o.WhichOneof("kind")
+  if kind is None:
+    raise InvalidRequestError("structured is set but none of json_schema, json_object, regex, choice is")
+  if kind == "choice":
+    return StructuredOutput(choice=tuple(o.choice.choices))
+  return StructuredOutput(**{kind: getattr(o, kind)})
+
+
+def structured_to_proto(s: StructuredOutput | dict) -> pb.StructuredOutput:
+  """From a StructuredOutput, or a dict of its fields (checked by StructuredOutput)."""
+  if isinstance(s, dict):
+    s = StructuredOutput(**s)
+  if s.kind == "choice":
+    return pb.StructuredOutput(choice=pb.Choices(choices=s.choice))
+  return pb.StructuredOutput(**{s.kind: getattr(s, s.kind)})
 
 
 def messages_from_proto(chat: pb.Chat) -> list[dict[str, str]]:

@@ -21,7 +21,7 @@ def test_pack_lays_out_a_prefill_chunk_a_decode_and_a_verification():
       ScheduledSeq(row=3, token_ids=[30, 31, 32], start=2, num_new=3, pages=[4, 6], params=hot, seed=3,
                    draft_ids=[40, 41]),
   ]
-  b = pack(seqs, T=8, S=4, k=2, pages_per_seq=3, page_size=4, scratch_row=9)
+  b = pack(seqs, T=8, S=4, k=2, pages_per_seq=3, page_size=4, scratch_row=9, vocab_size=64)
   np.testing.assert_array_equal(b.tokens, [12, 13, 14, 24, 32, 40, 41, 0])
   np.testing.assert_array_equal(b.positions, [2, 3, 4, 4, 2, 3, 4, 0])
   # slot = page * page_size + offset; padding writes go to page 0
@@ -47,6 +47,6 @@ def test_pack_refuses_what_does_not_fit():
   s = ScheduledSeq(row=0, token_ids=[1, 2], start=1, num_new=3, pages=[1], params=SamplingParams(),
                    seed=0, draft_ids=[5, 6])
   with pytest.raises(ValueError, match="2 drafts exceed the step's 1 speculative tokens"):
-    pack([s], T=4, S=1, k=1, pages_per_seq=1, page_size=4, scratch_row=1)
+    pack([s], T=4, S=1, k=1, pages_per_seq=1, page_size=4, scratch_row=1, vocab_size=64)
   with pytest.raises(ValueError, match="2 sequences do not fit the 4-token bucket"):
-    pack([s, s], T=4, S=1, k=2, pages_per_seq=1, page_size=4, scratch_row=1)
+    pack([s, s], T=4, S=1, k=2, pages_per_seq=1, page_size=4, scratch_row=1, vocab_size=64)
