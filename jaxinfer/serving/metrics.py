@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gRPC server (names in the `jaxinfer_` namespace, units in the names).
+"""Prometheus metrics of the server, shared by gRPC and HTTP (names in the `jaxinfer_` namespace, units in the names).
 
 Latencies are observed on the engine thread when a step's outputs come out,
 so they measure the engine plus queueing, not the network. Gauges are set
@@ -46,7 +46,8 @@ class Metrics:
     self.finished_requests = Counter("jaxinfer_finished_requests", "Finished requests by finish reason.",
                                      ["finish_reason"], registry=r)
     self.rejected_requests = Counter("jaxinfer_rejected_requests",
-                                     "Requests refused before reaching the engine, by gRPC status.",
+                                     "Requests refused before reaching the engine, by status "
+                                     "(gRPC's names, whichever transport refused).",
                                      ["code"], registry=r)
     self.preemptions = Gauge("jaxinfer_preemptions", "Requests preempted (recomputed) so far.",
                              registry=r)

@@ -67,12 +67,13 @@ class ResponseFormat(_Body):
 
 
 class _Sampling(_Body):
+  # Every optional field takes null too: clients (not the official one) send `"n": null`, `"stream": null`.
   model: str | None = None
   max_tokens: int | None = None
   temperature: float | None = None
   top_p: float | None = None
-  n: int = 1
-  stream: bool = False
+  n: int | None = None
+  stream: bool | None = False
   stream_options: StreamOptions | None = None
   stop: str | list[str] | None = None
   seed: int | None = None
@@ -83,18 +84,18 @@ class _Sampling(_Body):
   top_k: int | None = None
   min_p: float | None = None
   repetition_penalty: float | None = None
-  ignore_eos: bool = False
+  ignore_eos: bool | None = False
   stop_token_ids: list[int] | None = None
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
   guided_json: dict[str, Any] | str | None = None
-  return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (exact ids)
+  return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:N" (exact ids)
 
 
 class CompletionRequest(_Sampling):
   prompt: str | list[int] | list[str] | list[list[int]]
   logprobs: int | None = None
-  echo: bool = False
+  echo: bool | None = False
   suffix: str | None = None
   best_of: int | None = None
 
@@ -111,7 +112,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
   messages: list[ChatMessage]
-  logprobs: bool = False
+  logprobs: bool | None = False
   top_logprobs: int | None = None
   max_completion_tokens: int | None = None
 
@@ -219,7 +220,7 @@ def _structured(body: _Sampling) -> tuple[StructuredOutput | None, str | None]:
 def _sampling(body: _Sampling, max_tokens: int, max_tokens_field: str, logprobs: int | None,
               logprobs_field: str) -> SamplingParams:
   structured, structured_field = _structured(body)
-  kw: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
+  kw: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
                             structured=structured)
   for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                "frequency_penalty"):
@@ -295,7 +296,7 @@ class _Api:
   def submit(self, body: _Sampling, prompt, prompt_field: str, build_params) -> tuple[Generation, str]:
     """Validates, admits and posts one request; raises ApiError."""
     self.check_model(body)
-    if body.n != 1:
+    if body.n not in (None, 1):
       raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n")
     try:
       self.check_serving()
@@ -469,7 +470,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
                        body.logprobs, "logprobs")
 
     gen, _ = api.submit(body, prompt, "prompt", params)
-    rid, created, as_ids = f"cmpl-{gen.request_id[5:]}", int(time.time()), body.return_tokens_as_token_ids
+    rid, created, as_ids = f"cmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     head = {"id": rid, "object": "text_completion", "created": created, "model": api.model}
     if body.stream:
       usage = body.stream_options is not None and body.stream_options.include_usage
@@ -523,7 +524,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
                        logprobs, "top_logprobs")
 
     gen, _ = api.submit(body, messages, "messages", params)
-    rid, created, as_ids = f"chatcmpl-{gen.request_id[5:]}", int(time.time()), body.return_tokens_as_token_ids
+    rid, created, as_ids = f"chatcmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     if body.stream:
       usage = body.stream_options is not None and body.stream_options.include_usage
       head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": api.model}
