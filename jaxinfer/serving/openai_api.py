@@ -293,7 +293,7 @@ class _Api:
   def tokens(self, ids: list[int], as_ids: bool) -> list[str]:
     return [f"token_id:{t}" for t in ids] if as_ids else self.b.token_texts(ids)
 
-  def submit(self, body: _Sampling, prompt, prompt_field: str, build_params) -> tuple[Generation, str]:
+  async def submit(self, body: _Sampling, prompt, prompt_field: str, build_params) -> tuple[Generation, str]:
     """Validates, admits and posts one request; raises ApiError."""
     self.check_model(body)
     if body.n not in (None, 1):
@@ -305,11 +305,15 @@ class _Api:
       raise _api_error(e, prompt_field) from None
     params = build_params(len(ids))
     try:
-      self.b.validate(ids, params)
+      if params.structured is None:
+        self.b.validate(ids, params)
+      else:  # compiling a grammar can take ~100 ms: not on the loop that streams everyone's tokens
+        await asyncio.get_running_loop().run_in_executor(None, self.b.validate, ids, params)
       gen = self.b.generate(ids, params, prompt=text, request_id=f"http-{uuid.uuid4().hex[:16]}")
     except JaxinferError as e:
       names = {"max_tokens": "max_completion_tokens" if getattr(body, "max_completion_tokens", None)
-               is not None else "max_tokens"}
+               is not None else "max_tokens",
+               "structured": _structured(body)[1]}  # the engine compiles the grammar: a bad schema fails here
       raise _api_error(e, _param_of(str(e), names, prompt_field)) from None
     return gen, text
 
@@ -469,7 +473,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
       return _sampling(body, api.default_max_tokens(n_prompt) if mt is None else mt, "max_tokens",
                        body.logprobs, "logprobs")
 
-    gen, _ = api.submit(body, prompt, "prompt", params)
+    gen, _ = await api.submit(body, prompt, "prompt", params)
     rid, created, as_ids = f"cmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     head = {"id": rid, "object": "text_completion", "created": created, "model": api.model}
     if body.stream:
@@ -523,7 +527,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
       return _sampling(body, api.default_max_tokens(n_prompt) if mt is None else mt, mt_field,
                        logprobs, "top_logprobs")
 
-    gen, _ = api.submit(body, messages, "messages", params)
+    gen, _ = await api.submit(body, messages, "messages", params)
     rid, created, as_ids = f"chatcmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     if body.stream:
       usage = body.stream_options is not None and body.stream_options.include_usage

@@ -175,6 +175,31 @@ def test_structured_output_fields_map_to_structured_output():
   assert (e.value.status, e.value.param) == (400, "response_format.json_schema")
 
 
+def test_structured_output_over_http(client):
+  """The constraint reaches the engine: sampled at temperature 1 from random weights, the
+  outputs still match (a regex, a choice, a JSON schema)."""
+  kw = dict(model="llama3", temperature=1.0, max_tokens=60)
+  for seed in range(3):
+    r = client.completions.create(prompt="go", seed=seed, extra_body=dict(guided_regex=r"\d{3}-\d{4}"), **kw)
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "?"}], seed=seed,
+                                       extra_body=dict(guided_choice=["yes", "no", "maybe so"]), **kw)
+    assert r.choices[0].message.content in ("yes", "no", "maybe so")
+  schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+  r = client.chat.completions.create(
+      messages=[{"role": "user", "content": "?"}], seed=0,
+      response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}, **kw)
+  assert r.choices[0].finish_reason == "stop"
+  assert set(json.loads(r.choices[0].message.content)) == {"ok"}
+  with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar compiler rejects
+    client.chat.completions.create(
+        messages=[{"role": "user", "content": "?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
+        **kw)
+  assert e.value.param == "response_format" and "frobnicate" in e.value.message
+
+
 BAD = [  # path, raw body, status, param, a fragment of the message
     ("completions", '{"prompt": "x", ', 400, None, "malformed JSON body"),
     ("completions", "[1, 2]", 400, None, "request body"),
