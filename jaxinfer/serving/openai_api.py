@@ -293,7 +293,7 @@ class _Api:
   def tokens(self, ids: list[int], as_ids: bool) -> list[str]:
     return [f"token_id:{t}" for t in ids] if as_ids else self.b.token_texts(ids)
 
-  async def submit(self, body: _Sampling, prompt, prompt_field: str, build_params) -> tuple[Generation, str]:
+  async def submit(self, body: _Sampling, prompt, prompt_field: str, build_params) -> Generation:
     """Validates, admits and posts one request; raises ApiError."""
     self.check_model(body)
     if body.n not in (None, 1):
@@ -315,7 +315,7 @@ class _Api:
                is not None else "max_tokens",
                "structured": _structured(body)[1]}  # the engine compiles the grammar: a bad schema fails here
       raise _api_error(e, _param_of(str(e), names, prompt_field)) from None
-    return gen, text
+    return gen
 
   def default_max_tokens(self, num_prompt_tokens: int) -> int:
     return max(1, self.b.model_info.max_model_len - num_prompt_tokens)  # as vLLM: the rest of the context
@@ -473,7 +473,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
       return _sampling(body, api.default_max_tokens(n_prompt) if mt is None else mt, "max_tokens",
                        body.logprobs, "logprobs")
 
-    gen, _ = await api.submit(body, prompt, "prompt", params)
+    gen = await api.submit(body, prompt, "prompt", params)
     rid, created, as_ids = f"cmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     head = {"id": rid, "object": "text_completion", "created": created, "model": api.model}
     if body.stream:
@@ -527,7 +527,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
       return _sampling(body, api.default_max_tokens(n_prompt) if mt is None else mt, mt_field,
                        logprobs, "top_logprobs")
 
-    gen, _ = await api.submit(body, messages, "messages", params)
+    gen = await api.submit(body, messages, "messages", params)
     rid, created, as_ids = f"chatcmpl-{gen.request_id[5:]}", int(time.time()), bool(body.return_tokens_as_token_ids)
     if body.stream:
       usage = body.stream_options is not None and body.stream_options.include_usage
