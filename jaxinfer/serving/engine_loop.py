@@ -145,6 +145,8 @@ class EngineLoop:
       out = self.engine.abort(cmd[1])
       if out is not None and self.metrics is not None:
         self.metrics.finished_requests.labels("abort").inc()
+        # The gauges move now: when this was the last request, no step follows to update them.
+        self.metrics.set_engine_stats(self.engine.stats())
     elif kind == "call":
       _, fn, future = cmd
       try:

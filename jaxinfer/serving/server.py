@@ -177,6 +177,65 @@ class _Servicer(pb_grpc.InferenceServicer):
                         eos_token_ids=list(i.eos_token_ids))
 
 
+class _Undecodable:
+  """What a request deserializer returns for bytes protobuf refuses (see _RejectUndecodable)."""
+
+  def __init__(self, message: str):
+    self.message = message
+
+
+class _RejectUndecodable(grpc.aio.ServerInterceptor):
+  """Request bytes that do not decode as the method's message (invalid UTF-8 in a
+  string field, e.g. text bytes ff fe or an encoded surrogate in `stop`; truncated
+  or garbled bytes) are INVALID_ARGUMENT naming the message type.
+
+  gRPC decodes a request before any handler runs, and a deserializer that raises
+  becomes UNKNOWN with a traceback in the log. So the deserializer returns a
+  marker instead, and the handler is wrapped to refuse it first.
+  """
+
+  def __init__(self, backend: Backend):
+    self._backend = backend
+
+  async def intercept_service(self, continuation, details):
+    handler = await continuation(details)
+    if (handler is None or handler.request_deserializer is None
+        or not details.method.startswith(f"/{SERVICE_NAME}/")):
+      return handler
+    decode, backend = handler.request_deserializer, self._backend
+    method = details.method.rsplit("/", 1)[-1]
+
+    def deserialize(data: bytes):
+      try:
+        return decode(data)
+      except Exception as e:  # protobuf's DecodeError; the message names no field
+        return _Undecodable(f"{method}: the request bytes are not a valid {SERVICE_NAME}.{method} "
+                            f"request message (invalid UTF-8 in a string field, or corrupt bytes): {e}")
+
+    async def refuse(request, context):
+      backend.reject(InvalidRequestError(request.message))
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+    if handler.unary_stream is not None:
+      inner = handler.unary_stream
+
+      async def unary_stream(request, context):
+        if isinstance(request, _Undecodable):
+          await refuse(request, context)
+        async for response in inner(request, context):
+          yield response
+      return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+    if handler.unary_unary is not None:
+      inner_unary = handler.unary_unary
+
+      async def unary_unary(request, context):
+        if isinstance(request, _Undecodable):
+          await refuse(request, context)
+        return await inner_unary(request, context)
+      return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+    return handler
+
+
 def _uvicorn_server(config: "uvicorn.Config") -> "uvicorn.Server":
   import uvicorn
 
@@ -222,7 +281,8 @@ class InferenceServer:
     """Listens (health NOT_SERVING) and starts the engine thread; SERVING once warm."""
     self._loop = asyncio.get_running_loop()
     self._stopped = asyncio.Event()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],  # a port in use is an error
+                             interceptors=[_RejectUndecodable(self.backend)])
     pb_grpc.add_InferenceServicer_to_server(_Servicer(self.backend), server)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
     for name in ("", SERVICE_NAME):

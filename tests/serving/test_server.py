@@ -251,8 +251,11 @@ def test_reflection_lists_the_services(server):
   assert responses[1].file_descriptor_response.file_descriptor_proto  # grpcurl can describe it
 
 
-def metric(text, name):
+def metric(text, name, missing=None):
+  """The sample `name` in a scrape; a labelled counter not yet created reads `missing`."""
   m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+  if m is None and missing is not None:
+    return missing
   assert m, f"{name} missing from /metrics"
   return float(m.group(1))
 
@@ -271,11 +274,36 @@ def test_prometheus_metrics(server, client):
   assert (metric(after, "jaxinfer_inter_token_latency_seconds_count")
           - metric(before, "jaxinfer_inter_token_latency_seconds_count")) == 9
   assert (metric(after, 'jaxinfer_finished_requests_total{finish_reason="length"}')
-          - metric(before, 'jaxinfer_finished_requests_total{finish_reason="length"}')) == 1
-  for name in ("jaxinfer_waiting_requests", "jaxinfer_running_requests", "jaxinfer_kv_cache_usage_ratio",
-               "jaxinfer_prefix_cache_hit_ratio"):
-    assert 0 <= metric(after, name) <= 1e9
-  assert 'jaxinfer_rejected_requests_total{code="INVALID_ARGUMENT"}' in after
+          - metric(before, 'jaxinfer_finished_requests_total{finish_reason="length"}', missing=0.0)) == 1
+  with pytest.raises(grpc.RpcError):
+    client.generate([1, 2, 3], temperature=-1.0)
+  rejected = 'jaxinfer_rejected_requests_total{code="INVALID_ARGUMENT"}'
+  assert metric(scrape(), rejected) - metric(after, rejected, missing=0.0) == 1
+
+
+def scrape(server):
+  return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+
+
+def test_gauges_fall_to_zero_when_the_last_requests_are_aborted(server, client):
+  """Regression: aborting the last running requests left the gauges at their old
+  values until some later request ran a step."""
+  streams = [client.stream([1, 2, 3 + i], **LONG) for i in range(2)]
+  for s in streams:
+    next(s)  # both are running
+  busy = scrape(server)
+  assert metric(busy, "jaxinfer_running_requests") == 2
+  assert metric(busy, "jaxinfer_kv_cache_usage_ratio") > 0
+  for s in streams:
+    s.close()  # cancels the call
+  assert pool_is_full(server)
+  end = time.monotonic() + 5
+  while metric(scrape(server), "jaxinfer_running_requests") != 0 and time.monotonic() < end:
+    time.sleep(0.02)
+  idle = scrape(server)
+  assert metric(idle, "jaxinfer_running_requests") == 0
+  assert metric(idle, "jaxinfer_waiting_requests") == 0
+  assert metric(idle, "jaxinfer_kv_cache_usage_ratio") == 0
 
 
 def test_health_and_admission_limits_before_warm_up(model_dir):
@@ -355,3 +383,45 @@ def test_stream_queue_merges_deltas_when_full(reference):
   first, merged = asyncio.run(run())
   assert (first.new_token_ids, first.new_text) == ([0], "a")
   assert (merged.new_token_ids, merged.new_text, merged.token_ids) == ([1, 2, 3, 4], "bcde", [0, 1, 2, 3, 4])
+
+
+def _raw_call(server, method, data: bytes, stream: bool):
+  """Sends `data` as the request bytes of `method`, unencoded by any stub."""
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    path = f"/jaxinfer.v1.Inference/{method}"
+    if stream:
+      call = channel.unary_stream(path, request_serializer=None,
+                                  response_deserializer=pb.GenerateResponse.FromString)
+      return list(call(data, timeout=30))
+    call = channel.unary_unary(path, request_serializer=None,
+                               response_deserializer=pb.TokenizeResponse.FromString)
+    return call(data, timeout=30)
+
+
+def _swap(message, good: bytes, bad: bytes) -> bytes:
+  """`message` serialized, with the (same-length) bytes of one string value replaced."""
+  data = message.SerializeToString()
+  assert data.count(good) == 1 and len(good) == len(bad)
+  return data.replace(good, bad)
+
+
+@pytest.mark.parametrize("data", [
+    _swap(pb.GenerateRequest(text="AB"), b"AB", b"\xff\xfe"),  # invalid UTF-8 in the prompt text
+    _swap(pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(stop=["QQQ"])),
+          b"QQQ", b"\xed\xa0\x80"),  # an encoded surrogate (U+D800) in a stop string
+    _swap(pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="ZZZ")])),
+          b"ZZZ", b"\xed\xb0\x80"),  # a lone low surrogate in chat content
+    b"\x0a\x05ab",  # truncated: a 5-byte string with 2 bytes
+], ids=["text-ff-fe", "stop-surrogate", "chat-surrogate", "truncated"])
+def test_undecodable_request_bytes_are_invalid_argument(server, client, reference, data):
+  """Regression: such requests got UNKNOWN with a traceback in the server's log."""
+  with pytest.raises(grpc.RpcError) as e:
+    _raw_call(server, "Generate", data, stream=True)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "not a valid jaxinfer.v1.Inference.Generate request" in e.value.details()
+  with pytest.raises(grpc.RpcError) as e:
+    _raw_call(server, "Tokenize", _swap(pb.TokenizeRequest(text="AB"), b"AB", b"\xff\xfe"), stream=False)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  # the server goes on serving
+  want = reference.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+  assert client.generate([1, 2, 3], temperature=0, max_tokens=4).token_ids == want
