@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import datetime
 import json
-import re
-import shutil
+import os
 import sys
 import threading
 import time
@@ -453,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
   if not args.prefix_caching:
     server_args.append("--no-prefix-caching")
 
+  load_before = os.getloadavg()
   stamp = datetime.date.today().isoformat()
   out_dir = Path(args.out)
   logs = out_dir / "mlperf-logs"
@@ -485,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
       "scenarios": {k: dataclasses.asdict(v) for k, v in SCENARIOS.items() if k in args.scenario_list},
       "rows": rows, "plot": png.name if png else None,
       "loadgen_version": _loadgen_version(logs),
+      # Other work on the machine inflates latencies; the 1-minute load average says how much there was.
+      "load_average_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
+                          "cores": os.cpu_count()},
   }
   path = write_results("mlperf", payload, out_dir / f"mlperf-{stamp}.json")
   print(f"wrote {path}" + (f" and {png}" if png else ""), file=sys.stderr)
