@@ -16,6 +16,13 @@ it masks the request's logits rows in each step, consumes every committed
 token (never the recomputed ones after a preemption), cuts drafts at the
 first one the grammar rejects, and ends the request with 'stop' once only
 EOS could follow.
+
+Disaggregation (engine/kv_connector.py): with a connector set
+(`set_kv_connector`), a new request whose prompt KV comes from another
+worker waits with its pages allocated; the connector feeds `import_kv` and
+then `finish_remote_kv` (the remote worker's first token joins the output as
+if sampled here, the request decodes on). A request added with `hold_kv`
+keeps its pages after it finishes, for `export_kv`, until `release_kv`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import GrammarCompiler
+from jaxinfer.engine.kv_connector import KVConnector, KVTransferError
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
@@ -184,6 +192,7 @@ class LLMEngine:
     self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
     self._requests: dict[str, Request] = {}
+    self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
     self.num_generated_tokens = 0
     self.num_steps = 0
@@ -245,13 +254,17 @@ class LLMEngine:
     return [int(t) for t in ids]
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                  params: SamplingParams = SamplingParams(), *, prompt: str | None = None) -> None:
-    """Queues a request; raises InvalidRequestError (and queues nothing) on bad input."""
-    if request_id in self._requests:
+                  params: SamplingParams = SamplingParams(), *, prompt: str | None = None,
+                  hold_kv: bool = False) -> None:
+    """Queues a request; raises InvalidRequestError (and queues nothing) on bad input.
+
+    hold_kv: when it finishes, its pages stay allocated (for `export_kv`) until `release_kv`.
+    """
+    if request_id in self._requests or request_id in self.scheduler.held:
       raise InvalidRequestError(f"request id {request_id!r} is already in use")
     ids = self.validate(prompt_token_ids, params)
     seed = params.seed if params.seed is not None else secrets.randbits(32)
-    req = Request(request_id, ids, params, seed, prompt=prompt)
+    req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv)
     req.output = _Output(req, self.tokenizer, self.eos_ids)
     if params.structured is not None:
       req.output.grammar = self.grammars.matcher(params.structured)
@@ -267,7 +280,86 @@ class LLMEngine:
     return self._output(req)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished()
+    return self.scheduler.has_unfinished() or bool(self._pending)
+
+  # ---- KV transfer (disaggregation) -----------------------------------------------------
+
+  def set_kv_connector(self, connector: KVConnector | None) -> None:
+    """Requests admitted from now on ask `connector` whether their prompt KV comes from elsewhere."""
+    self.scheduler.connector = connector
+
+  def kv_layout(self):
+    return self.runner.kv_layout()
+
+  def export_kv(self, request_id: str, first_page: int, num_pages: int) -> list[dict[str, np.ndarray]]:
+    """Host copies of pages [first_page, first_page + num_pages) of a running or held request."""
+    pages = self.kv.pages(request_id)
+    if request_id not in self.scheduler.held and request_id not in self._requests:
+      raise KVTransferError(f"request {request_id!r} holds no KV pages (released, or never added)")
+    if not 0 <= first_page <= first_page + num_pages <= len(pages):
+      raise KVTransferError(f"pages [{first_page}, {first_page + num_pages}) are outside request "
+                            f"{request_id!r}'s {len(pages)} pages")
+    return self.runner.export_pages(pages[first_page:first_page + num_pages])
+
+  def release_kv(self, request_id: str) -> bool:
+    """Ends a hold_kv request wherever it is (aborted if still running) and frees its
+    pages. True if it held any; releasing an unknown or released id does nothing."""
+    req = self._requests.get(request_id)
+    if req is not None:
+      req.hold_kv = False
+      self._finish(req, "abort")
+      return True
+    return self.scheduler.release_held(request_id)
+
+  def _waiting_for_kv(self, request_id: str) -> Request:
+    req = self.scheduler.waiting_for_kv.get(request_id)
+    if req is None:
+      raise KVTransferError(f"request {request_id!r} is not waiting for remote KV (aborted or finished)")
+    return req
+
+  def import_kv(self, request_id: str, first_page: int, arrays: Sequence[dict[str, np.ndarray]]) -> None:
+    """Writes remote pages into the request's pages from its page index `first_page` on.
+
+    Only pages that the remote tokens cover may be written: never a prefix-cache hit
+    (shared with other requests), never past the request's allocation."""
+    req = self._waiting_for_kv(request_id)
+    pages = self.kv.pages(request_id)
+    ps = self.kv.page_size
+    n = len(arrays[0]["k"]) if arrays and "k" in arrays[0] else 0
+    lo, hi = req.num_computed // ps, -(-(req.num_computed + req.num_remote_tokens) // ps)
+    if not lo <= first_page <= first_page + n <= hi:
+      raise KVTransferError(f"request {request_id!r}: pages [{first_page}, {first_page + n}) are not "
+                            f"among the pages its remote tokens fill, [{lo}, {hi})")
+    self.runner.import_pages(pages[first_page:first_page + n], arrays)
+
+  def finish_remote_kv(self, request_id: str, first_token: int | None = None, logprob: float = 0.0,
+                       top: dict[int, float] | None = None) -> None:
+    """The request's remote KV is imported: it runs from the next step on.
+
+    With `first_token` (the token the remote worker sampled after the prompt, its
+    logprob and top logprobs) the token is committed here as if sampled here: stop
+    checks, grammar and detokenization included; its output comes with the next
+    `step()`. Without, the remote tokens must leave at least one to compute here."""
+    req = self._waiting_for_kv(request_id)
+    if first_token is None and req.num_computed + req.num_remote_tokens >= len(req.token_ids):
+      raise KVTransferError(f"request {request_id!r}: every token's KV is remote, so the remote "
+                            f"worker must send the first token")
+    if first_token is not None:
+      self.check_token_ids([first_token])
+    self.scheduler.kv_arrived(req)
+    # The imported blocks are final prompt KV: later requests may share them.
+    self.kv.cache_blocks(request_id, req.token_ids, req.num_computed)
+    if first_token is None:
+      return
+    top = top or {}
+    top_ids = np.array(list(top), np.int64)
+    top_lps = np.array(list(top.values()), np.float64)
+    try:
+      self._append_one(req, int(first_token), float(logprob), top_ids, top_lps)
+      self._pending.append(self._output(req))
+    except Exception as e:  # like a step's postprocessing: this request fails, nobody else
+      log.exception("request %s failed", request_id)
+      self._pending.append(self._fail(req, e))
 
   @property
   def num_unfinished(self) -> int:
@@ -281,9 +373,10 @@ class LLMEngine:
 
   def step(self) -> list[RequestOutput]:
     """Runs one engine step; returns an output for every request that produced something."""
+    pending, self._pending = self._pending, []
     sched = self.scheduler.schedule()
     if not sched.scheduled:
-      return []
+      return pending
     seqs = []
     for req, n in sched.scheduled:
       if req.needs_history:
@@ -298,10 +391,10 @@ class LLMEngine:
       result = self.runner.execute(seqs)
     except Exception as e:  # the requests of this step end; the engine goes on
       log.exception("engine step failed (%d requests)", len(seqs))
-      return self._fail_step([req for req, _ in sched.scheduled], e)
+      return pending + self._fail_step([req for req, _ in sched.scheduled], e)
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
-    outputs = []
+    outputs = pending
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
       try:
@@ -363,6 +456,10 @@ class LLMEngine:
     outputs = [self._fail(req, exc) for req in reqs]
     if self.runner.state_lost():
       outputs += [self._fail(req, exc) for req in list(self.scheduler.running)]
+      # Imported and held pages are gone too: their transfers must fail, not move zeros.
+      outputs += [self._fail(req, exc) for req in list(self.scheduler.waiting_for_kv.values())]
+      for rid in list(self.scheduler.held):
+        self.scheduler.release_held(rid)
       self.runner.reset_state()
       self.kv.reset_prefix_cache()
     return outputs
@@ -450,6 +547,8 @@ class LLMEngine:
         "waiting": len(self.scheduler.waiting),
         "kv_usage": kv.usage,
         "kv_free_pages": kv.num_free_pages,
+        "kv_held_requests": len(self.scheduler.held),  # finished, pages kept for a transfer
+        "kv_waiting_for_remote": len(self.scheduler.waiting_for_kv),
         "prefix_hit_rate": kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0,
         "preemptions": self.scheduler.num_preemptions,
         "computed_tokens": self.num_computed_tokens,

@@ -27,6 +27,11 @@ token occurred in the output and which tokens are in the prompt: the
 repetition / presence / frequency penalties read it on device, so no
 per-step [S, V] array crosses to the device.
 
+KV pages move between workers (prefill/decode disaggregation) through
+`export_pages` / `import_pages`: a gather from / scatter into the paged cache
+of a power-of-two bucket of pages (at most MAX_TRANSFER_PAGES per program;
+more are split), so they add a bounded set of programs, compiled on first use.
+
 Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
 P pages per sequence, R sampler rows, V vocab, W = ceil(V / 32) mask words, N top logprobs.
 """
@@ -44,6 +49,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
+from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
@@ -51,6 +57,9 @@ from jaxinfer.engine.spec_decode import accept
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
 
 log = logging.getLogger(__name__)
+
+MAX_TRANSFER_PAGES = 64  # pages per gather / scatter program (largest transfer bucket)
+_PAGE_DIMS = ("pages", "page_size", "num_kv_heads", "head_dim")
 
 
 def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -220,6 +229,9 @@ class ModelRunner:
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size))
+    self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)
+    self._gather = jax.jit(_gather_pages)
+    self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
     self._programs: set[tuple] = set()
 
   def reset_state(self) -> None:
@@ -260,7 +272,7 @@ class ModelRunner:
   def max_programs(self) -> int:
     """Every program a request can ever trigger: steps with and without prompt
     logprobs, full-sequence logits per length bucket, the history-row setter."""
-    return 2 * len(self.token_buckets) + len(self.len_buckets) + 1
+    return 2 * len(self.token_buckets) + len(self.len_buckets) + 1 + 2 * len(self.transfer_buckets)
 
   def warmup(self, progress=None) -> None:
     """Compiles the step for every token bucket (all-padding batches touch no real page)."""
@@ -298,6 +310,86 @@ class ModelRunner:
     self.history = self._set_row(self.history, row, ids, len(prompt_ids),
                                  len(prompt_ids) + len(output_ids))
 
+  # ---- KV page transfer ----------------------------------------------------------------
+
+  def kv_layout(self) -> KVLayout:
+    layer = self.cache[0]
+    shape = next(iter(layer.values())).shape
+    return KVLayout(num_layers=len(self.cache), page_size=shape[1], num_kv_heads=shape[2],
+                    head_dim=shape[3], dtype=str(np.dtype(self.dtype)), names=tuple(layer))
+
+  def _check_page_ids(self, page_ids: Sequence[int]) -> np.ndarray:
+    ids = np.asarray(page_ids, np.int64).reshape(-1)
+    bad = ids[(ids <= NULL_PAGE) | (ids >= self.num_pages)]
+    if bad.size:
+      raise KVTransferError(f"page ids {bad.tolist()} are outside [1, {self.num_pages}) "
+                            f"(page {NULL_PAGE} is reserved for padding)")
+    return ids.astype(np.int32)
+
+  def _chunks(self, ids: np.ndarray):
+    """(offset, padded ids, real count) per program: buckets of at most MAX_TRANSFER_PAGES."""
+    for lo in range(0, len(ids), MAX_TRANSFER_PAGES):
+      part = ids[lo:lo + MAX_TRANSFER_PAGES]
+      B = bucket(len(part), self.transfer_buckets)
+      padded = np.full(B, NULL_PAGE, np.int32)  # padding reads / writes page 0, the padding page
+      padded[:len(part)] = part
+      yield lo, padded, len(part)
+
+  def export_pages(self, page_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Host copies of the given pages, per layer {'k', 'v'}: [n, page_size, K, d] each."""
+    ids = self._check_page_ids(page_ids)
+    parts = []
+    for _, padded, n in self._chunks(ids):
+      self._programs.add(("export", len(padded)))
+      got = jax.device_get(self._gather(self.cache, padded))
+      # Slice on the host: a device-side [:n] would compile once per count.
+      parts.append([{name: a[:n] for name, a in layer.items()} for layer in got])
+    if not parts:
+      return [{name: np.zeros((0,) + a.shape[1:], np.dtype(self.dtype)) for name, a in layer.items()}
+              for layer in self.cache]
+    if len(parts) == 1:
+      return parts[0]
+    return [{name: np.concatenate([p[i][name] for p in parts]) for name in layer}
+            for i, layer in enumerate(self.cache)]
+
+  def import_pages(self, page_ids: Sequence[int], arrays: Sequence[dict[str, np.ndarray]]) -> None:
+    """Writes `arrays` (as `export_pages` returns them, possibly from another worker with
+    other page ids) into the given pages. KVTransferError, changing nothing, when the
+    number of layers, the arrays' names, page count, page_size, kv heads, head_dim or
+    dtype differ from this cache."""
+    ids = self._check_page_ids(page_ids)
+    if len(set(ids.tolist())) != len(ids):
+      raise KVTransferError(f"page ids repeat: {ids.tolist()}")
+    if len(arrays) != len(self.cache):
+      raise KVTransferError(f"num_layers: the transfer has {len(arrays)} layers, this model has {len(self.cache)}")
+    want_dtype = np.dtype(self.dtype)
+    for l, (layer, ours) in enumerate(zip(arrays, self.cache)):
+      if set(layer) != set(ours):
+        raise KVTransferError(f"layer {l}: the transfer has arrays {sorted(layer)}, this cache {sorted(ours)}")
+      for name, a in layer.items():
+        want = (len(ids),) + tuple(ours[name].shape[1:])
+        if a.ndim != len(want):
+          raise KVTransferError(f"layer {l} {name!r}: {a.ndim} dimensions, expected {len(want)} {_PAGE_DIMS}")
+        for dim, got, exp in zip(_PAGE_DIMS, a.shape, want):
+          if got != exp:
+            what = "page count" if dim == "pages" else dim
+            raise KVTransferError(f"layer {l} {name!r}: {what} is {got}, expected {exp} "
+                                  f"(shape {tuple(a.shape)} vs {want})")
+        if a.dtype != want_dtype:
+          raise KVTransferError(f"layer {l} {name!r}: dtype is {a.dtype}, this cache holds {want_dtype}")
+    for lo, padded, n in self._chunks(ids):
+      B = len(padded)
+      part = []
+      for layer in arrays:
+        d = {}
+        for name, a in layer.items():
+          buf = np.zeros((B,) + a.shape[1:], want_dtype)
+          buf[:n] = a[lo:lo + n]
+          d[name] = buf
+        part.append(d)
+      self._programs.add(("import", B))
+      self.cache = self._scatter(self.cache, padded, part)
+
   # ---- evaluation ------------------------------------------------------------------------
 
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -333,6 +425,15 @@ def _step(cfg, attention_impl, decode_q_len, params, cache, history, batch: Step
     p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
     out = out + ((target_lp, p_top_ids, p_top_lp),)
   return cache, history, out
+
+
+def _gather_pages(cache, ids):
+  return jax.tree.map(lambda x: x[ids], cache)
+
+
+def _scatter_pages(cache, ids, arrays):
+  # Padding rows all target page 0: whichever write wins, page 0 only ever holds padding.
+  return jax.tree.map(lambda x, a: x.at[ids].set(a), cache, arrays)
 
 
 def _set_history_row(history, row, ids, prompt_len, total_len):

@@ -14,6 +14,13 @@ Passes, in order, each small:
      (its pages go back; it is recomputed later, prefix cache permitting);
   2. waiting requests, FCFS, while sequences, budget and pages allow
      (skipped in a step that preempted: the pool is tight).
+
+Disaggregation (engine/kv_connector.py): when a connector says a new
+request's prompt KV comes from another worker, pass 2 allocates its pages
+and parks it in `waiting_for_kv` (it holds a sequence slot and its pages,
+costs no budget, is never preempted) until `kv_arrived`. A request added
+with `hold_kv` (the producer side) keeps its pages past `finish`, in `held`,
+until `release_held`.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import dataclasses
 import enum
 from typing import Any
 
+from jaxinfer.engine.kv_connector import KVConnector
 from jaxinfer.engine.kv_manager import KVManager
 from jaxinfer.sampling import SamplingParams
 
 
 class Status(enum.Enum):
   WAITING = "waiting"
+  WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # pages allocated; their KV is being imported
   RUNNING = "running"
   FINISHED = "finished"
 
@@ -51,6 +60,8 @@ class Request:
   needs_history: bool = False  # the row must be (re)loaded before the next step
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
   finish_reason: str | None = None
+  num_remote_tokens: int = 0  # prompt tokens whose KV another worker computed (disaggregation)
+  hold_kv: bool = False  # producer side: pages outlive the request until released
   output: Any = None  # the engine's per-request output state
 
   def __post_init__(self):
@@ -82,12 +93,16 @@ class SchedulerOutput:
 class Scheduler:
   """FCFS continuous batching under a sequence limit and a token budget."""
 
-  def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int):
+  def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
+               connector: KVConnector | None = None):
     self.kv = kv
+    self.connector = connector
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
+    self.waiting_for_kv: dict[str, Request] = {}
+    self.held: dict[str, Request] = {}  # finished, pages kept for a transfer (hold_kv)
     self._free_rows = list(range(max_num_seqs - 1, -1, -1))
     self.num_preemptions = 0
 
@@ -95,7 +110,12 @@ class Scheduler:
     self.waiting.append(req)
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self.waiting or self.running or self.waiting_for_kv)
+
+  @property
+  def num_seqs(self) -> int:
+    """Sequences holding a sampler row: running ones and those waiting for their KV."""
+    return len(self.running) + len(self.waiting_for_kv)
 
   # ---- one step -------------------------------------------------------------------
 
@@ -130,11 +150,19 @@ class Scheduler:
     return budget
 
   def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
       req = self.waiting[0]
       # Prompt logprobs need every prompt token computed, so such requests skip the cache.
       cached = [] if req.params.prompt_logprobs is not None else self.kv.lookup(req.token_ids)
       computed = len(cached) * self.kv.page_size
+      # Only a fresh request's KV may come from elsewhere; once it has output (a remote
+      # request after its import, then preempted) it is recomputed here like any other.
+      remote = (self.connector.get_num_new_matched_tokens(req, computed)
+                if self.connector is not None and not req.output_token_ids else 0)
+      if remote:
+        if not self._admit_remote(req, cached, computed, remote):
+          break
+        continue
       n = min(len(req.token_ids) - computed, budget)
       if not self.kv.can_allocate(req.request_id, computed + n, cached):
         break
@@ -147,6 +175,39 @@ class Scheduler:
       self.running.append(req)
       out.scheduled.append((req, n))
       budget -= n
+
+  def _admit_remote(self, req: Request, cached: list[int], computed: int, remote: int) -> bool:
+    """Pages for the cached and the remote tokens; the request waits for its KV (no budget)."""
+    if computed + remote > len(req.token_ids):
+      raise ValueError(f"the connector claims {remote} remote tokens for {req.request_id!r} after "
+                       f"{computed} cached ones, but it has only {len(req.token_ids)} tokens")
+    if not self.kv.can_allocate(req.request_id, computed + remote, cached):
+      return False
+    pages = self.kv.allocate(req.request_id, computed + remote, cached)
+    self.waiting.popleft()
+    req.num_computed = req.num_cached_tokens = computed
+    req.num_remote_tokens = remote
+    req.status = Status.WAITING_FOR_REMOTE_KV
+    req.row = self._free_rows.pop()
+    self.waiting_for_kv[req.request_id] = req
+    self.connector.update_state_after_alloc(req, list(pages), remote)
+    return True
+
+  def kv_arrived(self, req: Request) -> None:
+    """The remote tokens' KV is in the request's pages: it runs from the next step on."""
+    if self.waiting_for_kv.pop(req.request_id, None) is not req:
+      raise ValueError(f"request {req.request_id!r} is not waiting for remote KV")
+    req.num_computed += req.num_remote_tokens
+    req.status = Status.RUNNING
+    req.needs_history = req.params.uses_penalties
+    self.running.append(req)
+
+  def release_held(self, request_id: str) -> bool:
+    """Frees a finished request's held pages; False if it held none."""
+    if self.held.pop(request_id, None) is None:
+      return False
+    self.kv.free(request_id)
+    return True
 
   # ---- state changes ----------------------------------------------------------------
 
@@ -162,17 +223,26 @@ class Scheduler:
     self.waiting.appendleft(req)
 
   def finish(self, req: Request, reason: str) -> None:
-    """Ends a request wherever it is; its pages are free at once."""
+    """Ends a request wherever it is; its pages are free at once, unless the
+    connector or `hold_kv` keeps them (then `release_held` frees them)."""
+    delay = self.connector.request_finished(req) if self.connector is not None else False
+    delay = delay or req.hold_kv
     if req.status is Status.RUNNING:
       self.running.remove(req)
-      self._release(req)
+      self._release(req, keep_pages=delay)
+      if delay:
+        self.held[req.request_id] = req
+    elif req.status is Status.WAITING_FOR_REMOTE_KV:
+      del self.waiting_for_kv[req.request_id]
+      self._release(req)  # its KV never fully arrived: nothing in its pages is worth keeping
     elif req.status is Status.WAITING:
       self.waiting.remove(req)
     req.status = Status.FINISHED
     req.finish_reason = reason
 
-  def _release(self, req: Request) -> None:
-    self.kv.free(req.request_id)
+  def _release(self, req: Request, keep_pages: bool = False) -> None:
+    if not keep_pages:
+      self.kv.free(req.request_id)
     if req.row is not None:
       self._free_rows.append(req.row)
       req.row = None

@@ -1,0 +1,81 @@
+"""The seam through which a request's KV may come from, or go to, another worker.
+
+Modelled on vLLM's v1 `KVConnectorBase_V1` (scheduler half), much smaller:
+
+  consumer (a decode worker)                    producer (a prefill worker)
+  ---------------------------                   ---------------------------
+  get_num_new_matched_tokens(req, computed)     add_request(..., hold_kv=True): the request
+    -> n prompt tokens will arrive remotely       runs to its first token as usual, but when it
+  scheduler allocates pages for them, does        finishes its pages stay held (`request_finished`
+    not compute them: the request waits           delays the free) until `release_kv`, called once
+    (Status.WAITING_FOR_REMOTE_KV)                the transfer is acknowledged, cancelled or timed
+  update_state_after_alloc(req, pages, n)         out
+    -> the connector starts the transfer
+  LLMEngine.import_kv(...) per chunk (engine thread), then
+  LLMEngine.finish_remote_kv(id, first token)  -> the request runs on
+  request_finished(req)  -> the connector stops a transfer still under way
+
+Every hook runs on the engine's thread (the only one that touches the
+engine); a connector that transfers asynchronously hands its results back
+through the engine's command queue (serving/disagg.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+from jaxinfer.errors import JaxinferError
+
+if TYPE_CHECKING:
+  from jaxinfer.engine.scheduler import Request
+
+
+class KVTransferError(JaxinferError):
+  """A KV transfer cannot be used: layouts differ, pages are missing or the bytes are short."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """What two workers must agree on for one's pages to be the other's (page ids and pool
+  sizes may differ). One page per layer is `[page_size, num_kv_heads, head_dim]` of
+  `dtype`, for each of the cache's arrays (`names`, e.g. ('k', 'v'))."""
+
+  num_layers: int
+  page_size: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+  names: tuple[str, ...] = ("k", "v")
+
+  @property
+  def page_bytes(self) -> int:
+    """Bytes of one page over every layer and array (what a transfer moves per page)."""
+    import numpy as np
+    itemsize = np.dtype(self.dtype).itemsize
+    return self.num_layers * len(self.names) * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+  def check_matches(self, other: "KVLayout", what: str = "the remote worker") -> None:
+    """KVTransferError naming every field that differs between self (ours) and `other`."""
+    diffs = [f"{f.name}: ours {getattr(self, f.name)!r}, {what}'s {getattr(other, f.name)!r}"
+             for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+    if diffs:
+      raise KVTransferError(f"KV layout mismatch with {what}: " + "; ".join(diffs))
+
+
+class KVConnector:
+  """No remote KV: every hook is a no-op (what an engine without a connector does)."""
+
+  def get_num_new_matched_tokens(self, req: "Request", num_computed: int) -> int:
+    """Prompt tokens after the first `num_computed` (local prefix-cache hits) whose KV
+    will arrive from elsewhere; 0: compute the request here as usual."""
+    return 0
+
+  def update_state_after_alloc(self, req: "Request", pages: Sequence[int], num_external_tokens: int) -> None:
+    """The request's pages are allocated (its first `req.num_computed` tokens' pages are
+    local cache hits); the remote tokens go into the pages after those."""
+
+  def request_finished(self, req: "Request") -> bool:
+    """The request ended (finished, aborted, failed). True: keep its pages held until
+    `LLMEngine.release_kv` (a transfer still reads them)."""
+    return False
