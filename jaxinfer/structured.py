@@ -31,8 +31,9 @@ class StructuredOutput:
   regex: the whole output matches this regular expression.
   choice: the output is exactly one of these strings.
 
-  The schema is stored as canonical JSON text so the value is hashable (it is
-  the key of the compiled-grammar cache).
+  The schema is stored as compact JSON text so the value is hashable (it is
+  the key of the compiled-grammar cache). Key order is kept, not sorted: a
+  JSON grammar generates an object's properties in the schema's order.
   """
 
   json_schema: str | None = None
@@ -43,7 +44,7 @@ class StructuredOutput:
   def __init__(self, json_schema: str | dict | None = None, json_object: bool = False,
                regex: str | None = None, choice: Any = None):
     if isinstance(json_schema, dict):
-      json_schema = json.dumps(json_schema, sort_keys=True, separators=(",", ":"))
+      json_schema = json.dumps(json_schema, separators=(",", ":"))
     elif json_schema is not None:
       if not isinstance(json_schema, str):
         raise InvalidRequestError(
@@ -54,7 +55,7 @@ class StructuredOutput:
         raise InvalidRequestError(f"structured.json_schema is not valid JSON: {e}") from None
       if not isinstance(parsed, dict):
         raise InvalidRequestError("structured.json_schema must be a JSON object")
-      json_schema = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+      json_schema = json.dumps(parsed, separators=(",", ":"))
     if not isinstance(json_object, bool):
       raise InvalidRequestError(f"structured.json_object must be a bool, got {json_object!r}")
     if regex is not None and (not isinstance(regex, str) or not regex):

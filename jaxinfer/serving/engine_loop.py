@@ -73,11 +73,17 @@ class EngineLoop:
     return self
 
   def add(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
-          prompt: str | None = None) -> None:
-    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink))
+          prompt: str | None = None, hold_kv: bool = False) -> None:
+    """hold_kv: its KV pages outlive it (a transfer reads them) until
+    `call(lambda e: e.release_kv(request_id))` frees them."""
+    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink, hold_kv))
 
   def abort(self, request_id: str) -> None:
     self._commands.put(("abort", request_id))
+
+  def fail(self, request_id: str, error: BaseException) -> None:
+    """Ends a request with `error` (its sink's `fail`), e.g. its KV transfer failed; pages freed."""
+    self._commands.put(("fail", request_id, error))
 
   def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
     """Runs fn(engine) on the engine thread between steps (a consistent view of its state)."""
@@ -109,7 +115,9 @@ class EngineLoop:
     if self._on_ready is not None:
       self._on_ready()
     while True:
-      commands = self._take_commands(block=not self.engine.has_unfinished())
+      # A step that scheduled nothing (requests waiting for remote KV, or for pages that
+      # such requests hold) will schedule nothing until a command changes the state.
+      commands = self._take_commands(block=not self.engine.has_unfinished() or self.engine.last_step_idle)
       for cmd in commands:
         if cmd[0] == "stop":
           self._abort_all()
@@ -129,9 +137,9 @@ class EngineLoop:
   def _act(self, cmd: tuple) -> None:
     kind = cmd[0]
     if kind == "add":
-      _, rid, ids, params, prompt, sink = cmd
+      _, rid, ids, params, prompt, sink, hold_kv = cmd
       try:
-        self.engine.add_request(rid, ids, params, prompt=prompt)
+        self.engine.add_request(rid, ids, params, prompt=prompt, hold_kv=hold_kv)
       except Exception as e:  # the sink reports it; nothing was queued
         if not isinstance(e, InvalidRequestError):
           log.exception("adding request %s failed", rid)
@@ -147,12 +155,22 @@ class EngineLoop:
         self.metrics.finished_requests.labels("abort").inc()
         # The gauges move now: when this was the last request, no step follows to update them.
         self.metrics.set_engine_stats(self.engine.stats())
+    elif kind == "fail":
+      _, rid, error = cmd
+      sink = self._sinks.pop(rid, None)
+      if self.engine.abort(rid) is not None and sink is not None:
+        sink.fail(error)
+        if self.metrics is not None:
+          self.metrics.finished_requests.labels("error").inc()
+          self.metrics.set_engine_stats(self.engine.stats())
     elif kind == "call":
       _, fn, future = cmd
       try:
         future.set_result(fn(self.engine))
       except Exception as e:  # handed to the caller
         future.set_exception(e)
+      if self.metrics is not None:  # a call may free pages (release_kv): no step may follow
+        self.metrics.set_engine_stats(self.engine.stats())
 
   def _step(self) -> None:
     try:

@@ -122,6 +122,14 @@ def test_regex_choice_and_json_object_outputs(llm, free_prompts, free_ids):
     assert isinstance(json.loads(o.text), dict)
 
 
+def test_properties_come_in_the_schemas_order(llm):
+  """StructuredOutput keeps the schema's key order (sorting it would reorder the output)."""
+  schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+            "required": ["zeta", "alpha"], "additionalProperties": False}
+  o = llm.generate(["{"], constrained(0, json_schema=schema))[0]
+  assert o.finish_reason == "stop" and list(json.loads(o.text)) == ["zeta", "alpha"]
+
+
 def test_sentencepiece_vocabulary():
   """The tiny Mistral's sentencepiece vocabulary goes to llguidance as byte strings."""
   llm = LLM(tiny_dir("mistral"), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
