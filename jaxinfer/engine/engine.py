@@ -193,6 +193,7 @@ class LLMEngine:
     self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
     self._requests: dict[str, Request] = {}
     self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
+    self.last_step_idle = False  # the last step() scheduled nothing: only a new command can change that
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
     self.num_generated_tokens = 0
     self.num_steps = 0
@@ -375,6 +376,7 @@ class LLMEngine:
     """Runs one engine step; returns an output for every request that produced something."""
     pending, self._pending = self._pending, []
     sched = self.scheduler.schedule()
+    self.last_step_idle = not sched.scheduled
     if not sched.scheduled:
       return pending
     seqs = []

@@ -35,6 +35,10 @@ class KVTransferError(JaxinferError):
   """A KV transfer cannot be used: layouts differ, pages are missing or the bytes are short."""
 
 
+class KVTransferTimeout(KVTransferError):
+  """A transfer did not complete within its timeout (a server answers DEADLINE_EXCEEDED)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
   """What two workers must agree on for one's pages to be the other's (page ids and pool

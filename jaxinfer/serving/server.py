@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxinfer.engine.kv_connector import KVTransferTimeout
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
 from jaxinfer.llm import LLM, Prompt
 from jaxinfer.serving.backend import Backend, Overloaded, RequestFailed, Unavailable, Usage
@@ -69,6 +70,11 @@ class ServerConfig:
   metrics_port: int | None = None  # Prometheus HTTP endpoint; None: off, 0: any free port
   http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: any free port
   served_model_name: str | None = None  # the HTTP API's model name; None: the source's basename
+  # Prefill/decode disaggregation (disagg.py): 'both' serves alone; 'prefill' also serves
+  # jaxinfer.v1.KVTransfer; 'decode' imports every prompt's KV from `prefill_workers`.
+  role: str = "both"
+  prefill_workers: tuple[str, ...] = ()
+  kv_transfer_timeout_s: float = 60.0  # decode: request to imported; prefill: first token to Ack
 
   def __post_init__(self):
     for name in ("max_waiting_requests", "max_waiting_tokens", "stream_buffer"):
@@ -81,6 +87,14 @@ class ServerConfig:
         raise InvalidRequestError(f"{name} must be in [0, 65536), got {v!r}")
     if not self.grace_period_s >= 0:
       raise InvalidRequestError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")
+    if self.role not in ("both", "prefill", "decode"):
+      raise InvalidRequestError(f"role must be both, prefill or decode, got {self.role!r}")
+    if (self.role == "decode") != bool(self.prefill_workers):
+      raise InvalidRequestError("prefill_workers: a decode worker needs at least one prefill worker "
+                                f"address, and only a decode worker takes them (role={self.role!r}, "
+                                f"prefill_workers={list(self.prefill_workers)})")
+    if not self.kv_transfer_timeout_s > 0:
+      raise InvalidRequestError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s!r}")
 
 
 def _status_of(e: BaseException) -> grpc.StatusCode:
@@ -91,6 +105,8 @@ def _status_of(e: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.FAILED_PRECONDITION
   if isinstance(e, Overloaded):
     return grpc.StatusCode.RESOURCE_EXHAUSTED
+  if isinstance(e, KVTransferTimeout):
+    return grpc.StatusCode.DEADLINE_EXCEEDED
   if isinstance(e, Unavailable):
     return grpc.StatusCode.UNAVAILABLE
   return grpc.StatusCode.INTERNAL
@@ -284,6 +300,12 @@ class InferenceServer:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],  # a port in use is an error
                              interceptors=[_RejectUndecodable(self.backend)])
     pb_grpc.add_InferenceServicer_to_server(_Servicer(self.backend), server)
+    self.kv_connector = None  # a decode worker's DecodeConnector
+    if self.config.role != "both":  # prefill/decode disaggregation
+      from jaxinfer.serving import disagg
+      self.kv_connector = disagg.attach(self.config.role, self.backend, server,
+                                        prefill_workers=self.config.prefill_workers,
+                                        timeout_s=self.config.kv_transfer_timeout_s)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
     for name in ("", SERVICE_NAME):
       await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
