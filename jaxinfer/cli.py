@@ -5,6 +5,8 @@
   jaxinfer generate --input prompts.jsonl --output out.jsonl  # offline batch, resumable
   jaxinfer serve --port 50051 --metrics-port 9090              # gRPC server, drains on SIGTERM
   jaxinfer serve --http-port 8000                              # + OpenAI-compatible HTTP, same engine
+  jaxinfer serve --role prefill --port 50061                   # disaggregation: prefill worker (KVTransfer)
+  jaxinfer serve --role decode --prefill-workers 127.0.0.1:50061  # decode worker: prompts' KV from there
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -80,7 +82,9 @@ def _serve(args: argparse.Namespace) -> None:
   config = ServerConfig(host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
                         max_waiting_tokens=args.max_waiting_tokens, grace_period_s=args.grace_period,
                         metrics_port=args.metrics_port, http_port=args.http_port,
-                        served_model_name=args.served_model_name)
+                        served_model_name=args.served_model_name, role=args.role,
+                        prefill_workers=tuple(a.strip() for a in (args.prefill_workers or "").split(",") if a.strip()),
+                        kv_transfer_timeout_s=args.kv_transfer_timeout)
   # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
   llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
   code = serve(llm, config)
@@ -160,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens of those waiting requests; more get RESOURCE_EXHAUSTED")
   srv.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+  srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="prefill/decode disaggregation: prefill = also serve jaxinfer.v1.KVTransfer (run prompts "
+                        "to their first token for decode workers); decode = take each prompt's KV from "
+                        "--prefill-workers; both = neither (default)")
+  srv.add_argument("--prefill-workers", default=None,
+                   help="--role decode: comma-separated prefill worker gRPC addresses, HOST:PORT,...")
+  srv.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                   help="seconds a KV transfer may take (decode: request to pages imported, else "
+                        "DEADLINE_EXCEEDED; prefill: first token to the decode worker's Ack, else pages freed)")
   srv.set_defaults(func=_serve)
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
