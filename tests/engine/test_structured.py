@@ -15,8 +15,8 @@ import pytest
 
 from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.grammar import GrammarCompiler, fill_bitmasks, mask_words
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.engine.grammar import Grammar, GrammarCompiler, fill_bitmasks, mask_words
+from jaxinfer.errors import InvalidRequestError, TokenizerError
 from jaxinfer.structured import StructuredOutput
 from jaxinfer.tokenizer import Tokenizer
 
@@ -204,6 +204,13 @@ def test_rejected_grammars_fail_at_add_request_and_the_engine_keeps_serving(llm,
   assert re.fullmatch(r"[0-9]{2}", o.text)
 
 
+def test_a_model_without_tokenizer_refuses_structured_requests():
+  llm = LLM(tiny_dir("qwen2"), max_num_seqs=2, max_model_len=64, warmup=False)  # ships no tokenizer
+  with pytest.raises(TokenizerError, match="structured output needs the model's tokenizer"):
+    llm.engine.add_request("r", [1, 2], SamplingParams(max_tokens=4, structured=StructuredOutput(regex="a")))
+  assert not llm.engine.has_unfinished()
+
+
 def test_abort_frees_the_matcher(llm):
   engine = llm.engine
   engine.add_request("a", [5, 6, 7], constrained(0, json_schema=SCHEMAS["bounded numbers"]))
@@ -245,6 +252,10 @@ def test_masks_of_verify_rows_follow_the_drafts_and_skip_padding(compiler):
   fill_bitmasks([(anything, 0, [])], row)
   ids = allowed_ids(row[0])
   assert ids.max() < tok.vocab_size == 300 and len(ids) > 200
+  # llguidance already leaves those ids out; fill_bitmasks clears past num_tokens itself
+  # (what a tokenizer that claims its padding ids would need): 290 cuts inside a word.
+  fill_bitmasks([(Grammar(anything.matcher, num_tokens=290), 0, [])], row)
+  assert allowed_ids(row[0]).max() == ids[ids < 290].max() and set(allowed_ids(row[0])) == set(ids[ids < 290])
 
 
 def test_compiled_grammars_are_cached_and_matchers_independent(compiler):
