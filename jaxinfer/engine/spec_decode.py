@@ -16,6 +16,12 @@ committed tokens have the target's distribution, and, because t_j is drawn
 with the key that the same position would use without speculation, a seeded
 request produces the same tokens with or without it (and in any batch).
 
+Structured output keeps this exact: a constrained request's drafts are cut
+at the first one its grammar rejects (it could never be accepted), and
+verify row j is masked by the grammar state after drafts 1..j, which is the
+mask that position would get without speculation once d_1..d_j are
+committed. So t_j is drawn from the same masked distribution either way.
+
 Legend: S sequences, k drafts per sequence (static), V vocab.
 """
 
