@@ -1,6 +1,7 @@
-"""The transport-neutral serving core: one engine thread, admission, drain, per-request streams.
+"""The transport-neutral serving core: the `Backend` contract, and `EngineBackend`
+(one local engine thread, admission, drain, per-request streams).
 
-    backend = Backend(llm, max_waiting_requests=256)
+    backend = EngineBackend(llm, max_waiting_requests=256)
     backend.start()                                     # on the asyncio loop that will serve
     text, ids, params = backend.parse("Hello", SamplingParams(max_tokens=8))
     async with backend.generate(ids, params, request_id="r1", prompt=text) as gen:
@@ -9,9 +10,10 @@
       usage = gen.usage(out)
 
 The gRPC servicer (server.py) and the OpenAI HTTP app (openai_api.py) are
-thin adapters over this: they turn their wire format into a prompt and a
-SamplingParams, and the errors below into their own statuses, each in one
-place.
+thin adapters over a `Backend`: they turn their wire format into a prompt
+and a SamplingParams, and the errors below into their own statuses, each in
+one place. `Backend` is a Protocol so that another implementation (the KV-
+aware router, router.py, which forwards to workers) serves the same two APIs.
 
 Threads: everything here runs on one asyncio loop except the engine
 (`EngineLoop`). A request's `_Stream` is a bounded queue that the engine
@@ -36,15 +38,16 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
+from prometheus_client import CollectorRegistry, Counter
 
 from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
 from jaxinfer.llm import LLM, Prompt
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.serving.engine_loop import EngineLoop, Sink
+from jaxinfer.serving.engine_loop import EngineLoop, KVWatcher, Sink
 from jaxinfer.serving.metrics import Metrics
 
 
@@ -99,10 +102,106 @@ class Usage:
   latency_s: float  # arrival to the last token (or now)
 
 
+class Generation(Protocol):
+  """One request in flight, as the adapters use it: `async with gen: async for out in gen`.
+
+  Yields RequestOutputs (deltas plus cumulative state). Leaving the `async
+  with` before the request finished aborts it wherever it runs. Iteration
+  raises RequestFailed, Unavailable, or what the request was refused with.
+  """
+
+  request_id: str
+
+  def __aiter__(self) -> "Generation": ...
+
+  async def __anext__(self) -> RequestOutput: ...
+
+  async def __aenter__(self) -> "Generation": ...
+
+  async def __aexit__(self, *exc) -> None: ...
+
+  def usage(self, out: RequestOutput) -> Usage: ...
+
+  def close(self) -> None:
+    """Leaves it (idempotent): aborts the request if it has not finished."""
+
+
+class ServingMetrics(Protocol):
+  """The part of a backend's metrics the adapters touch; the rest is the backend's own."""
+
+  registry: CollectorRegistry
+  rejected_requests: Counter  # labelled by `rejection_code`
+
+  def exposition(self) -> bytes: ...
+
+
+class Backend(Protocol):
+  """What the gRPC servicer and the OpenAI app need from whatever serves the model.
+
+  Every method runs on the serving asyncio loop. Errors are the exceptions
+  of this module plus InvalidRequestError / TokenizerError; each adapter maps
+  them to its statuses in one place.
+  """
+
+  metrics: ServingMetrics  # the registry both adapters expose (and count rejections in)
+  model_info: ModelInfo
+  draining: bool  # set by the server when it starts to drain; new requests are Unavailable
+
+  # ---- lifecycle ----
+  def start(self) -> None:
+    """Starts serving work in the background (warm-up, connecting to workers)."""
+
+  async def wait_ready(self) -> None:
+    """Returns once `start`'s background work succeeded; raises JaxinferError saying what broke it."""
+
+  @property
+  def ready(self) -> bool:
+    """Started, not failed, not draining: new requests will be served."""
+
+  @property
+  def state(self) -> str:
+    """'ready', 'warming up', 'draining' or 'failed: <why>' (for health endpoints)."""
+
+  @property
+  def num_active(self) -> int:
+    """Requests in flight (the drain waits for them)."""
+
+  def shut_down_all(self, message: str) -> int:
+    """Ends every request in flight with Unavailable(message); returns how many."""
+
+  async def stop(self) -> None:
+    """Releases what `start` took (engine thread, worker channels), after the drain."""
+
+  # ---- requests ----
+  def reject(self, e: BaseException) -> None:
+    """Counts a request refused before it reached the model."""
+
+  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]: ...
+
+  def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]: ...
+
+  def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+  def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               prompt: str | None = None) -> Generation: ...
+
+  # ---- tokenizer ----
+  def require_tokenizer(self, what: str) -> None:
+    """TokenizerError saying that `what` needs a tokenizer, if the model has none."""
+
+  def tokenize(self, prompt: str | Sequence[dict], add_special_tokens: bool = True) -> list[int]: ...
+
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+  def token_pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+  def token_texts(self, ids: Sequence[int]) -> list[str]: ...
+
+
 class _Admission:
   """A request's claim on the waiting budget, given back once (first output or end)."""
 
-  def __init__(self, backend: "Backend", tokens: int):
+  def __init__(self, backend: "EngineBackend", tokens: int):
     self._backend, self.tokens, self._held = backend, tokens, True
     backend.waiting_requests += 1
     backend.waiting_tokens += tokens
@@ -161,8 +260,8 @@ class _Stream(Sink):
     return len(self._items)
 
 
-class Generation:
-  """One request in flight: an async iterator of its RequestOutputs (deltas plus cumulative state).
+class EngineGeneration:
+  """One request in flight on the local engine: an async iterator of its RequestOutputs (deltas plus cumulative state).
 
   Iterate it inside `async with`: leaving the block before the request
   finished (a break, a cancelled task, a disconnected client) aborts it in
@@ -171,13 +270,14 @@ class Generation:
   whatever the engine refused it with (InvalidRequestError).
   """
 
-  def __init__(self, backend: "Backend", key: str, request_id: str, stream: _Stream, admission: _Admission):
+  def __init__(self, backend: "EngineBackend", key: str, request_id: str, stream: _Stream,
+               admission: _Admission):
     self._backend, self.key, self.request_id = backend, key, request_id
     self._stream, self._admission = stream, admission
     self.finished = False
     self._closed = False
 
-  def __aiter__(self) -> "Generation":
+  def __aiter__(self) -> "EngineGeneration":
     return self
 
   async def __anext__(self) -> RequestOutput:
@@ -206,7 +306,7 @@ class Generation:
     if not self.finished:  # cancelled, disconnected or shut down: free its pages now
       self._backend.engine_loop.abort(self.key)
 
-  async def __aenter__(self) -> "Generation":
+  async def __aenter__(self) -> "EngineGeneration":
     return self
 
   async def __aexit__(self, *exc) -> None:
@@ -226,8 +326,69 @@ class Generation:
                  latency_s=last - s.arrival)
 
 
-class Backend:
-  """The engine thread, its metrics, admission, drain and the requests in flight, for one model.
+class PromptMixin:
+  """parse / encode / validate and the tokenizer methods of a Backend, from a
+  model's host side: `self.text_model` is an `LLM`, or anything with its
+  `tokenizer`, `tokenizer_or_error`, `encode_prompt`, `engine.validate` and
+  `engine.check_token_ids` (the router's weightless `ModelFrontend`). One
+  implementation, so a router refuses what a worker would, in the same words."""
+
+  text_model: Any
+
+  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+    """(prompt text, prompt ids, params) for text, token ids or chat messages, or
+    InvalidRequestError / TokenizerError naming what is wrong."""
+    text, ids = self.encode(prompt)
+    self.validate(ids, params)
+    return text, ids, params
+
+  def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """(text or None, ids); a chat is rendered with the model's template. The
+    first half of `parse`, for callers whose params depend on the prompt's length."""
+    return self.text_model.encode_prompt(prompt)
+
+  def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """InvalidRequestError if the engine would refuse the request (ids, lengths)."""
+    self.text_model.engine.validate(prompt_ids, params)
+
+  # ---- tokenizer -------------------------------------------------------------------
+
+  def require_tokenizer(self, what: str) -> None:
+    self.text_model.tokenizer_or_error(what)
+
+  def tokenize(self, prompt: str | Sequence[dict], add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text (with or without special tokens) or of a rendered chat."""
+    tok = self.text_model.tokenizer_or_error("tokenize")
+    if isinstance(prompt, str):
+      return tok.encode(prompt, add_special_tokens=add_special_tokens)
+    return self.text_model.encode_prompt(list(prompt))[1]
+
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    tok = self.text_model.tokenizer_or_error("detokenize")
+    ids = list(ids)
+    if ids:
+      try:
+        self.text_model.engine.check_token_ids(ids)
+      except InvalidRequestError as e:
+        raise InvalidRequestError(f"token_ids: {e}") from None
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def token_pieces(self, ids: Sequence[int]) -> list[str]:
+    """The vocabulary entry of each id (e.g. 'Ġworld')."""
+    tok = self.text_model.tokenizer_or_error("token strings")
+    return [tok.id_to_token(t) for t in ids]
+
+  def token_texts(self, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own (what it adds to the text, roughly); 'token_id:N' without a tokenizer."""
+    tok = self.text_model.tokenizer
+    if tok is None:
+      return [f"token_id:{t}" for t in ids]
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+class EngineBackend(PromptMixin):
+  """A `Backend` over a local engine: the engine thread, its metrics, admission,
+  drain and the requests in flight, for one model.
 
   Admission bounds the work that waits for the engine: requests admitted
   but without a first output yet, and their prompt tokens. Past either,
@@ -239,13 +400,13 @@ class Backend:
   def __init__(self, llm: LLM, *, max_waiting_requests: int = 256, max_waiting_tokens: int = 131072,
                stream_buffer: int = 64, warmup: bool = True,
                on_ready: Callable[[], None] | None = None):
-    self.llm = llm
+    self.llm = self.text_model = llm
     self.max_waiting_requests = max_waiting_requests
     self.max_waiting_tokens = max_waiting_tokens
     self.stream_buffer = stream_buffer
     self.metrics = Metrics()
     self.engine_loop = EngineLoop(llm.engine, self.metrics, warmup=warmup, on_ready=on_ready)
-    self.active: dict[str, Generation] = {}
+    self.active: dict[str, EngineGeneration] = {}
     self.draining = False
     self.waiting_requests = 0
     self.waiting_tokens = 0
@@ -263,33 +424,43 @@ class Backend:
     """Starts the engine thread (it warms up first; `ready` after that)."""
     self.engine_loop.start()
 
+  async def wait_ready(self) -> None:
+    loop = self.engine_loop
+    await asyncio.get_running_loop().run_in_executor(None, loop.ready.wait)
+    if loop.error is not None:
+      raise JaxinferError(f"engine warm-up failed: {loop.error}") from loop.error
+
   @property
   def ready(self) -> bool:
     """Warm and not draining: new requests will be served."""
     loop = self.engine_loop
     return loop.ready.is_set() and loop.error is None and not self.draining
 
+  @property
+  def state(self) -> str:
+    if self.draining:
+      return "draining"
+    if self.engine_loop.error is not None:
+      return f"failed: engine warm-up failed: {self.engine_loop.error}"
+    return "ready" if self.engine_loop.ready.is_set() else "warming up"
+
+  @property
+  def num_active(self) -> int:
+    return len(self.active)
+
+  async def stop(self) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+
+  def watch_kv_events(self, watcher: KVWatcher) -> None:
+    """Feeds `watcher` a snapshot of the prefix cache, then every numbered batch of
+    KV events after it (see EngineLoop.watch_kv_events)."""
+    self.engine_loop.watch_kv_events(watcher)
+
   def reject(self, e: BaseException) -> None:
     """Counts a request refused before reaching the engine."""
     self.metrics.rejected_requests.labels(rejection_code(e)).inc()
 
   # ---- requests --------------------------------------------------------------------
-
-  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
-    """(prompt text, prompt ids, params) for text, token ids or chat messages, or
-    InvalidRequestError / TokenizerError naming what is wrong."""
-    text, ids = self.encode(prompt)
-    self.validate(ids, params)
-    return text, ids, params
-
-  def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-    """(text or None, ids); a chat is rendered with the model's template. The
-    first half of `parse`, for callers whose params depend on the prompt's length."""
-    return self.llm.encode_prompt(prompt)
-
-  def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-    """InvalidRequestError if the engine would refuse the request (ids, lengths)."""
-    self.llm.engine.validate(prompt_ids, params)
 
   def admit(self, num_tokens: int) -> _Admission:
     """A claim on the waiting budget, or Overloaded saying which limit is full."""
@@ -302,7 +473,7 @@ class Backend:
     return _Admission(self, num_tokens)
 
   def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None) -> Generation:
+               prompt: str | None = None) -> EngineGeneration:
     """Admits a parsed request and posts it to the engine; raises Unavailable or
     Overloaded at once (before anything is queued) when it cannot be taken."""
     if self.draining:
@@ -311,7 +482,7 @@ class Backend:
     rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
     key = f"{rid}#{next(self._keys)}"  # the engine's id: unique even when clients reuse theirs
     stream = _Stream(asyncio.get_running_loop(), self.stream_buffer, admission)
-    gen = Generation(self, key, rid, stream, admission)
+    gen = EngineGeneration(self, key, rid, stream, admission)
     self.active[key] = gen
     self.engine_loop.add(key, prompt_ids, params, stream, prompt=prompt)
     return gen
@@ -322,34 +493,3 @@ class Backend:
     for gen in left:
       gen.shut_down(message)
     return len(left)
-
-  # ---- tokenizer -------------------------------------------------------------------
-
-  def tokenize(self, prompt: str | Sequence[dict], add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a text (with or without special tokens) or of a rendered chat."""
-    tok = self.llm.tokenizer_or_error("tokenize")
-    if isinstance(prompt, str):
-      return tok.encode(prompt, add_special_tokens=add_special_tokens)
-    return self.llm.encode_prompt(list(prompt))[1]
-
-  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-    tok = self.llm.tokenizer_or_error("detokenize")
-    ids = list(ids)
-    if ids:
-      try:
-        self.llm.engine.check_token_ids(ids)
-      except InvalidRequestError as e:
-        raise InvalidRequestError(f"token_ids: {e}") from None
-    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-  def token_pieces(self, ids: Sequence[int]) -> list[str]:
-    """The vocabulary entry of each id (e.g. 'Ġworld')."""
-    tok = self.llm.tokenizer_or_error("token strings")
-    return [tok.id_to_token(t) for t in ids]
-
-  def token_texts(self, ids: Sequence[int]) -> list[str]:
-    """Each id decoded on its own (what it adds to the text, roughly); 'token_id:N' without a tokenizer."""
-    tok = self.llm.tokenizer
-    if tok is None:
-      return [f"token_id:{t}" for t in ids]
-    return [tok.decode([t], skip_special_tokens=False) for t in ids]

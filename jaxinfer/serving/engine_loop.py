@@ -10,7 +10,14 @@ client can never stall the batch.
     loop.start()                    # warm-up runs on the thread; loop.ready is set after it
     loop.add("r1", ids, params, sink)
     loop.abort("r1")                # pages are free once the thread takes the command
+    loop.watch_kv_events(watcher)   # a snapshot of the prefix cache, then numbered event batches
     loop.stop()
+
+KV events: after every pass (commands, then a step) the thread drains the
+engine's prefix-cache events and, if there were any, numbers them as one
+batch (1, 2, ... per process, whether anyone watches or not) and hands it to
+every watcher. A new watcher first gets the cache's full set of block hashes
+as of the last batch number, so snapshot + later batches = the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.engine import LLMEngine, RequestOutput
+from jaxinfer.engine.kv_manager import KVEvent
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.metrics import Metrics
@@ -51,6 +59,21 @@ class Sink:
     raise NotImplementedError
 
 
+class KVWatcher:
+  """Where a subscriber's KV events go. Called on the engine thread: must not block.
+
+  Set `closed` (any thread) to unsubscribe; the engine thread drops it on its next batch.
+  """
+
+  closed: bool = False
+
+  def snapshot(self, seq: int, block_hashes: list[int]) -> None:
+    raise NotImplementedError
+
+  def batch(self, seq: int, events: list[KVEvent]) -> None:
+    raise NotImplementedError
+
+
 class EngineLoop:
   """Runs `engine` on its own thread, fed by a command queue."""
 
@@ -62,6 +85,8 @@ class EngineLoop:
     self._on_ready = on_ready
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._sinks: dict[str, Sink] = {}
+    self._watchers: list[KVWatcher] = []
+    self.kv_seq = 0  # the number of the last KV event batch (engine thread)
     self.ready = threading.Event()
     self.error: BaseException | None = None  # set when warm-up failed
     self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
@@ -84,6 +109,9 @@ class EngineLoop:
   def fail(self, request_id: str, error: BaseException) -> None:
     """Ends a request with `error` (its sink's `fail`), e.g. its KV transfer failed; pages freed."""
     self._commands.put(("fail", request_id, error))
+
+  def watch_kv_events(self, watcher: KVWatcher) -> None:
+    self._commands.put(("watch", watcher))
 
   def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
     """Runs fn(engine) on the engine thread between steps (a consistent view of its state)."""
@@ -125,6 +153,7 @@ class EngineLoop:
         self._act(cmd)
       if self.engine.has_unfinished():
         self._step()
+      self._publish_kv_events()
 
   def _take_commands(self, block: bool) -> list[tuple]:
     commands = [self._commands.get()] if block else []
@@ -155,6 +184,11 @@ class EngineLoop:
         self.metrics.finished_requests.labels("abort").inc()
         # The gauges move now: when this was the last request, no step follows to update them.
         self.metrics.set_engine_stats(self.engine.stats())
+    elif kind == "watch":
+      watcher = cmd[1]
+      self._publish_kv_events()  # events still in the manager would be in the snapshot and in a batch
+      watcher.snapshot(self.kv_seq, sorted(self.engine.kv.cached_hashes()))
+      self._watchers.append(watcher)
     elif kind == "fail":
       _, rid, error = cmd
       sink = self._sinks.pop(rid, None)
@@ -209,6 +243,16 @@ class EngineLoop:
       sink.deliver(out)
     if m is not None:
       m.set_engine_stats(self.engine.stats())
+
+  def _publish_kv_events(self) -> None:
+    events = self.engine.kv_events()
+    if self._watchers:
+      self._watchers = [w for w in self._watchers if not w.closed]
+    if not events:
+      return
+    self.kv_seq += 1
+    for w in self._watchers:
+      w.batch(self.kv_seq, events)
 
   def _abort_all(self) -> None:
     for rid in list(self._sinks):

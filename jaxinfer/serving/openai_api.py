@@ -18,6 +18,9 @@ input (param names the field), 404 another model, 429 admission limits, 503
 warming up or draining, 500 this request failed in the engine. An error
 after a stream started (headers sent) is one `data: {"error": ...}` event.
 A client that goes away aborts its request in the engine (pages freed).
+
+The app depends on the `Backend` contract only (a local engine or the
+KV-aware router); it never imports `LLM`.
 """
 
 from __future__ import annotations
@@ -276,7 +279,7 @@ class _Api:
 
   def __init__(self, backend: Backend, served_model_name: str | None):
     self.b = backend
-    self.model = served_model_name or os.path.basename(str(backend.llm.source).rstrip("/\\")) or "model"
+    self.model = served_model_name or os.path.basename(str(backend.model_info.model).rstrip("/\\")) or "model"
     self.created = int(time.time())
 
   def check_model(self, body: _Sampling) -> None:
@@ -430,9 +433,7 @@ def create_app(backend: Backend, served_model_name: str | None = None) -> FastAP
   async def health():
     if backend.ready:
       return Response(status_code=200)
-    state = ("draining" if backend.draining else
-             "warm-up failed" if backend.engine_loop.error is not None else "warming up")
-    return JSONResponse({"status": state}, status_code=503)
+    return JSONResponse({"status": backend.state}, status_code=503)
 
   @app.get("/metrics")
   async def metrics():

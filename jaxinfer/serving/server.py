@@ -1,5 +1,5 @@
-"""The batching server: `jaxinfer.v1.Inference` over gRPC, and optionally the
-OpenAI HTTP API, over one `LLMEngine`.
+"""The server: `jaxinfer.v1.Inference` over gRPC, and optionally the OpenAI
+HTTP API, over one `Backend` (a local engine, or the KV-aware router).
 
     llm = LLM(warmup=False)                        # the engine thread warms up
     server = InferenceServer(llm, ServerConfig(port=50051, http_port=8000, metrics_port=9090))
@@ -7,10 +7,18 @@ OpenAI HTTP API, over one `LLMEngine`.
     ...
     server.stop_in_thread()                        # drains within the grace period
 
+`InferenceServer(backend)` takes any `Backend` (backend.py); an `LLM` is
+wrapped in an `EngineBackend`, the only reason this file imports `LLM`.
 Threads: grpc.aio handlers and the HTTP app (uvicorn) run on one asyncio
-loop and share one `Backend` (backend.py): validation, admission, the
-per-request streams and the engine thread. This file is the gRPC adapter
-and the lifecycle of both listeners.
+loop and share the backend: validation, admission, the per-request streams
+(and, for a local engine, its thread). This file is the gRPC adapter and
+the lifecycle of both listeners.
+
+A server over a local engine also serves `jaxinfer.v1.KVEvents`
+(kv_events.proto): its prefix cache's snapshot and numbered event batches,
+for a router's index. Each subscriber has a bounded queue filled from the
+engine thread; one that falls `kv_event_buffer` batches behind is ended
+with RESOURCE_EXHAUSTED (the engine never waits) and may subscribe again.
 
 Status codes (`_status_of`): INVALID_ARGUMENT (bad input, naming the field),
 RESOURCE_EXHAUSTED (admission limits, naming the limit), FAILED_PRECONDITION
@@ -21,6 +29,7 @@ INTERNAL (this request failed in the engine; the others go on).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -37,11 +46,15 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.kv_connector import KVTransferTimeout
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
+from jaxinfer.engine.kv_manager import KVEvent
 from jaxinfer.llm import LLM, Prompt
-from jaxinfer.serving.backend import Backend, Overloaded, RequestFailed, Unavailable, Usage
+from jaxinfer.serving.backend import Backend, EngineBackend, Overloaded, RequestFailed, Unavailable, Usage
 from jaxinfer.serving.convert import messages_from_proto, response_from_output, sampling_from_proto
+from jaxinfer.serving.engine_loop import KVWatcher
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
+from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
 
 if TYPE_CHECKING:
   import uvicorn
@@ -49,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxinfer.v1.Inference"
+KV_EVENTS_SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVEvents"].full_name  # "jaxinfer.v1.KVEvents"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +89,10 @@ class ServerConfig:
   role: str = "both"
   prefill_workers: tuple[str, ...] = ()
   kv_transfer_timeout_s: float = 60.0  # decode: request to imported; prefill: first token to Ack
+  kv_event_buffer: int = 4096  # KV event batches queued per WatchKVEvents subscriber before it is dropped
 
   def __post_init__(self):
-    for name in ("max_waiting_requests", "max_waiting_tokens", "stream_buffer"):
+    for name in ("max_waiting_requests", "max_waiting_tokens", "stream_buffer", "kv_event_buffer"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
@@ -166,7 +181,7 @@ class _Servicer(pb_grpc.InferenceServicer):
     try:
       which = request.WhichOneof("input")
       if which is None:
-        b.llm.tokenizer_or_error("Tokenize")
+        b.require_tokenizer("Tokenize")
         raise InvalidRequestError("input: set text or chat")
       if which == "chat":
         ids = b.tokenize(messages_from_proto(request.chat))
@@ -191,6 +206,90 @@ class _Servicer(pb_grpc.InferenceServicer):
                         dtype=i.dtype, devices=list(i.devices), max_num_seqs=i.max_num_seqs,
                         page_size=i.page_size, num_pages=i.num_pages, architecture=i.architecture,
                         eos_token_ids=list(i.eos_token_ids))
+
+
+_KV_KINDS = {"stored": kv_pb.KVEvent.STORED, "removed": kv_pb.KVEvent.REMOVED}
+
+
+def kv_event_to_proto(e: KVEvent) -> kv_pb.KVEvent:
+  m = kv_pb.KVEvent(kind=_KV_KINDS[e.kind], block_hash=e.block_hash)
+  if e.parent_hash is not None:
+    m.parent_hash = e.parent_hash
+  return m
+
+
+class _KVSubscription(KVWatcher):
+  """One WatchKVEvents call's bounded queue: filled from the engine thread, read on the loop."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int):
+    self._loop, self._capacity = loop, capacity
+    self._items: collections.deque = collections.deque()
+    self._ready = asyncio.Event()
+    self.overflowed = False
+
+  # engine thread
+  def snapshot(self, seq: int, block_hashes: list[int]) -> None:
+    self._post(("snapshot", seq, block_hashes))
+
+  def batch(self, seq: int, events: list[KVEvent]) -> None:
+    self._post(("batch", seq, events))
+
+  def _post(self, item) -> None:
+    if self.closed:
+      return
+    try:
+      self._loop.call_soon_threadsafe(self._put, item)
+    except RuntimeError:  # the loop is closed
+      self.closed = True
+
+  # loop thread
+  def _put(self, item) -> None:
+    if self.closed:
+      return
+    if len(self._items) >= self._capacity:
+      # Dropped, not blocked on: a gap would make the subscriber's index wrong, and
+      # waiting would stall the engine. It resubscribes and starts from a snapshot.
+      self.overflowed = self.closed = True
+    else:
+      self._items.append(item)
+    self._ready.set()
+
+  async def get(self):
+    """The next (kind, seq, payload), or None once dropped for falling behind."""
+    while not self._items:
+      if self.overflowed:
+        return None
+      self._ready.clear()
+      await self._ready.wait()
+    return self._items.popleft()
+
+
+class _KVEventsServicer(kv_pb_grpc.KVEventsServicer):
+  """jaxinfer.v1.KVEvents over a local engine's event stream."""
+
+  def __init__(self, backend: EngineBackend, capacity: int):
+    self.b, self.capacity = backend, capacity
+
+  async def WatchKVEvents(self, request, context):
+    sub = _KVSubscription(asyncio.get_running_loop(), self.capacity)
+    self.b.watch_kv_events(sub)
+    block_size = self.b.model_info.page_size
+    try:
+      while True:
+        item = await sub.get()
+        if item is None:
+          await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"KV event subscriber fell behind: {self.capacity} batches were queued "
+                              f"unread (kv_event_buffer); subscribe again to start from a fresh snapshot")
+        kind, seq, payload = item
+        if kind == "snapshot":
+          yield kv_pb.WatchKVEventsResponse(
+              snapshot=kv_pb.KVSnapshot(seq=seq, block_hashes=payload, block_size=block_size))
+        else:
+          yield kv_pb.WatchKVEventsResponse(
+              batch=kv_pb.KVEventBatch(seq=seq, events=[kv_event_to_proto(e) for e in payload]))
+    finally:
+      sub.closed = True  # the engine thread forgets it on its next batch
 
 
 class _Undecodable:
@@ -265,17 +364,23 @@ def _uvicorn_server(config: "uvicorn.Config") -> "uvicorn.Server":
 
 class InferenceServer:
   """gRPC server (+ health, reflection), optional OpenAI HTTP server and metrics
-  endpoint, all over one Backend (one engine thread) for one model."""
+  endpoint, all over one Backend for one model.
 
-  def __init__(self, llm: LLM, config: ServerConfig = ServerConfig(), *, warmup: bool = True):
-    self.llm = llm
+  `backend`: any Backend, or an `LLM` (wrapped in an EngineBackend with this
+  config's admission limits; `warmup` says whether its engine thread warms up).
+  """
+
+  def __init__(self, backend: Backend | LLM, config: ServerConfig = ServerConfig(), *, warmup: bool = True):
+    self.llm: LLM | None = None
+    if isinstance(backend, LLM):
+      self.llm = backend
+      backend = EngineBackend(backend, max_waiting_requests=config.max_waiting_requests,
+                              max_waiting_tokens=config.max_waiting_tokens,
+                              stream_buffer=config.stream_buffer, warmup=warmup)
     self.config = config
     self.health = health.aio.HealthServicer()
-    self.backend = Backend(llm, max_waiting_requests=config.max_waiting_requests,
-                           max_waiting_tokens=config.max_waiting_tokens,
-                           stream_buffer=config.stream_buffer, warmup=warmup, on_ready=self._engine_ready)
-    self.metrics = self.backend.metrics
-    self.engine_loop = self.backend.engine_loop
+    self.backend: Backend = backend
+    self.metrics = backend.metrics
     self.port: int | None = None
     self.http_port: int | None = None
     self.metrics_port: int | None = None
@@ -286,10 +391,18 @@ class InferenceServer:
     self._loop: asyncio.AbstractEventLoop | None = None
     self._stopped: asyncio.Event | None = None
     self._thread: threading.Thread | None = None
+    self._ready_task: asyncio.Task | None = None
 
   @property
   def draining(self) -> bool:
     return self.backend.draining
+
+  @property
+  def engine_loop(self):
+    """The local engine's thread (an EngineBackend's only)."""
+    if not isinstance(self.backend, EngineBackend):
+      raise AttributeError(f"{type(self.backend).__name__} runs no local engine")
+    return self.backend.engine_loop
 
   # ---- lifecycle -----------------------------------------------------------------
 
@@ -306,11 +419,15 @@ class InferenceServer:
       self.kv_connector = disagg.attach(self.config.role, self.backend, server,
                                         prefill_workers=self.config.prefill_workers,
                                         timeout_s=self.config.kv_transfer_timeout_s)
+    services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    if isinstance(self.backend, EngineBackend):
+      kv_pb_grpc.add_KVEventsServicer_to_server(
+          _KVEventsServicer(self.backend, self.config.kv_event_buffer), server)
+      services.append(KV_EVENTS_SERVICE_NAME)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
     for name in ("", SERVICE_NAME):
       await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(tuple(services), server)
     address = f"{self.config.host}:{self.config.port}"
     try:
       self.port = server.add_insecure_port(address)
@@ -326,6 +443,7 @@ class InferenceServer:
                                          registry=self.metrics.registry)
       self.metrics_port = self._httpd.server_port
     self.backend.start()
+    self._ready_task = asyncio.ensure_future(self._serving_when_ready())
     log.info("listening on %s:%d%s", self.config.host, self.port,
              f" (OpenAI HTTP on port {self.http_port})" if self.http_port is not None else "")
     return self.port
@@ -356,17 +474,18 @@ class InferenceServer:
         raise JaxinferError(f"the HTTP server on {host}:{self.http_port} did not start")
       await asyncio.sleep(0.01)
 
-  def _engine_ready(self) -> None:  # engine thread
-    async def serving():
+  async def _serving_when_ready(self) -> None:
+    try:
+      await self.backend.wait_ready()
+    except JaxinferError:
+      return  # health stays NOT_SERVING; wait_ready() tells whoever waits why
+    if not self.backend.draining:
       for name in ("", SERVICE_NAME):
         await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    asyncio.run_coroutine_threadsafe(serving(), self._loop)
 
   async def wait_ready(self) -> None:
-    """Returns once warm-up finished; raises what broke it."""
-    await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.ready.wait)
-    if self.engine_loop.error is not None:
-      raise JaxinferError(f"engine warm-up failed: {self.engine_loop.error}") from self.engine_loop.error
+    """Returns once the backend is ready (warm, connected); raises what broke it."""
+    await self.backend.wait_ready()
 
   async def shutdown(self, grace: float | None = None) -> dict[str, int]:
     """Drains: refuse new work (both transports), let in-flight requests finish
@@ -379,20 +498,20 @@ class InferenceServer:
     grace = self.config.grace_period_s if grace is None else grace
     b.draining = True
     await self.health.enter_graceful_shutdown()
-    in_flight = len(b.active)
+    in_flight = b.num_active
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while b.active and loop.time() < deadline:
+    while b.num_active and loop.time() < deadline:
       await asyncio.sleep(0.02)
     aborted = b.shut_down_all(f"the server shut down before it finished (grace period {grace:g} s)")
     until = loop.time() + 5.0
-    while b.active and loop.time() < until:  # let the handlers send their status
+    while b.num_active and loop.time() < until:  # let the handlers send their status
       await asyncio.sleep(0.01)
     await self._server.stop(1.0)
     if self._http is not None:
       self._http.should_exit = True
       await self._http_task
-    await loop.run_in_executor(None, self.engine_loop.stop)
+    await b.stop()
     if self._httpd is not None:
       self._httpd.shutdown()
       self._httpd.server_close()
@@ -430,11 +549,15 @@ class InferenceServer:
     started.wait(timeout)
     if failure:
       raise failure[0]
-    if wait_ready and not self.engine_loop.ready.wait(timeout):
-      raise TimeoutError(f"the engine did not finish warm-up within {timeout} s")
-    if self.engine_loop.error is not None:
-      self.stop_in_thread(0)
-      raise JaxinferError(f"engine warm-up failed: {self.engine_loop.error}")
+    if wait_ready:
+      ready = asyncio.run_coroutine_threadsafe(self.backend.wait_ready(), self._loop)
+      try:
+        ready.result(timeout)
+      except TimeoutError:
+        raise TimeoutError(f"the backend was not ready within {timeout} s") from None
+      except JaxinferError:
+        self.stop_in_thread(0)
+        raise
     return self
 
   def stop_in_thread(self, grace: float | None = None) -> dict[str, int]:
@@ -447,19 +570,20 @@ class InferenceServer:
     return self.engine_loop.call(fn).result(60)
 
 
-def serve(llm: LLM, config: ServerConfig = ServerConfig()) -> int:
+def serve(backend: Backend | LLM, config: ServerConfig = ServerConfig()) -> int:
   """Runs a server until SIGTERM / SIGINT, then drains. Returns the exit code.
 
   A second signal during the drain aborts what is left at once.
   """
   async def main() -> int:
-    server = InferenceServer(llm, config)
+    server = InferenceServer(backend, config)
     await server.start()
     where = f"{config.host}:{server.port}"
     http = (f"; OpenAI HTTP on http://{config.host}:{server.http_port}/v1"
             if server.http_port is not None else "")
     metrics = f"; metrics on http://{config.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"jaxinfer: listening on {where} ({llm.source}){http}{metrics}; warming up", file=sys.stderr, flush=True)
+    print(f"jaxinfer: listening on {where} ({server.backend.model_info.model}){http}{metrics}; warming up",
+          file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = []

@@ -340,10 +340,10 @@ def test_warming_up_is_503(reference):
   """Before warm-up ends (here: an engine thread never started) health and requests say 503."""
   from starlette.testclient import TestClient
 
-  from jaxinfer.serving.backend import Backend
+  from jaxinfer.serving.backend import EngineBackend
   from jaxinfer.serving.openai_api import create_app
 
-  with TestClient(create_app(Backend(reference, warmup=False))) as c:
+  with TestClient(create_app(EngineBackend(reference, warmup=False))) as c:
     r = c.get("/health")
     assert (r.status_code, r.json()) == (503, {"status": "warming up"})
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})

@@ -365,9 +365,9 @@ def test_health_and_admission_limits_before_warm_up(model_dir):
 
 def test_stream_queue_merges_deltas_when_full(reference):
   from jaxinfer.engine.engine import RequestOutput
-  from jaxinfer.serving.backend import Backend, _Admission, _Stream
+  from jaxinfer.serving.backend import EngineBackend, _Admission, _Stream
 
-  backend = Backend(reference, warmup=False)  # never started: only its admission counters are used
+  backend = EngineBackend(reference, warmup=False)  # never started: only its admission counters are used
 
   async def run():
     s = _Stream(asyncio.get_running_loop(), 2, _Admission(backend, 3))
