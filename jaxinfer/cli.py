@@ -7,6 +7,7 @@
   jaxinfer serve --http-port 8000                              # + OpenAI-compatible HTTP, same engine
   jaxinfer serve --role prefill --port 50061                   # disaggregation: prefill worker (KVTransfer)
   jaxinfer serve --role decode --prefill-workers 127.0.0.1:50061  # decode worker: prompts' KV from there
+  jaxinfer route --model M --workers HOST:PORT,HOST:PORT       # KV-aware router over `serve` workers of M
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -88,6 +89,26 @@ def _serve(args: argparse.Namespace) -> None:
   # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
   llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
   code = serve(llm, config)
+  if code:
+    raise SystemExit(code)
+
+
+def _route(args: argparse.Namespace) -> None:
+  import logging
+
+  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions
+  from jaxinfer.serving.server import ServerConfig, serve
+
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  workers = tuple(a.strip() for a in args.workers.split(",") if a.strip())
+  options = RouterOptions(workers=workers, policy=args.policy, overlap_weight=args.overlap_weight,
+                          request_weight=args.request_weight, temperature=args.temperature,
+                          health_interval_s=args.health_interval, connect_timeout_s=args.connect_timeout)
+  config = ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
+                        metrics_port=args.metrics_port, http_port=args.http_port,
+                        served_model_name=args.served_model_name)
+  # Tokenizer and config only: the workers hold the weights.
+  code = serve(RouterBackend(ModelFrontend.load(args.model), options), config)
   if code:
     raise SystemExit(code)
 
@@ -174,6 +195,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a KV transfer may take (decode: request to pages imported, else "
                         "DEADLINE_EXCEEDED; prefill: first token to the decode worker's Ack, else pages freed)")
   srv.set_defaults(func=_serve)
+
+  rt = sub.add_parser("route", help="run a KV-aware router (jaxinfer.v1.Inference; --http-port: also OpenAI "
+                                     "HTTP) in front of `jaxinfer serve` workers of one model")
+  rt.add_argument("--workers", required=True, help="comma-separated worker gRPC addresses, HOST:PORT,...")
+  rt.add_argument("--model", default=None,
+                  help="the model the workers serve (HF dir, .gguf or checkpoint; default: the embedded one): "
+                       "only its tokenizer and config are read, to tokenize and validate requests here")
+  rt.add_argument("--policy", default="kv", choices=["kv", "round_robin"],
+                  help="kv: the worker with the best cached-prefix / load cost (default); round_robin: in turn")
+  rt.add_argument("--overlap-weight", type=float, default=1.0,
+                  help="cost of a prompt block the worker must compute, vs 1 per block it is already running")
+  rt.add_argument("--request-weight", type=float, default=0.0, help="cost per request the worker is running")
+  rt.add_argument("--temperature", type=float, default=0.0,
+                  help="0: always the cheapest worker; > 0: sample softmax(-cost / (temperature * spread))")
+  rt.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
+  rt.add_argument("--connect-timeout", type=float, default=120.0,
+                  help="seconds each worker may take to turn SERVING at start before the router gives up")
+  rt.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+  rt.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+  rt.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API here")
+  rt.add_argument("--metrics-port", type=int, default=None,
+                  help="serve the router's Prometheus metrics at http://HOST:PORT/metrics (0: any free port)")
+  rt.add_argument("--served-model-name", default=None,
+                  help="the model name the HTTP API answers to (default: the model's basename)")
+  rt.add_argument("--grace-period", type=float, default=30.0,
+                  help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+  rt.set_defaults(func=_route)
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
   conv.add_argument("src")

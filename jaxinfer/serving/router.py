@@ -1,0 +1,564 @@
+"""The KV-aware router: one `jaxinfer.v1.Inference` endpoint (and optionally the
+OpenAI HTTP API) in front of several `jaxinfer serve` workers of one model.
+
+    jaxinfer serve --model M --port 50061 &   jaxinfer serve --model M --port 50062 &
+    jaxinfer route --model M --workers 127.0.0.1:50061,127.0.0.1:50062 --port 50051
+
+`RouterBackend` implements the `Backend` contract (backend.py), so the same
+gRPC servicer and HTTP app serve it. Per request it
+
+  1. tokenizes and validates with the model's tokenizer and config, loaded
+     without weights (`ModelFrontend`): a request a worker would refuse is
+     refused here with the worker's INVALID_ARGUMENT message, never forwarded;
+  2. picks a worker: `KVRouter.select` over the chain of block hashes of the
+     prompt (the workers' own `hash_blocks`, so a hash names the same prefix
+     everywhere), or round-robin with `policy="round_robin"`;
+  3. forwards the token ids to it as a streaming Generate and relays the
+     responses (cancelling the client's call cancels the worker's).
+
+The index (`KVRouter.index`) is fed by each worker's `jaxinfer.v1.KVEvents`
+stream: a snapshot, then numbered batches; a gap or a broken stream means
+subscribing again (a fresh snapshot). At start every worker must be SERVING
+and serve the same model (GetModelInfo: architecture, vocab_size,
+max_model_len, page_size, eos_token_ids), else start fails naming the worker
+and the field. Health is checked every `health_interval_s`; a worker that
+fails a check, or whose call fails with UNAVAILABLE, gets no new requests
+until a check says SERVING again. A request whose worker fails before its
+first token is retried on another; after it, the client gets UNAVAILABLE.
+
+Everything runs on the serving asyncio loop (grpc.aio channels); no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import LLMEngine, RequestOutput
+from jaxinfer.engine.grammar import GrammarCompiler
+from jaxinfer.engine.kv_manager import KVEvent, hash_blocks
+from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
+from jaxinfer.llm import LLM
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.backend import ModelInfo, Overloaded, PromptMixin, RequestFailed, Unavailable, Usage, \
+    rejection_code
+from jaxinfer.serving.convert import FINISH_REASON_NAMES, sampling_to_proto
+from jaxinfer.serving.kv_router import KVRouter, RouterConfig, SequenceGap
+from jaxinfer.serving.proto import inference_pb2 as pb
+from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
+from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
+from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("kv", "round_robin")
+_KINDS = {kv_pb.KVEvent.STORED: "stored", kv_pb.KVEvent.REMOVED: "removed"}
+
+
+class ModelFrontend:
+  """A model's tokenizer, config and request checks, without its weights.
+
+  The checks are the engine's and LLM's own functions bound to this object
+  (it has the attributes they read), so a request the router refuses is one
+  a worker would refuse, with the same message. `max_model_len` is the
+  workers' (it depends on their flags), set once they answered.
+  """
+
+  tokenizer_or_error = LLM.tokenizer_or_error
+  encode_prompt = LLM.encode_prompt
+  validate = LLMEngine.validate
+  check_token_ids = LLMEngine.check_token_ids
+
+  def __init__(self, config: ModelConfig, tokenizer: Tokenizer | None, source: str):
+    self.config, self.tokenizer, self.source = config, tokenizer, source
+    self.max_model_len = config.max_position_embeddings
+    self.grammars = GrammarCompiler(tokenizer, config.vocab_size)
+    self.engine = self  # LLM.encode_prompt checks ids through `self.engine`
+    self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+
+  @classmethod
+  def load(cls, model: str | Path | None) -> "ModelFrontend":
+    """Reads config and tokenizer of an HF dir, GGUF file or jaxinfer checkpoint
+    (None: the embedded default model); no tensor is read."""
+    from jaxinfer.checkpoint import detect_format, orbax_io
+    if model is None:
+      from jaxinfer.default_model import default_checkpoint
+      model = default_checkpoint()
+    path = Path(model).expanduser()
+    kind = detect_format(path)
+    if kind == "hf":
+      from jaxinfer.checkpoint.hf import read_config
+      return cls(read_config(path), Tokenizer.from_hf_dir(path), str(path))
+    if kind == "orbax":
+      manifest = orbax_io.read_manifest(path)
+      tok = Tokenizer.load(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+      return cls(ModelConfig.from_dict(manifest["config"]), tok, str(path))
+    from jaxinfer.checkpoint.gguf import open_reader, read_metadata
+    reader = open_reader(path)  # memory-mapped: the tensors are not read
+    meta = read_metadata(reader)
+    return cls(ModelConfig.from_gguf(meta, {t.name for t in reader.tensors}), Tokenizer.from_gguf(meta),
+               str(path))
+
+
+class RouterMetrics:
+  """The router's registry: the rejection counter both adapters share, plus routing."""
+
+  def __init__(self):
+    r = self.registry = CollectorRegistry()
+    self.rejected_requests = Counter("jaxinfer_rejected_requests",
+                                     "Requests refused before reaching a worker, by status "
+                                     "(gRPC's names, whichever transport refused).", ["code"], registry=r)
+    self.routed_requests = Counter("jaxinfer_router_routed_requests", "Requests sent to each worker.",
+                                   ["worker"], registry=r)
+    self.retried_requests = Counter("jaxinfer_router_retried_requests",
+                                    "Requests sent again elsewhere after this worker failed before "
+                                    "their first token.", ["worker"], registry=r)
+    self.predicted_cached_tokens = Counter(
+        "jaxinfer_router_predicted_cached_tokens",
+        "Prompt tokens the router's index expected the chosen worker to have cached.", ["worker"], registry=r)
+    self.actual_cached_tokens = Counter(
+        "jaxinfer_router_actual_cached_tokens",
+        "Prompt tokens the worker reported served by its prefix cache (usage.cached_tokens).",
+        ["worker"], registry=r)
+    self.decision_time = Histogram(
+        "jaxinfer_router_decision_seconds", "Hashing the prompt and choosing a worker.",
+        buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2), registry=r)
+    self.time_to_first_token = Histogram(
+        "jaxinfer_time_to_first_token_seconds", "Request arrival at the router to its first token.",
+        buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0, 120.0), registry=r)
+    self.worker_up = Gauge("jaxinfer_router_worker_up", "1 while the worker gets requests.", ["worker"],
+                           registry=r)
+    self.kv_resyncs = Counter("jaxinfer_router_kv_resyncs",
+                              "KV event subscriptions (re)started from a snapshot.", ["worker"], registry=r)
+
+  def exposition(self) -> bytes:
+    return generate_latest(self.registry)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterOptions:
+  workers: tuple[str, ...]
+  policy: str = "kv"
+  overlap_weight: float = 1.0
+  request_weight: float = 0.0
+  temperature: float = 0.0
+  health_interval_s: float = 1.0
+  connect_timeout_s: float = 120.0  # start: how long each worker may take to turn SERVING
+
+  def __post_init__(self):
+    if not self.workers:
+      raise InvalidRequestError("workers: give at least one worker address")
+    if len(set(self.workers)) != len(self.workers):
+      raise InvalidRequestError(f"workers: an address is given twice in {list(self.workers)}")
+    if self.policy not in POLICIES:
+      raise InvalidRequestError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+    for name in ("health_interval_s", "connect_timeout_s"):
+      if not getattr(self, name) > 0:
+        raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+class _Worker:
+  def __init__(self, address: str):
+    self.address = address
+    self.channel = grpc.aio.insecure_channel(address)
+    self.stub = pb_grpc.InferenceStub(self.channel)
+    self.health = health_pb2_grpc.HealthStub(self.channel)
+    self.kv = kv_pb_grpc.KVEventsStub(self.channel)
+    self.info: pb.ModelInfo | None = None
+
+
+class RouterGeneration:
+  """One forwarded request: a `Generation` whose outputs come from a worker's stream."""
+
+  def __init__(self, backend: "RouterBackend", request_id: str, prompt: str | None, ids: list[int],
+               params: SamplingParams):
+    self._b, self.request_id, self._params = backend, request_id, params
+    self._request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=ids),
+                                       sampling=sampling_to_proto(params), stream=True)
+    self._out = RequestOutput(request_id, prompt, ids, "", [], [],
+                              top_logprobs=[] if params.logprobs is not None else None)
+    self.arrival = time.monotonic()
+    self.first_token_at: float | None = None
+    self.last_token_at: float | None = None
+    self.finished = False
+    self._closed = False
+    self._shutdown: Unavailable | None = None
+    self._call = None
+    self._worker: str | None = None
+    self._blocks = 0.0
+    self._predicted = 0
+    self._attempts = 0
+
+  # ---- the worker call -------------------------------------------------------------
+
+  def _dispatch(self) -> None:
+    """Starts the call on the best live worker (Unavailable if none is)."""
+    self._worker, self._blocks, self._predicted = self._b.choose(self._request.token_ids.ids)
+    self._attempts += 1
+    self._call = self._b.workers[self._worker].stub.Generate(self._request)
+
+  def _release(self) -> None:
+    if self._worker is not None:
+      self._b.release(self._worker, self._blocks)
+      self._worker = None
+    if self._call is not None:
+      self._call.cancel()  # a no-op once it ended; otherwise frees the worker's pages
+
+  def __aiter__(self) -> "RouterGeneration":
+    return self
+
+  async def __anext__(self) -> RequestOutput:
+    while True:
+      if self.finished or self._closed:
+        raise StopAsyncIteration
+      worker = self._worker
+      try:
+        r = await self._call.read()
+      except asyncio.CancelledError:
+        if self._shutdown is None:
+          raise  # our caller was cancelled (client gone): __aexit__ cancels the worker's call
+        self.close()
+        raise self._shutdown from None
+      except grpc.aio.AioRpcError as e:
+        if self._shutdown is not None:
+          self.close()
+          raise self._shutdown from None
+        self._retry_or_raise(worker, e)
+        continue
+      if r is grpc.aio.EOF:
+        self.close()
+        raise RequestFailed(f"request {self.request_id}: worker {worker} ended the stream without "
+                            "a finish reason")
+      return self._apply(worker, r)
+
+  def _retry_or_raise(self, worker: str, e: grpc.aio.AioRpcError) -> None:
+    code, details = e.code(), e.details()
+    gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    if gone:
+      self._b.mark_down(worker, f"{code.name}: {details}")
+    self._release()
+    self._call = None
+    if gone and self.first_token_at is None and self._attempts < len(self._b.workers):
+      self._b.metrics.retried_requests.labels(worker).inc()
+      log.warning("request %s: worker %s failed before its first token (%s); trying another",
+                  self.request_id, worker, details)
+      self._dispatch()  # raises Unavailable when no worker is left
+      return
+    self.close()
+    if gone:
+      raise Unavailable(f"request {self.request_id}: worker {worker} went away "
+                        f"{'mid-request' if self.first_token_at is not None else 'and no other worker is up'}"
+                        f" ({code.name}: {details})")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+      raise InvalidRequestError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+      raise TokenizerError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+      raise Overloaded(f"worker {worker}: {details}")
+    raise RequestFailed(f"request {self.request_id} failed on worker {worker}: {code.name}: {details}")
+
+  def _apply(self, worker: str, r: pb.GenerateResponse) -> RequestOutput:
+    o, now = self._out, time.monotonic()
+    new_ids = list(r.token_ids)
+    if new_ids:
+      if self.first_token_at is None:
+        self.first_token_at = now
+        self._b.metrics.time_to_first_token.observe(now - self.arrival)
+      self.last_token_at = now
+    o.token_ids = o.token_ids + new_ids
+    o.text += r.text
+    o.logprobs = o.logprobs + [lp.logprob for lp in r.logprobs]
+    if o.top_logprobs is not None:
+      o.top_logprobs = o.top_logprobs + [{t.token_id: t.logprob for t in lp.top} for lp in r.logprobs]
+    o.new_token_ids, o.new_text = new_ids, r.text
+    if r.finish_reason:
+      o.finish_reason = FINISH_REASON_NAMES.get(r.finish_reason, "stop")
+      o.num_cached_tokens = r.usage.cached_tokens
+      self._b.metrics.actual_cached_tokens.labels(worker).inc(r.usage.cached_tokens)
+      self.finished = True
+      self.close()
+    return dataclasses.replace(o)
+
+  # ---- Generation --------------------------------------------------------------------
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    self._release()
+    self._b.active.pop(id(self), None)
+
+  async def __aenter__(self) -> "RouterGeneration":
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    self.close()
+
+  def shut_down(self, message: str) -> None:
+    self._shutdown = Unavailable(message)
+    if self._call is not None:
+      self._call.cancel()
+
+  def usage(self, out: RequestOutput) -> Usage:
+    first, last = self.first_token_at, self.last_token_at or time.monotonic()
+    return Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                 cached_tokens=out.num_cached_tokens,
+                 time_to_first_token_s=(first - self.arrival) if first is not None else 0.0,
+                 latency_s=last - self.arrival)
+
+
+class RouterBackend(PromptMixin):
+  """A `Backend` that serves each request on one of several workers."""
+
+  def __init__(self, frontend: ModelFrontend, options: RouterOptions, *, seed: int = 0):
+    self.text_model = self.frontend = frontend
+    self.options = options
+    self.metrics = RouterMetrics()
+    self.workers: dict[str, _Worker] = {}  # channels are made in start(), on the serving loop
+    self.router: KVRouter | None = None  # built once the workers said their page size
+    self.active: dict[int, RouterGeneration] = {}
+    self.draining = False
+    self._round_robin = itertools.count()
+    self._seed = seed
+    self._tasks: list[asyncio.Task] = []
+    self._started: asyncio.Task | None = None
+    cfg = frontend.config
+    self.model_info = ModelInfo(
+        model=frontend.source, max_model_len=frontend.max_model_len, vocab_size=cfg.vocab_size, dtype="",
+        devices=(), max_num_seqs=0, page_size=0, num_pages=0, architecture=cfg.architecture,
+        eos_token_ids=frontend.eos_ids)
+
+  # ---- lifecycle ---------------------------------------------------------------------
+
+  def start(self) -> None:
+    self.workers = {a: _Worker(a) for a in self.options.workers}
+    self._started = asyncio.ensure_future(self._connect())
+
+  async def wait_ready(self) -> None:
+    try:
+      await asyncio.shield(self._started)
+    except JaxinferError:
+      raise
+    except Exception as e:  # grpc errors other than the ones _connect explains
+      raise JaxinferError(f"router start failed: {type(e).__name__}: {e}") from e
+
+  @property
+  def ready(self) -> bool:
+    return self.state == "ready"
+
+  @property
+  def state(self) -> str:
+    s = self._started
+    if self.draining:
+      return "draining"
+    if s is None or not s.done():
+      return "warming up"
+    if s.cancelled():
+      return "failed: stopped before the workers answered"
+    if s.exception() is not None:
+      return f"failed: {s.exception()}"
+    return "ready"
+
+  @property
+  def num_active(self) -> int:
+    return len(self.active)
+
+  async def _connect(self) -> None:
+    """Every worker SERVING and serving the same model as --model; then the KV
+    event subscriptions and the health checks start."""
+    infos = await asyncio.gather(*(self._wait_serving(w) for w in self.workers.values()))
+    first = self.options.workers[0]
+    f = self.frontend
+    ours = {"architecture": f.config.architecture, "vocab_size": f.config.vocab_size,
+            "eos_token_ids": tuple(f.eos_ids)}
+    for address, info in zip(self.options.workers, infos):
+      theirs = {"architecture": info.architecture, "vocab_size": info.vocab_size,
+                "eos_token_ids": tuple(info.eos_token_ids)}
+      for field, value in ours.items():
+        if theirs[field] != value:
+          raise JaxinferError(f"worker {address} serves another model: its {field} is {theirs[field]!r}, "
+                              f"the router's --model {f.source} has {value!r}")
+      for field in ("max_model_len", "page_size"):
+        if getattr(info, field) != getattr(infos[0], field):
+          raise JaxinferError(f"worker {address} does not match worker {first}: its {field} is "
+                              f"{getattr(info, field)}, worker {first}'s is {getattr(infos[0], field)} "
+                              "(start every worker with the same flags)")
+    i0 = infos[0]
+    f.max_model_len = i0.max_model_len
+    self.model_info = dataclasses.replace(
+        self.model_info, max_model_len=i0.max_model_len, dtype=i0.dtype,
+        devices=tuple(f"{a}/{d}" for a, info in zip(self.options.workers, infos) for d in info.devices),
+        max_num_seqs=sum(i.max_num_seqs for i in infos), page_size=i0.page_size,
+        num_pages=sum(i.num_pages for i in infos))
+    o = self.options
+    self.router = KVRouter(RouterConfig(block_size=i0.page_size, overlap_weight=o.overlap_weight,
+                                        request_weight=o.request_weight, temperature=o.temperature),
+                           seed=self._seed)
+    for address in self.options.workers:
+      self.router.add_worker(address)
+      self.metrics.worker_up.labels(address).set(1)
+    self._tasks = [asyncio.ensure_future(self._watch(w)) for w in self.workers.values()]
+    self._tasks.append(asyncio.ensure_future(self._check_health()))
+    log.info("routing to %d workers (%s policy, block size %d)", len(self.workers), o.policy, i0.page_size)
+
+  async def _wait_serving(self, w: _Worker) -> pb.ModelInfo:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + self.options.connect_timeout_s
+    why = "no answer"
+    while True:
+      try:
+        r = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+          return await w.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10.0)
+        why = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}"
+      except grpc.aio.AioRpcError as e:
+        why = f"{e.code().name}: {e.details()}"
+      if loop.time() > end:
+        raise JaxinferError(f"worker {w.address} is not SERVING after {self.options.connect_timeout_s:g} s "
+                            f"({why})")
+      await asyncio.sleep(0.2)
+
+  async def stop(self) -> None:
+    for t in [*self._tasks, self._started]:
+      if t is not None and not t.done():
+        t.cancel()
+    await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
+
+  # ---- worker state ------------------------------------------------------------------
+
+  def mark_down(self, address: str, why: str) -> None:
+    if self.router is not None and address in self.router.workers:
+      log.warning("worker %s is down (%s): routing around it", address, why)
+      self.router.set_alive(address, False)
+      self.metrics.worker_up.labels(address).set(0)
+
+  def _mark_up(self, address: str) -> None:
+    if address not in self.router.workers:
+      log.info("worker %s is SERVING again", address)
+      self.router.set_alive(address, True)
+      self.metrics.worker_up.labels(address).set(1)
+
+  async def _check_health(self) -> None:
+    interval = self.options.health_interval_s
+
+    async def check(w: _Worker) -> None:
+      try:
+        r = await w.health.Check(health_pb2.HealthCheckRequest(), timeout=interval)
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+          self._mark_up(w.address)
+        else:
+          self.mark_down(w.address, health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+      except grpc.aio.AioRpcError as e:
+        self.mark_down(w.address, f"health check: {e.code().name}")
+
+    while True:
+      await asyncio.gather(*(check(w) for w in self.workers.values()))
+      await asyncio.sleep(interval)
+
+  async def _watch(self, w: _Worker) -> None:
+    """The worker's KV events into the index, resubscribing (a fresh snapshot)
+    after a gap or a broken stream."""
+    index, name = self.router.index, w.address
+    while True:
+      call = w.kv.WatchKVEvents(kv_pb.WatchKVEventsRequest())
+      try:
+        async for m in call:
+          if m.HasField("snapshot"):
+            s = m.snapshot
+            if s.block_size != self.model_info.page_size:
+              log.error("worker %s hashes blocks of %d tokens, not %d: its KV events are ignored",
+                        name, s.block_size, self.model_info.page_size)
+              return
+            index.load_snapshot(name, s.seq, s.block_hashes)
+            self.metrics.kv_resyncs.labels(name).inc()
+          else:
+            b = m.batch
+            index.apply(name, b.seq, [KVEvent(_KINDS[e.kind], e.block_hash,
+                                              e.parent_hash if e.HasField("parent_hash") else None)
+                                      for e in b.events])
+      except SequenceGap as e:
+        log.warning("%s; resubscribing", e)
+      except grpc.aio.AioRpcError as e:
+        log.info("KV events of worker %s: %s (%s); resubscribing", name, e.code().name, e.details())
+      finally:
+        call.cancel()
+      await asyncio.sleep(self.options.health_interval_s)
+
+  # ---- requests ----------------------------------------------------------------------
+
+  def reject(self, e: BaseException) -> None:
+    self.metrics.rejected_requests.labels(rejection_code(e)).inc()
+
+  def choose(self, ids: Sequence[int]) -> tuple[str, float, int]:
+    """(worker, prompt blocks charged to it, predicted cached tokens); counts the decision."""
+    t = time.perf_counter()
+    ps = self.model_info.page_size
+    num_blocks = -(-len(ids) // ps)
+    r = self.router
+    if self.options.policy == "round_robin":
+      live = r.workers
+      if not live:
+        raise Unavailable(f"no worker is up (workers: {', '.join(self.options.workers)})")
+      worker = live[next(self._round_robin) % len(live)]
+      overlap = int(r.index.overlap(hash_blocks(ids, ps))[r.index.slot(worker)])
+    else:
+      try:
+        choice = r.select(hash_blocks(ids, ps), num_blocks)
+      except LookupError:
+        raise Unavailable(f"no worker is up (workers: {', '.join(self.options.workers)})") from None
+      worker, overlap = choice.worker, choice.overlap_blocks
+    # A worker always computes the last prompt token (LLMEngine needs its logits),
+    # so it can reuse at most the full blocks before it.
+    predicted = min(overlap, (len(ids) - 1) // ps) * ps
+    r.started(worker, num_blocks)
+    m = self.metrics
+    m.decision_time.observe(time.perf_counter() - t)
+    m.routed_requests.labels(worker).inc()
+    m.predicted_cached_tokens.labels(worker).inc(predicted)
+    return worker, float(num_blocks), predicted
+
+  def release(self, worker: str, blocks: float) -> None:
+    self.router.finished(worker, blocks)
+
+  def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               prompt: str | None = None) -> RouterGeneration:
+    if self.draining:
+      raise Unavailable("the server is shutting down")
+    if not self.ready:
+      raise Unavailable(f"the router is not ready ({self.state})")
+    if params.prompt_logprobs is not None:
+      raise InvalidRequestError("prompt_logprobs is not supported through the router")
+    rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+    gen = RouterGeneration(self, rid, prompt, list(prompt_ids), params)
+    gen._dispatch()
+    self.active[id(gen)] = gen
+    return gen
+
+  def shut_down_all(self, message: str) -> int:
+    left = list(self.active.values())
+    for gen in left:
+      gen.shut_down(message)
+    return len(left)
+
+  def worker_loads(self) -> dict[str, tuple[float, float]]:
+    """worker -> (active requests, active prompt blocks), as the router counts them."""
+    r = self.router
+    return {w: (float(r.active_requests[r.index.slot(w)]), float(r.active_blocks[r.index.slot(w)]))
+            for w in self.workers} if r is not None else {}
+
+
+__all__ = ["ModelFrontend", "POLICIES", "RouterBackend", "RouterGeneration", "RouterMetrics", "RouterOptions"]

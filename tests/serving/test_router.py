@@ -1,0 +1,261 @@
+"""`jaxinfer route` in front of two `jaxinfer serve` workers, all real processes
+on loopback, over a tiny llama3 (context stretched to 4096 so that long
+streams outlive the kill test; pages of 4 tokens so short prompts span
+several blocks).
+
+The test that kills a worker runs last (file order): it takes one of the
+module's workers down."""
+
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from conftest import tiny_dir
+from jaxinfer.serving import Client
+from jaxinfer.serving.proto import inference_pb2 as pb
+
+PAGE = 4
+WORKER_FLAGS = ["--page-size", str(PAGE), "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
+                "--metrics-port", "0"]
+
+
+class Proc:
+  """A `python -m jaxinfer ...` process; `ports` from its start-up lines."""
+
+  def __init__(self, *args, wait_serving=True):
+    self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *args], stderr=subprocess.PIPE, text=True)
+    self.lines: list[str] = []
+    self.port = self.metrics_port = self.http_port = None
+    self._wait_serving = wait_serving
+
+  def wait(self, timeout=600):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+      line = self.proc.stderr.readline()
+      if not line:
+        break
+      self.lines.append(line)
+      if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+        self.port = int(m.group(1))
+      if m := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
+        self.metrics_port = int(m.group(1))
+      if m := re.search(r"OpenAI HTTP on http://127\.0\.0\.1:(\d+)/v1", line):
+        self.http_port = int(m.group(1))
+      if "health: SERVING" in line:
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        return self
+    raise AssertionError("did not turn SERVING:\n" + "".join(self.lines))
+
+  @property
+  def address(self):
+    return f"127.0.0.1:{self.port}"
+
+  def metrics_text(self):
+    return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+
+  def stop(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
+  shutil.copytree(tiny_dir("llama3"), d)
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["max_position_embeddings"] = 4096
+  (d / "config.json").write_text(json.dumps(cfg))
+  return d
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir):
+  procs = [Proc("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
+  try:
+    yield [p.wait() for p in procs]
+  finally:
+    for p in procs:
+      p.stop()
+
+
+def route(model_dir, worker_addresses, *args):
+  return Proc("route", "--model", str(model_dir), "--workers", ",".join(worker_addresses), "--port", "0",
+              "--metrics-port", "0", "--health-interval", "0.3", *args)
+
+
+@pytest.fixture(scope="module")
+def router(model_dir, workers):
+  p = route(model_dir, [w.address for w in workers], "--http-port", "0").wait()
+  yield p
+  p.stop()
+
+
+@pytest.fixture(scope="module")
+def rc(router):
+  with Client(router.address, timeout=120) as c:
+    yield c
+
+
+def worker_clients(workers):
+  return [Client(w.address, timeout=120) for w in workers]
+
+
+def total(text, name):
+  """The sum of a metric's samples over its labels (0 when absent)."""
+  return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+PROMPTS = ["Hello there", [5, 6, 7, 8, 9, 10, 11, 12, 13], [{"role": "user", "content": "Hi, who are you?"}]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["text", "ids", "chat"])
+def test_greedy_outputs_equal_one_worker(rc, workers, prompt):
+  direct = Client(workers[0].address, timeout=120)
+  want = direct.generate(prompt, max_tokens=12, temperature=0)
+  got = rc.generate(prompt, max_tokens=12, temperature=0)
+  assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+  assert got.usage.prompt_tokens == want.usage.prompt_tokens
+  deltas = list(rc.stream(prompt, max_tokens=12, temperature=0))
+  assert [t for d in deltas for t in d.token_ids] == want.token_ids
+  assert "".join(d.text for d in deltas) == want.text
+  assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH and deltas[-1].usage.completion_tokens == 12
+  direct.close()
+
+
+def test_openai_http_through_the_router(router, workers):
+  import httpx
+  direct = Client(workers[0].address, timeout=120).generate([3, 4, 5], max_tokens=5, temperature=0)
+  r = httpx.post(f"http://127.0.0.1:{router.http_port}/v1/completions",
+                 json=dict(prompt=[3, 4, 5], max_tokens=5, temperature=0), timeout=60)
+  assert r.status_code == 200, r.text
+  assert r.json()["choices"][0]["text"] == direct.text
+
+
+def test_shared_prefix_lands_on_the_worker_that_holds_it(rc, router):
+  prefix = list(range(60, 100))  # 40 tokens = 10 blocks, seen by no other test
+  first = rc.generate(prefix + [200], max_tokens=2, temperature=0)
+  assert first.usage.cached_tokens == 0
+  time.sleep(1.0)  # the holder's KV events reach the router's index
+  before = router.metrics_text()
+  cached = []
+  for i in range(6):  # a coin flip each if routing ignored the cache: 1/64 to pass by luck
+    r = rc.generate(prefix + [201 + i, 7], max_tokens=2, temperature=0)
+    cached.append(r.usage.cached_tokens)
+  assert cached == [40] * 6
+  after = router.metrics_text()
+  for name in ("jaxinfer_router_predicted_cached_tokens_total", "jaxinfer_router_actual_cached_tokens_total"):
+    assert total(after, name) - total(before, name) == 6 * 40, name
+
+
+INVALID = [
+    (dict(prompt=[1, 999]), "prompt token id 999 is out of range [0, 320)"),
+    (dict(prompt=[1, 2], max_tokens=5000), "exceeds max_model_len=4096"),
+    (dict(prompt=[1, 2], temperature=-1.0), "sampling.temperature"),
+    (dict(prompt="", max_tokens=3), "prompt is empty"),
+    (dict(prompt=[1, 2], structured=dict(regex="(unclosed")), "structured"),
+]
+
+
+def test_invalid_requests_are_refused_by_the_router_as_a_worker_would(rc, workers):
+  counters = ("jaxinfer_prompt_tokens_total", "jaxinfer_generation_tokens_total",
+              "jaxinfer_rejected_requests_total")
+
+  def worker_counts():
+    return [total(w.metrics_text(), n) for w in workers for n in counters]
+
+  before = worker_counts()
+  errors = []
+  for kw, fragment in INVALID:
+    kw = dict(kw)
+    prompt = kw.pop("prompt")
+    with pytest.raises(grpc.RpcError) as e:
+      rc.generate(prompt, **{"max_tokens": 2, **kw})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert fragment in e.value.details()
+    errors.append(e.value.details())
+  assert worker_counts() == before  # nothing reached a worker
+  direct = Client(workers[0].address, timeout=120)
+  for (kw, _), got in zip(INVALID, errors):
+    kw = dict(kw)
+    prompt = kw.pop("prompt")
+    with pytest.raises(grpc.RpcError) as e:
+      direct.generate(prompt, **{"max_tokens": 2, **kw})
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, got)
+  direct.close()
+
+
+def test_a_worker_of_another_model_is_refused_at_start(tmp_path, model_dir, workers):
+  other = tmp_path / "other"
+  shutil.copytree(model_dir, other)
+  cfg = json.loads((other / "config.json").read_text())
+  cfg["vocab_size"] = 512  # the router reads config and tokenizer only: no weights to mismatch
+  (other / "config.json").write_text(json.dumps(cfg))
+  p = route(other, [w.address for w in workers], "--connect-timeout", "30")
+  assert p.proc.wait(120) == 1
+  err = p.proc.stderr.read()
+  assert (f"jaxinfer: error: worker {workers[0].address} serves another model: its vocab_size is 320, "
+          f"the router's --model {other} has 512") in err, err
+
+
+def test_a_dead_worker_address_is_refused_at_start(model_dir, workers):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+  p = route(model_dir, [workers[0].address, dead], "--connect-timeout", "1")
+  assert p.proc.wait(120) == 1
+  err = p.proc.stderr.read()
+  assert f"jaxinfer: error: worker {dead} is not SERVING after 1 s (UNAVAILABLE" in err, err
+
+
+def test_killing_a_worker_mid_stream(rc, router, workers):
+  """Last: it kills workers[1]. Its streams end UNAVAILABLE within seconds; the
+  other worker's finish; later requests are routed around it."""
+  n = 6
+  streams = [rc.stream([30 + i] * 6, max_tokens=400, temperature=0, ignore_eos=True) for i in range(n)]
+  firsts = [next(s) for s in streams]  # all running: the router split them by load
+  assert all(f.token_ids for f in firsts)
+  routed = re.findall(r'^jaxinfer_router_routed_requests_total\{worker="([^"]+)"\} (\S+)$',
+                      router.metrics_text(), re.M)
+  assert len(routed) == 2
+  outcome: list = [None] * n
+  ended_at: list = [None] * n
+
+  def drain(i):
+    try:
+      outcome[i] = len(firsts[i].token_ids) + sum(len(d.token_ids) for d in streams[i])
+    except grpc.RpcError as e:
+      outcome[i] = e
+    ended_at[i] = time.monotonic()
+
+  threads = [threading.Thread(target=drain, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  killed_at = time.monotonic()
+  workers[1].proc.kill()
+  for t in threads:
+    t.join(120)
+  failed = [(o, t - killed_at) for o, t in zip(outcome, ended_at) if isinstance(o, grpc.RpcError)]
+  finished = [o for o in outcome if not isinstance(o, grpc.RpcError)]
+  assert failed and finished, outcome
+  for e, after in failed:
+    assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+    assert f"worker {workers[1].address} went away mid-request" in e.details()
+    assert after < 5.0
+  assert finished == [400] * len(finished)
+  # New requests go to the live worker (the failed stream marked the other down at once).
+  for i in range(4):
+    assert len(rc.generate([40 + i, 41], max_tokens=3, ignore_eos=True).token_ids) == 3
