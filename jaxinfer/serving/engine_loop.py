@@ -199,6 +199,10 @@ class EngineLoop:
           self.metrics.set_engine_stats(self.engine.stats())
     elif kind == "call":
       _, fn, future = cmd
+      # A caller that gave up (asyncio.wrap_future cancels on cancel) gets nothing run, and
+      # a cancelled future must never be resolved: set_result would raise on this thread.
+      if not future.set_running_or_notify_cancel():
+        return
       try:
         future.set_result(fn(self.engine))
       except Exception as e:  # handed to the caller
