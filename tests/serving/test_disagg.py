@@ -1,0 +1,369 @@
+"""Prefill/decode disaggregation with real processes on loopback: `jaxinfer serve
+--role prefill` and `--role decode`, over a tiny llama3 whose context was
+stretched to 4096 positions so that a long prompt keeps a transfer in flight
+long enough to cancel it or kill its prefill worker.
+
+Each worker's KV pool is read through its Prometheus gauge
+`jaxinfer_kv_cache_usage_ratio` (--metrics-port): 0 once nobody holds a page."""
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import tiny_dir
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.serving import Client, InferenceServer, ServerConfig
+from jaxinfer.serving.client import build_request
+from jaxinfer.serving.convert import sampling_to_proto
+from jaxinfer.serving.disagg import layout_to_proto
+from jaxinfer.serving.proto import inference_pb2 as pb
+from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+from jaxinfer.serving.proto import kv_transfer_pb2 as kv_pb
+from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+LONG_PROMPT = [(7 * i) % 300 + 3 for i in range(4000)]  # ~1 s of prefill here: a transfer in flight
+
+
+class Worker:
+  """`jaxinfer serve` in its own process, on free ports."""
+
+  def __init__(self, model_dir, *args):
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", "0",
+         "--metrics-port", "0", *ENGINE, *args], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    self.log: list[str] = []
+    self.port = self.metrics_port = None
+    while True:
+      line = self.proc.stderr.readline()
+      if not line:
+        raise AssertionError("the worker exited during start-up:\n" + "".join(self.log[-40:]))
+      self.log.append(line)
+      if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+        self.port = int(m.group(1))
+      if m := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
+        self.metrics_port = int(m.group(1))
+      if "health: SERVING" in line:
+        break
+    threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+
+  @property
+  def address(self) -> str:
+    return f"127.0.0.1:{self.port}"
+
+  def kv_usage(self) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+      text = r.read().decode()
+    return float(re.search(r"^jaxinfer_kv_cache_usage_ratio (\S+)$", text, re.M).group(1))
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+def wait_for(predicate, timeout=15.0, what="condition", logs=()):
+  end = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > end:
+      tails = "".join(f"\n--- worker on port {w.port}:\n" + "".join(w.log[-25:]) for w in logs)
+      raise AssertionError(f"timed out after {timeout} s waiting for {what}{tails}")
+    time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
+  shutil.copytree(tiny_dir("llama3"), d)
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["max_position_embeddings"] = 4096
+  (d / "config.json").write_text(json.dumps(cfg))
+  return d
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+  return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+  """A prefill worker (no Ack within 3 s frees its pages) and a decode worker on it."""
+  prefill = Worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3")
+  try:
+    decode = Worker(model_dir, "--role", "decode", "--prefill-workers", prefill.address)
+  except BaseException:
+    prefill.stop()
+    raise
+  yield prefill, decode
+  decode.stop()
+  prefill.stop()
+
+
+def test_stubs_are_fresh(tmp_path):
+  from test_proto import normalized
+  proto = "jaxinfer/serving/proto/kv_transfer.proto"
+  out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
+                        f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto],
+                       cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  for name in ("kv_transfer_pb2.py", "kv_transfer_pb2.pyi", "kv_transfer_pb2_grpc.py"):
+    fresh = (tmp_path / "jaxinfer/serving/proto" / name).read_text()
+    committed = (ROOT / "jaxinfer/serving/proto" / name).read_text()
+    assert normalized(committed) == normalized(fresh), f"{name} is stale: regenerate it (see {proto})"
+  method = kv_pb.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["Prefill"]
+  assert method.full_name == "jaxinfer.v1.KVTransfer.Prefill"
+  assert method.client_streaming and method.server_streaming
+
+
+PROMPTS = [[1, 5, 9, 200, 17], list(range(3, 90)), "Hello world, how are you?",
+           [{"role": "user", "content": "What is the capital of France?"}]]
+
+
+def test_decode_worker_outputs_equal_one_worker(pair, reference):
+  """Greedy streams and whole responses, several concurrent, and a seeded request with
+  logprobs: the same tokens and logprobs as one engine doing it all."""
+  prefill, decode = pair
+  greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+  want = reference.generate(PROMPTS, greedy)
+  with Client(decode.address, timeout=120) as c:
+    for prompt, ref in zip(PROMPTS, want):
+      deltas = list(c.stream(prompt, params=greedy))
+      assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+      assert "".join(d.text for d in deltas) == ref.text
+      assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH
+      # Again, whole: the decode worker's prefix cache now holds this prompt's full pages,
+      # so only the pages after them come over.
+      whole = c.generate(prompt, params=greedy)
+      assert (whole.token_ids, whole.text) == (ref.token_ids, ref.text)
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=16, logprobs=3, ignore_eos=True)
+    ref = reference.generate([[2, 4, 6, 8]], seeded)[0]
+    got = c.generate([2, 4, 6, 8], params=seeded)
+    assert got.token_ids == ref.token_ids
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
+    assert {t.token_id: t.logprob for t in got.logprobs[0].top} == pytest.approx(ref.top_logprobs[0], abs=1e-5)
+
+  prompts = [[1 + i, 2 + (i * 7) % 200, 3 + (i * 13) % 250] * (1 + 7 * i) for i in range(6)]
+  want = reference.generate(prompts, greedy)
+
+  async def run():
+    async with Client(decode.address, timeout=120) as c:
+      async def one(p):
+        return [d async for d in c.astream(p, params=greedy)]
+      return await asyncio.gather(*(one(p) for p in prompts))
+
+  for deltas, ref in zip(asyncio.run(run()), want):
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+  wait_for(lambda: decode.kv_usage() == 0.0 and prefill.kv_usage() == 0.0, what="both pools to empty")
+
+
+def test_cancel_during_transfer_frees_both_pools(pair):
+  prefill, decode = pair
+  with grpc.insecure_channel(decode.address) as ch:
+    request = build_request(LONG_PROMPT, stream=True, temperature=0, max_tokens=50)
+    call = pb_grpc.InferenceStub(ch).Generate(request)
+    # Both sides hold pages: the decode worker's wait for the KV, the prefill worker's prompt.
+    wait_for(lambda: decode.kv_usage() > 0 and prefill.kv_usage() > 0, what="the transfer to start")
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+      list(call)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+  wait_for(lambda: decode.kv_usage() == 0.0, what="the decode pool to empty", logs=pair)
+  wait_for(lambda: prefill.kv_usage() == 0.0, what="the prefill pool to empty", logs=pair)
+  # A deadline shorter than the prefill: DEADLINE_EXCEEDED, both pools empty again.
+  with Client(decode.address) as c:
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate(LONG_PROMPT, timeout=0.5, temperature=0, max_tokens=50)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+  wait_for(lambda: decode.kv_usage() == 0.0, what="the decode pool to empty", logs=pair)
+  wait_for(lambda: prefill.kv_usage() == 0.0, what="the prefill pool to empty", logs=pair)
+
+
+def prefill_message(prompt, request_id="t", skip_pages=0, **sampling):
+  return kv_pb.PrefillClientMessage(request=kv_pb.PrefillRequest(
+      request_id=request_id, prompt_token_ids=prompt, skip_pages=skip_pages,
+      sampling=sampling_to_proto(**{"temperature": 0, "seed": 1, "max_tokens": 8} | sampling)))
+
+
+def test_prefill_worker_frees_held_pages_without_an_ack_or_on_cancel(pair):
+  prefill, _ = pair
+  prompt = list(range(1, 100))  # 7 pages of 16
+
+  async def run():
+    async with grpc.aio.insecure_channel(prefill.address) as ch:
+      stub = kv_grpc.KVTransferStub(ch)
+      # No Ack: the pages stay held, then go after --kv-transfer-timeout (3 s).
+      call = stub.Prefill()
+      await call.write(prefill_message(prompt))
+      msgs = [await call.read() for _ in range(3)]
+      assert [m.WhichOneof("kind") for m in msgs] == ["header", "chunk", "done"]
+      header, chunk, done = msgs[0].header, msgs[1].chunk, msgs[2].done
+      assert (header.num_prompt_tokens, header.first_page, header.num_pages) == (99, 0, 7)
+      assert (chunk.first_page, chunk.num_pages, done.num_bytes) == (0, 7, len(chunk.data))
+      assert len(chunk.data) == 7 * 2 * 2 * 16 * 1 * 16 * 4  # pages x layers x (k, v) x page bytes
+      held_at = time.monotonic()
+      assert prefill.kv_usage() > 0
+      with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+      assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+      assert "no Ack within --kv-transfer-timeout=3 s" in e.value.details()
+      assert 2.0 < time.monotonic() - held_at < 10.0
+      await asyncio.to_thread(wait_for, lambda: prefill.kv_usage() == 0.0)
+      # Cancelled after the header: freed at once.
+      call = stub.Prefill()
+      await call.write(prefill_message(prompt, skip_pages=2))
+      header = (await call.read()).header
+      assert (header.first_page, header.num_pages) == (2, 5)
+      call.cancel()
+      await asyncio.to_thread(wait_for, lambda: prefill.kv_usage() == 0.0, 2.0)
+      # A request without the decode worker's seed is refused, naming it.
+      call = stub.Prefill()
+      await call.write(kv_pb.PrefillClientMessage(request=kv_pb.PrefillRequest(
+          prompt_token_ids=prompt, sampling=sampling_to_proto(temperature=0))))
+      with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.seed" in e.value.details()
+
+  asyncio.run(run())
+
+
+class FakePrefill(kv_grpc.KVTransferServicer):
+  """A prefill worker that misbehaves as the request id says (`hang`, `layout`, `truncate`,
+  `short`), sending `layout` (the decode worker's own) otherwise."""
+
+  def __init__(self, layout):
+    self.layout = layout
+
+  async def Prefill(self, request_iterator, context):
+    r = (await context.read()).request
+    how = r.request_id.split("#")[0]
+    if how == "hang":
+      await asyncio.sleep(3600)
+    layout = layout_to_proto(self.layout)
+    if how == "layout":
+      layout.page_size, layout.dtype = 32, "bfloat16"
+    pages = -(-len(r.prompt_token_ids) // self.layout.page_size)
+    first = pb.TokenLogprob(token_id=5, logprob=-1.0)
+    await context.write(kv_pb.PrefillServerMessage(header=kv_pb.PrefillHeader(
+        first_token=first, layout=layout, num_prompt_tokens=len(r.prompt_token_ids), first_page=0,
+        num_pages=pages)))
+    if how == "short":  # one byte short
+      data = bytes(pages * self.layout.page_bytes - 1)
+      await context.write(kv_pb.PrefillServerMessage(chunk=kv_pb.KVChunk(first_page=0, num_pages=pages, data=data)))
+    await context.write(kv_pb.PrefillServerMessage(done=kv_pb.PrefillDone(num_bytes=0)))
+    await context.read()
+
+
+@pytest.fixture(scope="module")
+def fake_and_decode(model_dir):
+  """An in-process decode worker (2 s transfer timeout) whose pick hook sends prompts
+  starting with token 300 to `decode.kv_connector.workers[1]` (set by a test), others to
+  an in-process fake prefill worker."""
+  llm = LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
+  loop = asyncio.new_event_loop()
+  threading.Thread(target=loop.run_forever, daemon=True).start()
+
+  async def start_fake():  # grpc.aio objects belong to the loop they are made on
+    server = grpc.aio.server()
+    kv_grpc.add_KVTransferServicer_to_server(FakePrefill(llm.engine.kv_layout()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+  fake_server, fake_port = asyncio.run_coroutine_threadsafe(start_fake(), loop).result(30)
+  others = ["127.0.0.1:1"]  # replaced by the kill test with a real prefill worker's address
+  decode = InferenceServer(llm, ServerConfig(port=0, metrics_port=0, role="decode",
+                                             prefill_workers=(f"127.0.0.1:{fake_port}", *others),
+                                             kv_transfer_timeout_s=2.0)).start_in_thread()
+  decode.kv_connector.pick = lambda ids, in_flight: (decode.kv_connector.workers[1] if ids[0] == 300
+                                                     else decode.kv_connector.workers[0])
+  yield decode
+  decode.stop_in_thread(1)
+  asyncio.run_coroutine_threadsafe(fake_server.stop(0), loop).result(10)
+  loop.call_soon_threadsafe(loop.stop)
+
+
+def pool_is_full(server):
+  e = server.llm.engine
+  return server.call_engine(lambda e: e.kv.num_free_pages) == e.kv.num_pages - 1
+
+
+@pytest.mark.parametrize("how, code, message", [
+    ("hang", grpc.StatusCode.DEADLINE_EXCEEDED, "did not complete within --kv-transfer-timeout=2 s"),
+    ("layout", grpc.StatusCode.INTERNAL, "KV layout mismatch with prefill worker 127.0.0.1:\\d+: page_size: "
+                                         "ours 16, prefill worker 127.0.0.1:\\d+'s 32; dtype: ours 'float32'"),
+    ("truncate", grpc.StatusCode.INTERNAL, "truncated transfer from prefill worker .*: 0 of 1 pages"),
+    ("short", grpc.StatusCode.INTERNAL, "a chunk of 1 pages carries 4095 bytes, expected 4096"),
+])
+def test_failed_transfers_are_clear_errors_and_free_the_pages(fake_and_decode, how, code, message):
+  decode = fake_and_decode
+  with Client(f"127.0.0.1:{decode.port}", timeout=30) as c:
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate([1, 2, 3, 4, 5], request_id=how, temperature=0, max_tokens=4)
+    assert e.value.code() == code
+    assert re.search(message, e.value.details()), e.value.details()
+    assert time.monotonic() - t < 10
+  wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
+
+
+def test_killing_the_prefill_worker_mid_transfer_is_unavailable(model_dir, fake_and_decode):
+  decode = fake_and_decode
+  victim = Worker(model_dir, "--role", "prefill")
+  try:
+    conn = decode.kv_connector
+    conn.workers = (conn.workers[0], victim.address)
+    conn.in_flight[victim.address] = 0
+    prompt = [300] + LONG_PROMPT[1:]
+    with Client(f"127.0.0.1:{decode.port}", timeout=60) as c:
+      box = {}
+
+      def run():
+        try:
+          c.generate(prompt, temperature=0, max_tokens=20)
+        except grpc.RpcError as e:
+          box["error"] = e
+
+      t = threading.Thread(target=run)
+      t.start()
+      wait_for(lambda: victim.kv_usage() > 0, what="the prefill worker to start the prompt")
+      victim.proc.kill()
+      killed = time.monotonic()
+      t.join(30)
+      assert not t.is_alive()
+      assert time.monotonic() - killed < 5
+      e = box["error"]
+      assert e.code() == grpc.StatusCode.UNAVAILABLE
+      assert f"prefill worker {victim.address} is unavailable" in e.details()
+    wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
+  finally:
+    victim.stop()
+
+
+def test_an_engine_call_cancelled_before_it_runs_is_skipped_and_the_loop_lives(fake_and_decode):
+  """A transfer cancelled while its import / export waits for the engine thread cancels
+  that call's future; resolving it there would raise and end the engine thread."""
+  loop = fake_and_decode.engine_loop
+  gate, ran = threading.Event(), []
+  blocker = loop.call(lambda e: gate.wait(10))
+  skipped = loop.call(lambda e: ran.append("skipped"))
+  assert skipped.cancel()
+  gate.set()
+  assert blocker.result(10) is True
+  assert loop.call(lambda e: e.num_unfinished).result(10) == 0  # still taking commands
+  assert ran == []
