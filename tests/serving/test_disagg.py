@@ -209,7 +209,8 @@ def test_prefill_worker_frees_held_pages_without_an_ack_or_on_cancel(pair):
       stub = kv_grpc.KVTransferStub(ch)
       # No Ack: the pages stay held, then go after --kv-transfer-timeout (3 s).
       call = stub.Prefill()
-      await call.write(prefill_message(prompt))
+      # 99 + 4095 tokens exceed the context, but only the prompt and one token are made here.
+      await call.write(prefill_message(prompt, max_tokens=4095))
       msgs = [await call.read() for _ in range(3)]
       assert [m.WhichOneof("kind") for m in msgs] == ["header", "chunk", "done"]
       header, chunk, done = msgs[0].header, msgs[1].chunk, msgs[2].done
