@@ -115,8 +115,8 @@ def worker_clients(workers):
 
 
 def total(text, name):
-  """The sum of a metric's samples over its labels (0 when absent)."""
-  return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+  """The sum of a metric's samples over its labels (0 when absent); `name` may carry labels."""
+  return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 PROMPTS = ["Hello there", [5, 6, 7, 8, 9, 10, 11, 12, 13], [{"role": "user", "content": "Hi, who are you?"}]]
@@ -219,6 +219,100 @@ def test_a_dead_worker_address_is_refused_at_start(model_dir, workers):
   assert p.proc.wait(120) == 1
   err = p.proc.stderr.read()
   assert f"jaxinfer: error: worker {dead} is not SERVING after 1 s (UNAVAILABLE" in err, err
+
+
+def wait_for(predicate, timeout=10.0):
+  end = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > end:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def test_a_client_cancel_aborts_the_request_on_its_worker(rc, workers):
+  def running():
+    return sum(total(w.metrics_text(), "jaxinfer_running_requests") for w in workers)
+
+  assert wait_for(lambda: running() == 0)
+  stream = rc.stream([21, 22, 23], max_tokens=3000, temperature=0, ignore_eos=True)
+  assert next(stream).token_ids
+  assert running() == 1
+  stream.close()  # cancels the client's call; the router cancels the worker's
+  assert wait_for(lambda: running() == 0, 5.0), "the worker kept running a request nobody reads"
+
+
+def test_sigterm_drains_the_router(model_dir, workers):
+  p = route(model_dir, [w.address for w in workers], "--grace-period", "1").wait()
+  with Client(p.address, timeout=60) as c:
+    short = c.stream([24, 25], max_tokens=20, temperature=0, ignore_eos=True)
+    long = c.stream([26, 27], max_tokens=3000, temperature=0, ignore_eos=True)
+    got_short = [next(short)]
+    assert next(long).token_ids
+    p.proc.send_signal(signal.SIGTERM)
+    got_short += list(short)  # finishes within the grace period
+    assert sum(len(d.token_ids) for d in got_short) == 20
+    with pytest.raises(grpc.RpcError) as e:
+      for _ in long:
+        pass
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shut down before it finished (grace period 1 s)" in e.value.details()
+  assert p.proc.wait(30) == 0
+
+
+class FakeWorker:
+  """A worker that says it serves the model (workers[0]'s ModelInfo) and is SERVING,
+  but fails every Generate with UNAVAILABLE before any token."""
+
+  def __init__(self, info: pb.ModelInfo):
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+    from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
+    from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
+
+    class Inference(pb_grpc.InferenceServicer):
+      def GetModelInfo(self, request, context):
+        return info
+
+      def Generate(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: going away")
+
+    class KVEvents(kv_pb_grpc.KVEventsServicer):
+      def WatchKVEvents(self, request, context):
+        yield kv_pb.WatchKVEventsResponse(snapshot=kv_pb.KVSnapshot(seq=0, block_size=info.page_size))
+        while context.is_active():
+          time.sleep(0.05)
+
+    self.server = grpc.server(futures.ThreadPoolExecutor(8))
+    pb_grpc.add_InferenceServicer_to_server(Inference(), self.server)
+    kv_pb_grpc.add_KVEventsServicer_to_server(KVEvents(), self.server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), self.server)  # "" is SERVING
+    self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+    self.server.start()
+
+  def stop(self):
+    self.server.stop(0)
+
+
+def test_a_request_whose_worker_fails_before_its_first_token_is_retried_elsewhere(model_dir, workers):
+  with Client(workers[0].address, timeout=60) as c:
+    fake = FakeWorker(c.model_info())
+  p = route(model_dir, [workers[0].address, fake.address]).wait()
+  try:
+    with Client(p.address, timeout=60) as c:
+      for i in range(12):  # idle workers tie: a coin flip each, and the fake is up again after a health check
+        assert len(c.generate([50 + i, 51, 52], max_tokens=2, ignore_eos=True).token_ids) == 2
+        time.sleep(0.4)
+    text = p.metrics_text()
+    retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{fake.address}"}}')
+    routed_fake = total(text, f'jaxinfer_router_routed_requests_total{{worker="{fake.address}"}}')
+    assert retried == routed_fake >= 1  # every request the fake got was served by the other worker
+  finally:
+    p.stop()
+    fake.stop()
 
 
 def test_killing_a_worker_mid_stream(rc, router, workers):
