@@ -376,7 +376,7 @@ class LLMEngine:
     """Runs one engine step; returns an output for every request that produced something."""
     pending, self._pending = self._pending, []
     sched = self.scheduler.schedule()
-    self.last_step_idle = not sched.scheduled
+    self.last_step_idle = not sched.scheduled and not sched.preempted  # a preemption may admit next time
     if not sched.scheduled:
       return pending
     seqs = []

@@ -508,6 +508,8 @@ class InferenceServer:
     while b.num_active and loop.time() < until:  # let the handlers send their status
       await asyncio.sleep(0.01)
     await self._server.stop(1.0)
+    if self.kv_connector is not None:  # its channels to the prefill workers
+      await self.kv_connector.close()
     if self._http is not None:
       self._http.should_exit = True
       await self._http_task

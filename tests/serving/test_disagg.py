@@ -368,3 +368,18 @@ def test_an_engine_call_cancelled_before_it_runs_is_skipped_and_the_loop_lives(f
   assert blocker.result(10) is True
   assert loop.call(lambda e: e.num_unfinished).result(10) == 0  # still taking commands
   assert ran == []
+
+
+def test_roles_are_checked_before_anything_loads(capsys):
+  from jaxinfer.cli import main
+  from jaxinfer.errors import InvalidRequestError
+  with pytest.raises(InvalidRequestError, match="role must be both, prefill or decode, got 'mixed'"):
+    ServerConfig(role="mixed")
+  with pytest.raises(InvalidRequestError, match="a decode worker needs at least one prefill worker address"):
+    ServerConfig(role="decode")
+  with pytest.raises(InvalidRequestError, match="only a decode worker takes them"):
+    ServerConfig(role="prefill", prefill_workers=("127.0.0.1:1",))
+  with pytest.raises(InvalidRequestError, match="kv_transfer_timeout_s must be > 0"):
+    ServerConfig(kv_transfer_timeout_s=0)
+  assert main(["serve", "--model", "/nonexistent", "--role", "decode"]) == 1
+  assert "a decode worker needs at least one prefill worker address" in capsys.readouterr().err
