@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from conftest import tiny_dir
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, StructuredOutput
 from jaxinfer.serving import Client, InferenceServer, ServerConfig
 from jaxinfer.serving.client import build_request
 from jaxinfer.serving.convert import sampling_to_proto
@@ -157,6 +157,15 @@ def test_decode_worker_outputs_equal_one_worker(pair, reference):
     assert got.token_ids == ref.token_ids
     assert [lp.logprob for lp in got.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
     assert {t.token_id: t.logprob for t in got.logprobs[0].top} == pytest.approx(ref.top_logprobs[0], abs=1e-5)
+    # Penalties (the decode worker rebuilds the history from prompt + first token) and a
+    # grammar (the prefill worker constrains the first token, the decode worker's matcher
+    # consumes it).
+    for sp in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                              presence_penalty=0.8, frequency_penalty=0.5),
+               SamplingParams(temperature=0, max_tokens=16, structured=StructuredOutput(regex="[a-e ]{3,12}"))):
+      ref = reference.generate(["Hello hello"], sp)[0]
+      got = c.generate("Hello hello", params=sp)
+      assert (got.token_ids, got.text) == (ref.token_ids, ref.text)
 
   prompts = [[1 + i, 2 + (i * 7) % 200, 3 + (i * 13) % 250] * (1 + 7 * i) for i in range(6)]
   want = reference.generate(prompts, greedy)
