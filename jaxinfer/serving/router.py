@@ -473,10 +473,12 @@ class RouterBackend(PromptMixin):
     """The worker's KV events into the index, resubscribing (a fresh snapshot)
     after a gap or a broken stream."""
     index, name = self.router.index, w.address
+    failing = False  # say so once per outage, not at every retry
     while True:
       call = w.kv.WatchKVEvents(kv_pb.WatchKVEventsRequest())
       try:
         async for m in call:
+          failing = False
           if m.HasField("snapshot"):
             s = m.snapshot
             if s.block_size != self.model_info.page_size:
@@ -493,7 +495,9 @@ class RouterBackend(PromptMixin):
       except SequenceGap as e:
         log.warning("%s; resubscribing", e)
       except grpc.aio.AioRpcError as e:
-        log.info("KV events of worker %s: %s (%s); resubscribing", name, e.code().name, e.details())
+        if not failing:
+          log.info("KV events of worker %s: %s (%s); resubscribing", name, e.code().name, e.details())
+        failing = True
       finally:
         call.cancel()
       await asyncio.sleep(self.options.health_interval_s)

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""KV-aware routing vs round-robin, through `jaxinfer route`, on a multi-turn
+shared-prefix workload.
+
+Two `jaxinfer serve` workers (one model) and, per policy, a `jaxinfer route`
+in front of them, all in their own processes. The workload: --systems
+system prompts of --system-len tokens, --conversations conversations each
+with one of them, --turns turns each. Turn k's prompt is the system prompt,
+then every earlier user message and answer, then a new user message of
+--user-len tokens; answers are --output-len tokens (EOS ignored), so a
+conversation's prompts grow and each one starts with the previous one plus
+its answer. --concurrency conversations run at once, their turns in order.
+
+A worker reuses the KV of a prompt prefix only if it computed it: the KV
+policy sends a turn where its conversation (or at least its system prompt)
+already is; round-robin spreads turns evenly and mostly recomputes. Both
+policies run in one invocation against the same two workers, in ABBA order
+(--rounds times each, so neither always goes first on a machine whose load
+drifts); every run gets its own random prompts (the same shapes), so no run
+reuses another's cache. A policy's numbers pool its runs' requests.
+
+Measured on the client: TTFT p50 / p99 (send to first token), output
+tokens/s and requests/s over the run, and the fraction of prompt tokens the
+workers served from their prefix caches (usage.cached_tokens).
+
+  python scripts/bench_router.py                                    # embedded default model
+  python scripts/bench_router.py --model tests/data/tiny/llama3 --system-len 96 --user-len 16
+
+Writes benchmarks/results/router-<date>.json (or --out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+class Proc:
+  """`jaxinfer <command>` on a free port, in its own process, until it says SERVING."""
+
+  def __init__(self, args: list[str]):
+    self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *args, "--port", "0"],
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    self.log: list[str] = []
+    self.port = None
+
+  def wait(self) -> "Proc":
+    while True:
+      line = self.proc.stderr.readline()
+      if not line:
+        raise SystemExit("a process exited during start-up:\n" + "".join(self.log[-40:]))
+      self.log.append(line)
+      if m := re.search(r"listening on [\d.]+:(\d+)", line):
+        self.port = int(m.group(1))
+      if "health: SERVING" in line:
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        return self
+
+  @property
+  def address(self) -> str:
+    return f"127.0.0.1:{self.port}"
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(60)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+def workload(args, vocab: int, seed: int) -> list[tuple[list[int], list[list[int]]]]:
+  """Per conversation: (its system prompt, its user messages), random ids away
+  from the special tokens at the bottom of most vocabularies."""
+  rng = np.random.default_rng(seed)
+  lo = min(100, vocab // 4)
+  systems = [rng.integers(lo, vocab, args.system_len).tolist() for _ in range(args.systems)]
+  return [(systems[c % args.systems], [rng.integers(lo, vocab, args.user_len).tolist() for _ in range(args.turns)])
+          for c in range(args.conversations)]
+
+
+async def run_policy(address: str, conversations, args) -> tuple[list[dict], float]:
+  """Per-request records and the run's wall time."""
+  from jaxinfer.serving import Client
+
+  results = []
+
+  async def turn(client, prompt: list[int]) -> list[int]:
+    sent = time.perf_counter()
+    first, ids, usage = None, [], None
+    async for r in client.astream(prompt, temperature=0, max_tokens=args.output_len, ignore_eos=True):
+      if r.token_ids and first is None:
+        first = time.perf_counter()
+      ids += r.token_ids
+      if r.finish_reason:
+        usage = r.usage
+    results.append(dict(ttft=first - sent, done=time.perf_counter(), prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens, output_tokens=len(ids)))
+    return ids
+
+  async def conversation(client, system, users, gate):
+    async with gate:
+      history = list(system)
+      for user in users:
+        history += user
+        history += await turn(client, history)
+
+  async with Client(address, timeout=600) as client:
+    # Untimed: the first requests through a fresh router open its channels to the workers.
+    rng = np.random.default_rng(12345)
+    await asyncio.gather(*(client.agenerate(rng.integers(100, 200, 8).tolist(), max_tokens=2)
+                           for _ in range(4)))
+    gate = asyncio.Semaphore(args.concurrency)
+    start = time.perf_counter()
+    await asyncio.gather(*(conversation(client, s, u, gate) for s, u in conversations))
+    seconds = time.perf_counter() - start
+  return results, seconds
+
+
+def summarize(results: list[dict], seconds: float) -> dict:
+  ttft = np.array([r["ttft"] for r in results])
+  prompt = sum(r["prompt_tokens"] for r in results)
+  return dict(requests=len(results), seconds=seconds,
+              ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+              ttft_mean_s=float(ttft.mean()),
+              output_tokens_per_s=sum(r["output_tokens"] for r in results) / seconds,
+              requests_per_s=len(results) / seconds, prompt_tokens=prompt,
+              cached_tokens=sum(r["cached_tokens"] for r in results),
+              cached_fraction=sum(r["cached_tokens"] for r in results) / prompt)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default=None, help="HF dir / .gguf / checkpoint (default: the embedded model)")
+  p.add_argument("--systems", type=int, default=4, help="distinct system prompts")
+  p.add_argument("--system-len", type=int, default=128, help="tokens per system prompt")
+  p.add_argument("--conversations", type=int, default=12)
+  p.add_argument("--turns", type=int, default=5)
+  p.add_argument("--user-len", type=int, default=64, help="tokens per user message")
+  p.add_argument("--output-len", type=int, default=32, help="tokens per answer (EOS ignored)")
+  p.add_argument("--concurrency", type=int, default=5,
+                  help="conversations in flight (not a multiple of 2, so round-robin does not keep "
+                       "a conversation on one worker by accident)")
+  p.add_argument("--policies", default="kv,round_robin")
+  p.add_argument("--rounds", type=int, default=1, help="ABBA rounds: each policy runs 2 x rounds times")
+  p.add_argument("--max-num-seqs", type=int, default=16)
+  p.add_argument("--max-num-batched-tokens", type=int, default=256)
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+
+  from bench_peers import write_results
+  from jaxinfer.serving.router import ModelFrontend
+
+  vocab = ModelFrontend.load(args.model).config.vocab_size
+  model = ["--model", str(args.model)] if args.model else []
+  engine = [*model, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--page-size", str(args.page_size)]
+  cores = os.cpu_count()
+  print(f"bench_router: 2 workers + router + client on {cores} CPU cores{' (shared)' if cores <= 4 else ''}; "
+        "on so few cores the workers compete with each other and the client, so the absolute numbers are "
+        "small and noisy: compare the policies, not the machine", file=sys.stderr, flush=True)
+  workers = [Proc(["serve", *engine]) for _ in range(2)]
+  policies = args.policies.split(",")
+  order = (policies + policies[::-1]) * args.rounds
+  runs: dict[str, list[dict]] = {p: [] for p in policies}
+  seconds: dict[str, float] = {p: 0.0 for p in policies}
+  per_run = []
+  try:
+    for w in workers:
+      w.wait()
+    addresses = ",".join(w.address for w in workers)
+    for i, policy in enumerate(order):
+      router = Proc(["route", *model, "--workers", addresses, "--policy", policy]).wait()
+      try:
+        records, s = asyncio.run(run_policy(router.address, workload(args, vocab, args.seed + 1 + i), args))
+      finally:
+        router.stop()
+      runs[policy] += records
+      seconds[policy] += s
+      per_run.append(dict(policy=policy, **summarize(records, s)))
+      print(f"bench_router: run {i + 1}/{len(order)} {policy}: {per_run[-1]}", file=sys.stderr, flush=True)
+  finally:
+    for w in workers:
+      w.stop()
+  results = {p: summarize(runs[p], seconds[p]) for p in policies}
+
+  rows = [("policy", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "req/s", "prefix-cached")]
+  for policy, r in results.items():
+    rows.append((policy, f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
+                 f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}", f"{r['cached_fraction']:.0%}"))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  for row in rows:
+    print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+  print(f"(2 workers, {cores} CPU cores shared by workers, router and client; disaggregated prefill/decode: "
+        "not measured here)")
+  path = write_results("router", dict(
+      workload=dict(systems=args.systems, system_len=args.system_len, conversations=args.conversations,
+                    turns=args.turns, user_len=args.user_len, output_len=args.output_len,
+                    concurrency=args.concurrency),
+      engine=dict(model=args.model or "default", max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size),
+      workers=2, cpu_cores=cores, load_average=os.getloadavg(), order=order, results=results, runs=per_run),
+      args.out)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
