@@ -332,6 +332,19 @@ def test_failed_transfers_are_clear_errors_and_free_the_pages(fake_and_decode, h
   wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
 
 
+def test_an_unreachable_prefill_worker_is_unavailable_at_once(fake_and_decode):
+  decode = fake_and_decode
+  assert decode.kv_connector.workers[1] == "127.0.0.1:1"  # nothing listens there
+  with Client(f"127.0.0.1:{decode.port}", timeout=30) as c:
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate([300, 1, 2], temperature=0, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill worker 127.0.0.1:1 is unavailable" in e.value.details()
+    assert time.monotonic() - t < 5
+  wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
+
+
 def test_killing_the_prefill_worker_mid_transfer_is_unavailable(model_dir, fake_and_decode):
   decode = fake_and_decode
   victim = Worker(model_dir, "--role", "prefill")
