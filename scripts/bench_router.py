@@ -56,7 +56,7 @@ class Proc:
     self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *args, "--port", "0"],
                                  stderr=subprocess.PIPE, text=True, cwd=ROOT)
     self.log: list[str] = []
-    self.port = None
+    self.port = self.metrics_port = None
 
   def wait(self) -> "Proc":
     while True:
@@ -66,6 +66,8 @@ class Proc:
       self.log.append(line)
       if m := re.search(r"listening on [\d.]+:(\d+)", line):
         self.port = int(m.group(1))
+      if m := re.search(r"metrics on http://[\d.]+:(\d+)/metrics", line):
+        self.metrics_port = int(m.group(1))
       if "health: SERVING" in line:
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         return self
@@ -131,6 +133,19 @@ async def run_policy(address: str, conversations, args) -> tuple[list[dict], flo
   return results, seconds
 
 
+def router_stats(router: Proc) -> dict:
+  """The router's own view: mean decision time, predicted vs reported cached tokens."""
+  import urllib.request
+  text = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=10).read().decode()
+
+  def total(name):
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+  return dict(decision_mean_us=total("jaxinfer_router_decision_seconds_sum")
+              / max(total("jaxinfer_router_decision_seconds_count"), 1) * 1e6,
+              predicted_cached_tokens=total("jaxinfer_router_predicted_cached_tokens_total"),
+              actual_cached_tokens=total("jaxinfer_router_actual_cached_tokens_total"))
+
+
 def summarize(results: list[dict], seconds: float) -> dict:
   ttft = np.array([r["ttft"] for r in results])
   prompt = sum(r["prompt_tokens"] for r in results)
@@ -157,6 +172,8 @@ def main() -> None:
                        "a conversation on one worker by accident)")
   p.add_argument("--policies", default="kv,round_robin")
   p.add_argument("--rounds", type=int, default=1, help="ABBA rounds: each policy runs 2 x rounds times")
+  p.add_argument("--overlap-weight", type=float, default=1.0,
+                 help="the kv policy's cost of an uncached prompt block (jaxinfer route --overlap-weight)")
   p.add_argument("--max-num-seqs", type=int, default=16)
   p.add_argument("--max-num-batched-tokens", type=int, default=256)
   p.add_argument("--page-size", type=int, default=16)
@@ -186,14 +203,16 @@ def main() -> None:
       w.wait()
     addresses = ",".join(w.address for w in workers)
     for i, policy in enumerate(order):
-      router = Proc(["route", *model, "--workers", addresses, "--policy", policy]).wait()
+      router = Proc(["route", *model, "--workers", addresses, "--policy", policy, "--metrics-port", "0",
+                     "--overlap-weight", str(args.overlap_weight)]).wait()
       try:
         records, s = asyncio.run(run_policy(router.address, workload(args, vocab, args.seed + 1 + i), args))
+        stats = router_stats(router)
       finally:
         router.stop()
       runs[policy] += records
       seconds[policy] += s
-      per_run.append(dict(policy=policy, **summarize(records, s)))
+      per_run.append(dict(policy=policy, **summarize(records, s), router=stats))
       print(f"bench_router: run {i + 1}/{len(order)} {policy}: {per_run[-1]}", file=sys.stderr, flush=True)
   finally:
     for w in workers:
@@ -207,13 +226,13 @@ def main() -> None:
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   for row in rows:
     print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-  print(f"(2 workers, {cores} CPU cores shared by workers, router and client; disaggregated prefill/decode: "
-        "not measured here)")
+  print(f"(2 workers, {cores} CPU cores shared by workers, router and client; disaggregated prefill/decode "
+        "workers (jaxinfer serve --role) are not a column here yet)")
   path = write_results("router", dict(
       workload=dict(systems=args.systems, system_len=args.system_len, conversations=args.conversations,
                     turns=args.turns, user_len=args.user_len, output_len=args.output_len,
                     concurrency=args.concurrency),
-      engine=dict(model=args.model or "default", max_num_seqs=args.max_num_seqs,
+      overlap_weight=args.overlap_weight, engine=dict(model=args.model or "default", max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size),
       workers=2, cpu_cores=cores, load_average=os.getloadavg(), order=order, results=results, runs=per_run),
       args.out)
