@@ -139,7 +139,7 @@ def _convert(args: argparse.Namespace) -> None:
   from jaxinfer.default_model import checkpoints_dir
 
   dst = args.dst or checkpoints_dir() / Path(args.src).stem.lower()
-  path = convert(args.src, dst, dtype=args.dtype, overwrite=args.overwrite)
+  path = convert(args.src, dst, dtype=args.dtype, overwrite=args.overwrite, quantize=args.quantize)
   print(f"wrote {path}")
 
 
@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
   conv.add_argument("dst", nargs="?", help="output dir (default: checkpoints/<source name>)")
   conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype stored on disk")
+  conv.add_argument("--quantize", default=None, choices=["int8"],
+                    help="store linear weights as int8 + per-channel float32 scales (GGUF Q8_0: its own "
+                         "blocks of 32); embeddings, norms and the LM head keep --dtype")
   conv.add_argument("--overwrite", action="store_true")
   conv.set_defaults(func=_convert)
   return parser

@@ -38,11 +38,14 @@ class LLM:
   """A model loaded for offline generation and evaluation."""
 
   def __init__(self, model: str | Path | None = None, dtype: str = "float32", *, mesh=None,
-               progress: bool = False, **engine_options: Any):
+               progress: bool = False, quantization: str | None = None, **engine_options: Any):
     """Loads `model` (None: the embedded default) onto devices and warms the engine up.
 
     `mesh` (a jax.sharding.Mesh with axes ('data', 'expert', 'model')) shards
     the weights by their logical axes; default: the first device.
+    `quantization='int8'` stores linear weights as int8 with per-channel
+    scales (quantized at load; a checkpoint converted with `--quantize int8`
+    or a GGUF's Q8_0 tensors load as int8 directly); see jaxinfer.quant.
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,
@@ -53,11 +56,12 @@ class LLM:
     if unknown:
       raise InvalidRequestError(f"unknown LLM option(s) {unknown}; engine options are {sorted(known)}")
     self.engine = LLMEngine.from_model(model, dtype, EngineConfig(**engine_options), mesh=mesh,
-                                       progress=progress)
+                                       progress=progress, quantization=quantization)
     self.config = self.engine.config
     self.tokenizer: Tokenizer | None = self.engine.tokenizer
     self.source = self.engine.source
     self.dtype = dtype
+    self.quantization = quantization
     self.max_model_len = self.engine.max_model_len
     self.runner = self.engine.runner
     self._ids = itertools.count()

@@ -42,6 +42,7 @@ class WeightSpec:
   hf: str
   gguf: str
   linear: bool = False
+  dtype: str | None = None  # None: the model dtype; quantized leaves say 'int8' / 'float32'
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -71,8 +72,17 @@ def is_spec(x: Any) -> bool:
   return isinstance(x, WeightSpec)
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, Any]:
-  """The parameter pytree of a dense decoder, with a WeightSpec at every leaf."""
+def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
+  """The parameter pytree of a dense decoder, with a WeightSpec at every leaf.
+
+  quantization='int8': each linear weight but the LM head is a
+  `QuantizedWeight` of two specs (int8 values, per-channel float32 scales).
+  """
+  if quantization is not None:
+    from jaxinfer.quant import parse_quantization, quantizable, quantized_spec
+    parse_quantization(quantization)
+    return jax.tree.map(lambda s: quantized_spec(s) if quantizable(s) else s, param_specs(cfg),
+                        is_leaf=is_spec)
   D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.vocab_size)
 
@@ -124,12 +134,13 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   return specs
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None) -> Any:
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None,
+                    quantization: str | None = None) -> Any:
   """ShapeDtypeStructs for every weight: no memory is allocated."""
-  specs = param_specs(cfg)
+  specs = param_specs(cfg, quantization)
   if shardings is None:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype), specs, is_leaf=is_spec)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype, sharding=sh),
                       specs, shardings, is_leaf=is_spec)
 
 
@@ -137,8 +148,17 @@ def count_params(tree: Any) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Any:
-  """Random weights at the config's real shapes (normal with std 1/sqrt(fan_in))."""
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
+                quantization: str | None = None) -> Any:
+  """Random weights at the config's real shapes (normal with std 1/sqrt(fan_in)).
+
+  With `quantization`, the same random weights quantized (on the host).
+  """
+  if quantization is not None:
+    from jaxinfer.quant import cast_floats, parse_quantization, quantize_tree
+    parse_quantization(quantization)
+    floats = jax.device_get(init_params(cfg, key, jnp.float32))
+    return jax.device_put(cast_floats(quantize_tree(param_specs(cfg), floats), dtype))
   specs = param_specs(cfg)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))

@@ -64,6 +64,10 @@ def spec_sharding(spec: WeightSpec, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(spec.axes, spec.shape, mesh))
 
 
-def param_shardings(cfg, mesh: Mesh) -> Any:
-  """NamedShardings for every weight of `cfg`, from the weights' logical axes."""
-  return jax.tree.map(lambda s: spec_sharding(s, mesh), param_specs(cfg), is_leaf=is_spec)
+def param_shardings(cfg, mesh: Mesh, quantization: str | None = None) -> Any:
+  """NamedShardings for every weight of `cfg`, from the weights' logical axes.
+
+  Quantized values shard like the float weight; scales like its output axes
+  (their group axis stays replicated, so one tree fits any group count).
+  """
+  return jax.tree.map(lambda s: spec_sharding(s, mesh), param_specs(cfg, quantization), is_leaf=is_spec)

@@ -20,6 +20,8 @@ from jaxinfer.checkpoint.gguf import is_gguf, read_gguf
 from jaxinfer.checkpoint.hf import read_hf_dir
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequestError, ModelNotFoundError
+from jaxinfer.params import param_specs
+from jaxinfer.quant import cast_floats, parse_quantization, quantize_tree
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -57,38 +59,56 @@ def detect_format(path: str | Path) -> str:
                            f"{orbax_io.MANIFEST})")
 
 
-def import_model(path: str | Path) -> ImportedModel:
-  """Reads an HF dir or GGUF file into host memory."""
+def import_model(path: str | Path, quantization: str | None = None) -> ImportedModel:
+  """Reads an HF dir or GGUF file into host memory.
+
+  quantization='int8': linear weights become int8 QuantizedWeights (GGUF
+  Q8_0 kept group-wise as stored, everything else per channel).
+  """
+  parse_quantization(quantization)
   kind = detect_format(path)
   if kind == "orbax":
     raise InvalidRequestError(f"{path}: already a jaxinfer checkpoint")
-  return read_gguf(path) if kind == "gguf" else read_hf_dir(path)
+  model = read_gguf(path, quantization) if kind == "gguf" else read_hf_dir(path)
+  if quantization:
+    model.weights = quantize_tree(param_specs(model.config), model.weights)
+  return model
 
 
-def load_model(path: str | Path, dtype: str = "float32", shardings_fn=None) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", shardings_fn=None,
+               quantization: str | None = None) -> LoadedModel:
   """Loads any supported format onto devices.
 
   `shardings_fn(config) -> pytree of Shardings` places the weights (default:
-  the first device).
+  the first device); for quantized weights it is called as
+  `shardings_fn(config, 'int8')`. quantization='int8' quantizes at load (a
+  checkpoint converted with --quantize int8 loads quantized regardless).
   """
   jdtype = parse_dtype(dtype)
+  parse_quantization(quantization)
   path = Path(path).expanduser()
   if detect_format(path) == "orbax":
-    cfg, params, tokenizer = orbax_io.restore(path, jdtype, shardings_fn)
+    cfg, params, tokenizer = orbax_io.restore(path, jdtype, shardings_fn, quantization)
     return LoadedModel(cfg, params, tokenizer, str(path))
-  imported = import_model(path)
-  cast = jax.tree.map(lambda a: a.astype(jdtype), imported.weights)
+  imported = import_model(path, quantization)
+  cast = cast_floats(imported.weights, jdtype)
   if shardings_fn is not None:
-    params = jax.device_put(cast, shardings_fn(imported.config))
+    params = jax.device_put(cast, shardings_fn(imported.config, quantization) if quantization
+                            else shardings_fn(imported.config))
   else:
     params = jax.device_put(cast)
   return LoadedModel(imported.config, params, imported.tokenizer, str(path))
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "float32", overwrite: bool = False) -> Path:
-  """Imports `src` (HF dir or GGUF) and writes an orbax checkpoint at `dst`."""
+def convert(src: str | Path, dst: str | Path, dtype: str = "float32", overwrite: bool = False,
+            quantize: str | None = None) -> Path:
+  """Imports `src` (HF dir or GGUF) and writes an orbax checkpoint at `dst`.
+
+  quantize='int8' stores linear weights as int8 values + float32 scales
+  (`dtype` then applies to the float weights left: norms, embeddings, LM head).
+  """
   parse_dtype(dtype)
-  return orbax_io.save(import_model(src), dst, dtype=dtype, overwrite=overwrite)
+  return orbax_io.save(import_model(src, quantize), dst, dtype=dtype, overwrite=overwrite)
 
 
 __all__ = ["ImportedModel", "LoadedModel", "convert", "detect_format", "import_model", "load_model"]

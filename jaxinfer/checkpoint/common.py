@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import WeightSpec, is_spec, param_specs
+from jaxinfer.quant import QuantizedWeight, num_in_axes
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -32,6 +33,8 @@ def assemble(cfg: ModelConfig, source: str, key: str,
   `key` is 'hf' or 'gguf' (which name of the spec to use). `fetch` returns the
   tensor in checkpoint layout (or None if the file lacks it) and may raise
   CheckpointError itself; the shape check here names the tensor and file.
+  It may also return a QuantizedWeight in checkpoint layout (GGUF Q8_0 kept
+  as int8: values [out, in], scales [out, in / 32]), put in our layout here.
   """
   specs = param_specs(cfg)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
@@ -45,8 +48,18 @@ def assemble(cfg: ModelConfig, source: str, key: str,
     if tuple(array.shape) != expected:
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                             f"expected {expected} for this config")
+    if isinstance(array, QuantizedWeight):
+      return quantized_from_checkpoint(spec, array)
     return spec.from_checkpoint(np.asarray(array))
 
   out = [load(s) for s in tqdm(leaves, desc=f"reading {source.rsplit('/', 1)[-1]}", unit="tensor",
                                  leave=False, disable=None)]
   return jax.tree.unflatten(treedef, out)
+
+
+def quantized_from_checkpoint(spec: WeightSpec, w: QuantizedWeight) -> QuantizedWeight:
+  """[out, in] int8 values and [out, G] scales (HF/GGUF layout) -> ours: [in..., out...], [G, out...]."""
+  n = num_in_axes(spec)
+  values = np.asarray(w.values).T.reshape(spec.shape)
+  scales = np.asarray(w.scales, np.float32).T
+  return QuantizedWeight(values, scales.reshape((scales.shape[0],) + spec.shape[n:]))

@@ -3,8 +3,9 @@
 Layout of a converted checkpoint:
 
   DST/
-    jaxinfer_checkpoint.json   format version, ModelConfig, source, stored dtype
-    params/                    orbax (OCDBT) pytree, one array per WeightSpec
+    jaxinfer_checkpoint.json   format version, ModelConfig, source, stored dtype, quantization
+    params/                    orbax (OCDBT) pytree, one array per WeightSpec; a quantized
+                               weight is {'values': int8, 'scales': float32 [G, out...]}
     tokenizer/                 tokenizer.json or tokenizer.model + tokenizer_meta.json
 
 It is written to `DST.partial` and renamed at the end, so an interrupted
@@ -25,7 +26,8 @@ import orbax.checkpoint as ocp
 from jaxinfer.checkpoint.common import ImportedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
-from jaxinfer.params import abstract_params
+from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
+from jaxinfer.quant import QuantizedWeight, cast_floats, check_quantized, is_quantized, quantize_tree
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
@@ -44,14 +46,15 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
   tmp = dst.with_name(dst.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  weights = jax.tree.map(lambda a: np.asarray(a).astype(dtype), model.weights)
+  quantized = any(is_quantized(w) for w in jax.tree.leaves(model.weights, is_leaf=is_quantized))
+  weights = _to_state(cast_floats(jax.tree.map(np.asarray, model.weights), dtype))
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp / "params", weights)
   checkpointer.wait_until_finished()
   if model.tokenizer is not None:
     model.tokenizer.save(tmp / "tokenizer")
   manifest = dict(format_version=FORMAT_VERSION, config=model.config.to_dict(),
-                  source=model.source, dtype=dtype)
+                  source=model.source, dtype=dtype, quantization="int8" if quantized else None)
   (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
   if dst.exists():
     shutil.rmtree(dst)
@@ -70,23 +73,89 @@ def read_manifest(path: Path) -> dict[str, Any]:
   return manifest
 
 
-def restore(path: str | Path, dtype, shardings_fn=None) -> tuple[ModelConfig, Any, Tokenizer | None]:
+def _to_state(tree: Any) -> Any:
+  """QuantizedWeight nodes -> plain {'values', 'scales'} dicts: what orbax stores."""
+  return jax.tree.map(lambda w: {"values": w.values, "scales": w.scales} if is_quantized(w) else w,
+                      tree, is_leaf=is_quantized)
+
+
+def _from_state(specs: Any, state: Any) -> Any:
+  return jax.tree.map(lambda s, a: QuantizedWeight(a["values"], a["scales"]) if is_quantized(s) else a,
+                      specs, state, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+
+
+def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any) -> Any:
+  """The restore target of a quantized checkpoint: scales' group counts come from the stored
+  metadata (per channel, or Q8_0's groups of 32), checked against the values per tensor."""
+  try:
+    stored = ocp.StandardCheckpointer().metadata(path / "params").item_metadata
+    stored = getattr(stored, "tree", stored)
+  except Exception as e:  # orbax raises many types for damaged metadata
+    raise CheckpointError(f"{path / 'params'}: cannot read metadata ({type(e).__name__}: {str(e)[:300]})") from None
+  is_node = lambda x: is_spec(x) or is_quantized(x)
+
+  def target(keys, spec, float_spec: WeightSpec, sharding):
+    if not is_quantized(spec):
+      return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding)
+    name = f"{path}: tensor {float_spec.hf!r}"
+    meta = stored
+    for k in keys:
+      key = k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
+      try:
+        meta = meta[key]
+      except (KeyError, IndexError, TypeError):
+        raise CheckpointError(f"{name} is missing from the checkpoint") from None
+    if not isinstance(meta, dict) or set(meta) != {"values", "scales"}:
+      raise CheckpointError(f"{name} is not stored quantized (int8 values + scales)")
+    check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype,
+                    tuple(meta["scales"].shape), float_spec)
+    return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, np.int8, sharding=sharding.values),
+                           jax.ShapeDtypeStruct(tuple(meta["scales"].shape), np.float32,
+                                                sharding=sharding.scales))
+
+  return jax.tree_util.tree_map_with_path(target, param_specs(cfg, "int8"), param_specs(cfg), shardings,
+                                          is_leaf=is_node)
+
+
+def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None = None
+            ) -> tuple[ModelConfig, Any, Tokenizer | None]:
   """Restores weights cast to `dtype` (orbax casts while reading), placed by
-  `shardings_fn(config)` (default: the first device)."""
+  `shardings_fn(config, quantization)` (default: the first device).
+
+  A checkpoint written quantized loads quantized (int8 values, float32
+  scales) whatever `quantization` says; a float one with quantization='int8'
+  is quantized here, per channel.
+  """
   path = Path(path).expanduser().resolve()
   manifest = read_manifest(path)
   cfg = ModelConfig.from_dict(manifest["config"])
+  stored_q = manifest.get("quantization")
+  if stored_q not in (None, "int8"):
+    raise CheckpointError(f"{path / MANIFEST}: unknown quantization {stored_q!r}")
+  load_q = stored_q or quantization
   if shardings_fn is not None:
-    shardings = shardings_fn(cfg)
+    shardings = shardings_fn(cfg, load_q) if load_q else shardings_fn(cfg)
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, abstract_params(cfg))
-  target = abstract_params(cfg, dtype, shardings)
+    shardings = jax.tree.map(lambda _: device, abstract_params(cfg, quantization=load_q))
+  if stored_q:
+    target = _quantized_target(path, cfg, dtype, shardings)
+  elif quantization:  # read float32 onto the host's first device, quantize below
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = abstract_params(cfg, np.float32, jax.tree.map(lambda _: device, abstract_params(cfg)))
+  else:
+    target = abstract_params(cfg, dtype, shardings)
   try:
-    params = ocp.StandardCheckpointer().restore(path / "params", target)
+    params = ocp.StandardCheckpointer().restore(path / "params", _to_state(target))
   except JaxinferError:
     raise
   except Exception as e:  # orbax/tensorstore raise many types for damaged data
     raise CheckpointError(f"{path / 'params'}: cannot restore ({type(e).__name__}: {str(e)[:300]})") from None
+  specs = param_specs(cfg, load_q)
+  if stored_q:
+    params = _from_state(specs, params)
+  elif quantization:
+    host = quantize_tree(param_specs(cfg), jax.device_get(params))
+    params = jax.device_put(cast_floats(host, dtype), shardings)
   tokenizer = Tokenizer.load(path / "tokenizer") if (path / "tokenizer").is_dir() else None
   return cfg, params, tokenizer

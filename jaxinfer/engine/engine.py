@@ -203,8 +203,10 @@ class LLMEngine:
   @classmethod
   def from_model(cls, model: str | Path | None = None, dtype: str = "float32",
                  engine_config: EngineConfig = EngineConfig(), *, mesh=None,
-                 progress: bool = False) -> "LLMEngine":
-    """Loads a checkpoint (None: the embedded default model) and builds the engine."""
+                 progress: bool = False, quantization: str | None = None) -> "LLMEngine":
+    """Loads a checkpoint (None: the embedded default model) and builds the engine.
+
+    quantization='int8': linear weights int8 (see jaxinfer.quant)."""
     from jaxinfer.checkpoint import load_model
     if model is None:
       from jaxinfer.default_model import default_checkpoint
@@ -212,8 +214,8 @@ class LLMEngine:
     shardings_fn = None
     if mesh is not None:
       from jaxinfer.sharding import param_shardings
-      shardings_fn = lambda cfg: param_shardings(cfg, mesh)
-    loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn)
+      shardings_fn = lambda cfg, quantization=None: param_shardings(cfg, mesh, quantization)
+    loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn, quantization=quantization)
     engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
                  progress=progress)
     engine.source = loaded.source

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quant import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -64,8 +65,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
   return out.astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """down(silu(gate(x)) * up(x)) for x [..., D]."""
-  gate = jnp.einsum("...D,DF->...F", x, w_gate)
-  up = jnp.einsum("...D,DF->...F", x, w_up)
-  return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, w_down)
+def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+  """down(silu(gate(x)) * up(x)) for x [..., D]; weights float or quant.QuantizedWeight."""
+  gate = linear("...D,DF->...F", x, w_gate)
+  up = linear("...D,DF->...F", x, w_up)
+  return linear("...F,FD->...D", jax.nn.silu(gate) * up, w_down)

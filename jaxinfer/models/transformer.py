@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxinfer.quant import linear
 
 # Per layer: {'k': [N, p, K, d], 'v': [N, p, K, d]} (N pages of p tokens).
 Cache = list[dict[str, jax.Array]]
@@ -58,9 +59,9 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
                     layer_cache: dict[str, jax.Array], batch: PagedBatch, *,
                     attention_impl: str = "auto", decode_q_len: int = 1
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  q = jnp.einsum("TD,DHd->THd", x, p["wq"])
-  k = jnp.einsum("TD,DKd->TKd", x, p["wk"])
-  v = jnp.einsum("TD,DKd->TKd", x, p["wv"])
+  q = linear("TD,DHd->THd", x, p["wq"])
+  k = linear("TD,DKd->TKd", x, p["wk"])
+  v = linear("TD,DKd->TKd", x, p["wv"])
   if cfg.attention_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:
@@ -76,7 +77,7 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
                                    batch.page_indices, batch.cu_q_lens, batch.num_seqs,
                                    sliding_window=cfg.sliding_window, impl=attention_impl,
                                    decode_q_len=decode_q_len)
-  return jnp.einsum("THd,HdD->TD", out, p["wo"]), new_cache
+  return linear("THd,HdD->TD", out, p["wo"]), new_cache
 
 
 def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:

@@ -1,0 +1,135 @@
+"""int8 checkpoints: convert --quantize int8 round trips, GGUF Q8_0 kept as int8, bad scales."""
+
+import json
+import logging
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from conftest import golden, tiny_dir
+from helpers import write_llama_gguf
+from jaxinfer import LLM
+from jaxinfer.checkpoint import import_model, load_model, orbax_io
+from jaxinfer.cli import main
+from jaxinfer.errors import CheckpointError
+from jaxinfer.params import is_spec, param_specs
+from jaxinfer.quant import QuantizedWeight, dequantize, is_quantized, num_in_axes
+
+Q = gguf.GGMLQuantizationType
+
+
+def _leaves(tree):
+  return jax.tree.leaves(tree)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  dst = tmp_path_factory.mktemp("ck") / "llama3-int8"
+  assert main(["convert", str(tiny_dir("llama3")), str(dst), "--quantize", "int8"]) == 0
+  return dst
+
+
+def test_convert_quantize_round_trips_bit_exactly(converted):
+  manifest = json.loads((converted / orbax_io.MANIFEST).read_text())
+  assert manifest["quantization"] == "int8"
+  written = import_model(tiny_dir("llama3"), "int8").weights
+  restored = load_model(converted).params
+  assert jax.tree.structure(written, is_leaf=is_quantized) == jax.tree.structure(restored, is_leaf=is_quantized)
+  wq = restored["layers"][0]["wq"]
+  assert isinstance(wq, QuantizedWeight) and wq.values.dtype == np.int8 and wq.scales.dtype == np.float32
+  for a, b in zip(_leaves(written), _leaves(restored)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_converted_int8_generates_like_quantizing_at_load(converted):
+  prompt = [5, 17, 200, 3, 99, 42, 7]
+  sp = dict(max_model_len=64, warmup=False)
+  a = LLM(converted, **sp)
+  b = LLM(tiny_dir("llama3"), quantization="int8", **sp)
+  np.testing.assert_array_equal(a.logits(prompt), b.logits(prompt))
+
+
+def test_converted_bfloat16_keeps_int8_and_float32_scales(tmp_path):
+  dst = tmp_path / "bf16-int8"
+  assert main(["convert", str(tiny_dir("smollm2")), str(dst), "--quantize", "int8", "--dtype", "bfloat16"]) == 0
+  params = load_model(dst, dtype="bfloat16").params
+  assert params["embed"].dtype == "bfloat16" and params["final_norm"].dtype == "bfloat16"
+  assert params["layers"][1]["w_down"].values.dtype == np.int8
+  assert params["layers"][1]["w_down"].scales.dtype == np.float32
+
+
+def test_scales_that_do_not_match_their_values_name_the_tensor(tmp_path):
+  model = import_model(tiny_dir("llama3"), "int8")
+  w = model.weights["layers"][1]["w_up"]
+  model.weights["layers"][1]["w_up"] = QuantizedWeight(w.values, w.scales[:, :-1])  # one output short
+  dst = orbax_io.save(model, tmp_path / "bad")
+  with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*scales have shape"):
+    load_model(dst)
+
+
+def test_scales_with_groups_that_do_not_divide_the_input(tmp_path):
+  model = import_model(tiny_dir("llama3"), "int8")
+  w = model.weights["layers"][0]["wk"]
+  D = w.values.shape[0]
+  model.weights["layers"][0]["wk"] = QuantizedWeight(w.values, np.repeat(w.scales, D - 1, axis=0))
+  dst = orbax_io.save(model, tmp_path / "bad")
+  with pytest.raises(CheckpointError, match=r"k_proj\.weight.*G dividing"):
+    load_model(dst)
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q8_0_file(tmp_path_factory):
+  return write_llama_gguf(tiny_dir("smollm2"), tmp_path_factory.mktemp("g") / "q8.gguf", Q.Q8_0)
+
+
+def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
+  quantized = import_model(q8_0_file, "int8")
+  floats = import_model(q8_0_file)  # the gguf package's dequantizer, to float32
+  specs = param_specs(quantized.config)
+  pairs = zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(quantized.weights, is_leaf=is_quantized),
+              jax.tree.leaves(floats.weights))
+  n = 0
+  for spec, q, f in pairs:
+    if not is_quantized(q):
+      continue
+    n += 1
+    in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
+    assert q.scales.shape[0] == in_size // 32  # one scale per Q8_0 block: group-wise, not per channel
+    # The same numbers exactly (q8_0 dequantizes to int8 * fp16 scale, both exact in float32),
+    # including attn_q / attn_k, whose rows (and scales) llama.cpp permuted.
+    np.testing.assert_array_equal(dequantize(q, num_in_axes(spec)), f)
+  assert n == 7 * quantized.config.num_layers
+
+
+def test_q8_0_int8_logits_close_to_dequantized_float32(q8_0_file):
+  # Same weights; only the int8 activations differ. Measured max |diff| ~0.1 on logits of
+  # magnitude ~3.5; a layout / scale mix-up would give differences of whole units.
+  ids = golden("smollm2")["token_ids"].tolist()
+  ref = LLM(q8_0_file, max_model_len=64, warmup=False).logits(ids)
+  got = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8").logits(ids)
+  np.testing.assert_allclose(got, ref, atol=0.25, rtol=0)
+
+
+def test_q8_0_int8_round_trips_through_convert(q8_0_file, tmp_path):
+  dst = tmp_path / "q8"
+  assert main(["convert", str(q8_0_file), str(dst), "--quantize", "int8"]) == 0
+  written = import_model(q8_0_file, "int8").weights
+  restored = load_model(dst).params
+  assert restored["layers"][0]["w_down"].scales.shape[0] > 1  # the groups survived
+  for a, b in zip(_leaves(written), _leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_other_gguf_types_fall_back_with_one_log_line(tmp_path, caplog):
+  path = write_llama_gguf(tiny_dir("smollm2"), tmp_path / "q4.gguf", Q.Q4_1)
+  with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint.gguf"):
+    model = import_model(path, "int8")
+  lines = [r.getMessage() for r in caplog.records if "not loaded quantized" in r.getMessage()]
+  assert len(lines) == 1 and "Q4_1" in lines[0] and "requantized to int8 per channel" in lines[0]
+  w = model.weights["layers"][0]["w_gate"]
+  assert isinstance(w, QuantizedWeight) and w.scales.shape[0] == 1
