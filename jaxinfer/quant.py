@@ -17,13 +17,17 @@ int8 weight it quantizes the activations per token (symmetric, max|x| / 127
 per row) and runs int8 x int8 with int32 accumulation, then multiplies the
 token scale and the channel (or group) scales after the contraction. Why not
 "dequantize inside the fusion": XLA CPU does not fuse a convert into a dot;
-it writes a float32 [in, out] copy of the weight on every call (a
-`wrapped_convert` fusion feeding the dot; tests/test_quant.py asserts it), so
-weight-only int8 reads 9 bytes per weight instead of 4. The int8 x int8 dot
-was measured (scripts/bench_quant_matmul.py) no slower than that at batch 1
-and several times faster at batch 64. The int32 accumulation is exact, so a
-token's output does not depend on the other tokens of the batch (each row has
-its own scale): greedy batch invariance holds as in float32.
+it writes a float32 [in, out] copy of the weight on every call (a convert
+fusion feeding the dot; tests/test_quant.py asserts it). Measured at
+SmolLM2-135M's shapes (scripts/bench_quant_matmul.py, a chain of 30 layers'
+weights): at 64 tokens int8 x int8 is the fastest form (~1.3-1.5x float32 on
+the MLP weights, where weight-only dequant is 0.8-1.1x); at 1 token every
+int8 form is ~8-13x slower than float32, because XLA CPU still widens the
+whole int8 weight (to s32 here) in a slow convert before its dot: no form
+of int8 pays for batch-1 decode under XLA CPU; that needs a kernel that
+reads int8 directly. The int32 accumulation is exact, so a token's output
+does not depend on the other tokens of the batch (each row has its own
+scale): greedy batch invariance holds as in float32.
 """
 
 from __future__ import annotations
@@ -192,6 +196,12 @@ def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array) -> jax.Array:
   acc = jax.lax.dot_general(xq.reshape(M, G, I // G), q.reshape(G, I // G, O),
                             (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)  # [G, M, O]
   return jnp.sum(acc.astype(jnp.float32) * scales[:, None, :], axis=0) * a
+
+
+def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
+  """q [I, O] int8, scales [G, O] -> the float32 weight [I, O] (materialized by XLA CPU)."""
+  G, (I, O) = scales.shape[0], q.shape
+  return (q.reshape(G, I // G, O).astype(jnp.float32) * scales[:, None, :]).reshape(I, O)
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -79,7 +79,7 @@ def run_jaxinfer_worker(spec: dict) -> dict:
   from jaxinfer import LLM, SamplingParams
   t0 = time.perf_counter()
   llm = LLM(None, dtype=spec["dtype"], max_num_seqs=max(len(spec["prompts"]), 1),
-            max_num_batched_tokens=spec["max_num_batched_tokens"])
+            max_num_batched_tokens=spec["max_num_batched_tokens"], quantization=spec.get("quantization"))
   startup = time.perf_counter() - t0
   sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
   llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=4))  # touch everything
@@ -90,7 +90,8 @@ def run_jaxinfer_worker(spec: dict) -> dict:
     first.setdefault(out.index, time.perf_counter() - t0)
     generated += len(out.new_token_ids)
   wall = time.perf_counter() - t0
-  return {"system": "jaxinfer", "dtype": spec["dtype"], "precision": spec["dtype"],
+  return {"system": "jaxinfer", "dtype": spec["dtype"], "quantization": spec.get("quantization"),
+          "precision": spec.get("quantization") or spec["dtype"],
           "num_prompts": len(spec["prompts"]), "generated_tokens": generated, "wall_s": wall,
           "tokens_per_s": generated / wall, "ttft_s": max(first.values()),
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -106,8 +107,10 @@ def _version() -> str:
 
 
 def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: int,
-                 timeout_s: float) -> dict:
-  spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget)
+                 timeout_s: float, quantization: str | None = None) -> dict:
+  """quantization='int8': int8 linear weights quantized at load (scripts/bench_quant_matmul.py --e2e)."""
+  spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget,
+              quantization=quantization)
   proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
                         text=True, timeout=timeout_s)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

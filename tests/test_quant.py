@@ -182,3 +182,15 @@ def test_int8_greedy_batch_invariance(int8_llms):
   together = llm.generate(prompts, GREEDY)
   for p, out in zip(prompts, together):
     assert out.token_ids == llm.generate([p], GREEDY)[0].token_ids
+
+
+def test_int8_sharded_over_a_mesh_matches_one_device(int8_llms):
+  # Shardings of the quantized tree come from the logical axes (values like the weight, scales
+  # like its outputs); a tensor-parallel int8 model computes the same int32 sums.
+  mesh = make_mesh(model=2)
+  sharded = LLM(tiny_dir("smollm2"), max_model_len=256, max_num_seqs=8, warmup=False, quantization="int8",
+                mesh=mesh)
+  w = sharded.runner.params["layers"][0]["w_gate"]
+  assert w.values.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  ids = golden("smollm2")["token_ids"].tolist()
+  np.testing.assert_allclose(sharded.logits(ids), int8_llms["smollm2"].logits(ids), atol=1e-5, rtol=0)

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""int8 matmul forms against float32 at SmolLM2-135M's decode shapes, then the model end to end.
+
+Why a chain of 30 layers' weights and not one matrix: a single 576 x 1536
+weight (3.5 MB in float32) stays in cache between timed calls, which hides
+exactly what int8 is for (bytes of weights read per token). Each row times
+one jitted program that runs x through L distinct weights, as the model's
+layers do (x = x + mean(tanh(x @ W_l)): each matmul waits on the one before,
+at the cost of a row reduction), and reports the time per matmul.
+
+Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
+  float32        x @ W
+  int8 dequant   (x @ float(Q)) * s        weight-only; XLA CPU materializes float(Q) per call
+  int8 x int8    (q(x) @ Q, int32) * a * s  per-token activation scales (what jaxinfer.quant.linear runs)
+  q8_0 groups    the same with one scale per 32 inputs (GGUF Q8_0 kept as loaded): one int32 dot
+                 per group (a batch dimension), scaled, summed
+  q8_0 dequant   x @ (Q * group scales)   weight-only, float32 weight materialized per call
+
+--e2e also times LLM.generate on the default model, float32 and int8, each in
+its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
+128 new tokens, EOS ignored.
+
+  python scripts/bench_quant_matmul.py              # matmuls only
+  python scripts/bench_quant_matmul.py --e2e        # and the end-to-end decode rows
+
+Writes benchmarks/results/quant-matmul-<date>.json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+D, F = 576, 1536  # SmolLM2-135M hidden and MLP widths
+SHAPES = {"gate/up D->F": (D, F), "down F->D": (F, D), "wq/wo D->D": (D, D)}
+
+
+def _time(fn, *args, repeats: int) -> float:
+  fn(*args).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn(*args).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def matmul_rows(layers: int, repeats: int) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxinfer.quant import dequantize_groups, int8_matmul, quantize_int8
+
+  rng = np.random.default_rng(0)
+  forms = {
+      "float32": lambda x, w: x @ w["f"],
+      "int8 dequant": lambda x, w: (x @ w["q"].astype(jnp.float32)) * w["s"][0],
+      "int8 x int8": lambda x, w: int8_matmul(x, w["q"], w["s"]),
+      "q8_0 groups": lambda x, w: int8_matmul(x, w["q"], w["g"]),
+      "q8_0 dequant": lambda x, w: x @ dequantize_groups(w["q"], w["g"]),
+  }
+  rows = []
+  for name, (I, O) in SHAPES.items():
+    weights = []
+    for _ in range(layers):
+      f = rng.standard_normal((I, O)).astype(np.float32) / np.sqrt(I)
+      q = quantize_int8(f, 1)
+      groups = np.repeat(q.scales, I // 32, axis=0)  # same numbers, the Q8_0 layout of scales
+      weights.append({"f": jnp.asarray(f), "q": jnp.asarray(q.values), "s": jnp.asarray(q.scales),
+                      "g": jnp.asarray(groups)})
+    for T in (1, 64):
+      x = jnp.asarray(rng.standard_normal((T, I)).astype(np.float32))
+      row = {"shape": name, "in": I, "out": O, "tokens": T, "layers": layers}
+      for form, mm in forms.items():
+        chain = jax.jit(lambda x, ws, mm=mm: _chain(mm, x, ws))
+        row[form + " us"] = _time(chain, x, weights, repeats=repeats) / layers * 1e6
+      rows.append(row)
+      print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            flush=True)
+  return rows
+
+
+def _chain(mm, x, ws):
+  import jax.numpy as jnp
+  for w in ws:
+    x = x + jnp.mean(jnp.tanh(mm(x, w)), axis=-1, keepdims=True)
+  return x
+
+
+def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
+  import bench_offline
+  prompts = bench_offline.prompts_token_ids(num_prompts)
+  rows = []
+  for n in (1, num_prompts):
+    for quantization in (None, "int8"):
+      r = bench_offline.run_jaxinfer("float32", prompts[:n], max_tokens, 512, timeout_s,
+                                     quantization=quantization)
+      rows.append(r)
+      print(f"{n} prompts {quantization or 'float32'}: {r['tokens_per_s']:.1f} tok/s "
+            f"(rss {r['peak_rss_mb']:.0f} MB)", flush=True)
+  return rows
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--layers", type=int, default=30, help="distinct weights per chain (SmolLM2: 30 layers)")
+  p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best is kept)")
+  p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs int8 on the default model")
+  p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--num-prompts", type=int, default=64)
+  p.add_argument("--timeout", type=float, default=1800)
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  from bench_peers import write_results
+
+  rows = matmul_rows(args.layers, args.repeats)
+  forms = [k for k in rows[0] if k.endswith(" us")]
+  print("\n| shape | T | " + " | ".join(forms) + " |")
+  print("|---|---|" + "---|" * len(forms))
+  for r in rows:
+    print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r[f]:.1f}" for f in forms) + " |")
+  e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout) if args.e2e else []
+  if e2e:
+    print("\n| prompts | weights | tok/s | peak RSS MB |\n|---|---|---|---|")
+    for r in e2e:
+      print(f"| {r['num_prompts']} | {r.get('quantization') or 'float32'} | {r['tokens_per_s']:.1f} | "
+            f"{r['peak_rss_mb']:.0f} |")
+  path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e,
+                                            notes="best of --repeats; time per matmul (a chain of "
+                                                  "--layers distinct weights); machine shared"),
+                       args.out)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
