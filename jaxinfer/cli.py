@@ -8,6 +8,7 @@
   jaxinfer serve --role prefill --port 50061                   # disaggregation: prefill worker (KVTransfer)
   jaxinfer serve --role decode --prefill-workers 127.0.0.1:50061  # decode worker: prompts' KV from there
   jaxinfer route --model M --workers HOST:PORT,HOST:PORT       # KV-aware router over `serve` workers of M
+  jaxinfer route --model M --prefill-workers P1,P2 --decode-workers D1,D2  # ... over prefill/decode workers
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -96,12 +97,18 @@ def _serve(args: argparse.Namespace) -> None:
 def _route(args: argparse.Namespace) -> None:
   import logging
 
-  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions
+  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions, expand_addresses
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  workers = tuple(a.strip() for a in args.workers.split(",") if a.strip())
-  options = RouterOptions(workers=workers, policy=args.policy, overlap_weight=args.overlap_weight,
+
+  def addresses(flag: str) -> tuple[str, ...]:
+    given = getattr(args, flag.replace("-", "_"))
+    return expand_addresses([a.strip() for a in (given or "").split(",") if a.strip()], f"--{flag}")
+
+  options = RouterOptions(workers=addresses("workers"), prefill_workers=addresses("prefill-workers"),
+                          decode_workers=addresses("decode-workers"), policy=args.policy,
+                          overlap_weight=args.overlap_weight,
                           request_weight=args.request_weight, temperature=args.temperature,
                           health_interval_s=args.health_interval, connect_timeout_s=args.connect_timeout)
   config = ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
@@ -198,7 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 
   rt = sub.add_parser("route", help="run a KV-aware router (jaxinfer.v1.Inference; --http-port: also OpenAI "
                                      "HTTP) in front of `jaxinfer serve` workers of one model")
-  rt.add_argument("--workers", required=True, help="comma-separated worker gRPC addresses, HOST:PORT,...")
+  rt.add_argument("--workers", default=None,
+                  help="comma-separated worker gRPC addresses, HOST:PORT,...; dns:HOST:PORT stands for every "
+                       "address HOST resolves to, resolved once at start (e.g. a Kubernetes headless Service)")
+  rt.add_argument("--prefill-workers", default=None,
+                  help="disaggregated, instead of --workers: `serve --role prefill` workers (HOST:PORT or "
+                       "dns:HOST:PORT, comma-separated), picked per request by cached prefix (--policy)")
+  rt.add_argument("--decode-workers", default=None,
+                  help="disaggregated: `serve --role decode` workers, picked by load; each one's "
+                       "--prefill-workers must include every --prefill-workers address here, spelled the same")
   rt.add_argument("--model", default=None,
                   help="the model the workers serve (HF dir, .gguf or checkpoint; default: the embedded one): "
                        "only its tokenizer and config are read, to tokenize and validate requests here")

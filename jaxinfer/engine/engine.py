@@ -114,6 +114,7 @@ class RequestOutput:
   top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
   prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+  num_remote_cached_tokens: int = 0  # remote KV: prompt tokens the remote worker had in its prefix cache
   index: int = 0  # LLM.stream: the prompt's position in the call's prompts
   error: str | None = None  # with finish_reason 'error'
 
@@ -258,16 +259,18 @@ class LLMEngine:
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams = SamplingParams(), *, prompt: str | None = None,
-                  hold_kv: bool = False) -> None:
+                  hold_kv: bool = False, kv_source: str | None = None) -> None:
     """Queues a request; raises InvalidRequestError (and queues nothing) on bad input.
 
     hold_kv: when it finishes, its pages stay allocated (for `export_kv`) until `release_kv`.
+    kv_source: for a KV connector that imports prompts' KV, the worker to import it from
+    (the connector checks it); None: the connector chooses.
     """
     if request_id in self._requests or request_id in self.scheduler.held:
       raise InvalidRequestError(f"request id {request_id!r} is already in use")
     ids = self.validate(prompt_token_ids, params)
     seed = params.seed if params.seed is not None else secrets.randbits(32)
-    req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv)
+    req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
     req.output = _Output(req, self.tokenizer, self.eos_ids)
     if params.structured is not None:
       req.output.grammar = self.grammars.matcher(params.structured)
@@ -336,14 +339,17 @@ class LLMEngine:
     self.runner.import_pages(pages[first_page:first_page + n], arrays)
 
   def finish_remote_kv(self, request_id: str, first_token: int | None = None, logprob: float = 0.0,
-                       top: dict[int, float] | None = None) -> None:
+                       top: dict[int, float] | None = None, remote_cached_tokens: int = 0) -> None:
     """The request's remote KV is imported: it runs from the next step on.
+    `remote_cached_tokens`: of its prompt, what the remote worker had in its prefix
+    cache (reported in the outputs, for a router's cache accounting).
 
     With `first_token` (the token the remote worker sampled after the prompt, its
     logprob and top logprobs) the token is committed here as if sampled here: stop
     checks, grammar and detokenization included; its output comes with the next
     `step()`. Without, the remote tokens must leave at least one to compute here."""
     req = self._waiting_for_kv(request_id)
+    req.num_remote_cached_tokens = remote_cached_tokens
     if first_token is None and req.num_computed + req.num_remote_tokens >= len(req.token_ids):
       raise KVTransferError(f"request {request_id!r}: every token's KV is remote, so the remote "
                             f"worker must send the first token")
@@ -538,7 +544,7 @@ class LLMEngine:
         new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
         top_logprobs=list(out.top) if out.top is not None else None,
         prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
-        num_cached_tokens=req.num_cached_tokens)
+        num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens)
     out.sent_tokens, out.sent_chars = len(ids), len(text)
     return o
 

@@ -61,7 +61,9 @@ class Request:
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
   finish_reason: str | None = None
   num_remote_tokens: int = 0  # prompt tokens whose KV another worker computed (disaggregation)
+  num_remote_cached_tokens: int = 0  # of the prompt, what that worker took from its own prefix cache
   hold_kv: bool = False  # producer side: pages outlive the request until released
+  kv_source: str | None = None  # consumer side: the worker its prompt KV must come from (a router's pick)
   output: Any = None  # the engine's per-request output state
 
   def __post_init__(self):

@@ -91,6 +91,8 @@ class ModelInfo:
   num_pages: int
   architecture: str
   eos_token_ids: tuple[int, ...]
+  role: str = "both"  # disaggregation: both, prefill, decode; a router says "router"
+  prefill_workers: tuple[str, ...] = ()  # a decode worker's: the prefill workers it may be told to use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Usage:
   cached_tokens: int  # prompt tokens served by the prefix cache
   time_to_first_token_s: float  # 0 when no token came
   latency_s: float  # arrival to the last token (or now)
+  prefill_cached_tokens: int = 0  # a decode worker's: what its prefill worker had cached
 
 
 class Generation(Protocol):
@@ -183,7 +186,9 @@ class Backend(Protocol):
   def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
 
   def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None) -> Generation: ...
+               prompt: str | None = None, prefill_worker: str | None = None) -> Generation:
+    """prefill_worker: the prefill worker a decode worker must take the prompt's KV
+    from (a router's pick); InvalidRequestError where that cannot be honoured."""
 
   # ---- tokenizer ----
   def require_tokenizer(self, what: str) -> None:
@@ -323,7 +328,7 @@ class EngineGeneration:
     return Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                  cached_tokens=out.num_cached_tokens,
                  time_to_first_token_s=(first - s.arrival) if first is not None else 0.0,
-                 latency_s=last - s.arrival)
+                 latency_s=last - s.arrival, prefill_cached_tokens=out.num_remote_cached_tokens)
 
 
 class PromptMixin:
@@ -407,6 +412,7 @@ class EngineBackend(PromptMixin):
     self.metrics = Metrics()
     self.engine_loop = EngineLoop(llm.engine, self.metrics, warmup=warmup, on_ready=on_ready)
     self.active: dict[str, EngineGeneration] = {}
+    self.kv_connector = None  # a decode worker's DecodeConnector (set_role)
     self.draining = False
     self.waiting_requests = 0
     self.waiting_tokens = 0
@@ -451,6 +457,13 @@ class EngineBackend(PromptMixin):
   async def stop(self) -> None:
     await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
 
+  def set_role(self, role: str, kv_connector=None) -> None:
+    """Says (in model_info, for a router's GetModelInfo) what disagg.attach made of this
+    worker: its role and, for a decode worker, the prefill workers it may be told to use."""
+    self.kv_connector = kv_connector
+    workers = tuple(kv_connector.workers) if kv_connector is not None else ()
+    self.model_info = dataclasses.replace(self.model_info, role=role, prefill_workers=workers)
+
   def watch_kv_events(self, watcher: KVWatcher) -> None:
     """Feeds `watcher` a snapshot of the prefix cache, then every numbered batch of
     KV events after it (see EngineLoop.watch_kv_events)."""
@@ -473,18 +486,24 @@ class EngineBackend(PromptMixin):
     return _Admission(self, num_tokens)
 
   def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None) -> EngineGeneration:
+               prompt: str | None = None, prefill_worker: str | None = None) -> EngineGeneration:
     """Admits a parsed request and posts it to the engine; raises Unavailable or
-    Overloaded at once (before anything is queued) when it cannot be taken."""
+    Overloaded at once (before anything is queued) when it cannot be taken, and
+    InvalidRequestError for a `prefill_worker` this worker cannot use."""
     if self.draining:
       raise Unavailable("the server is shutting down")
+    if prefill_worker is not None:
+      if self.kv_connector is None:
+        raise InvalidRequestError(f"x-jaxinfer-prefill-worker: {prefill_worker!r} names a prefill worker, "
+                                  f"but this worker's role is {self.model_info.role}, not decode")
+      self.kv_connector.check_source(prefill_worker)
     admission = self.admit(len(prompt_ids))
     rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
     key = f"{rid}#{next(self._keys)}"  # the engine's id: unique even when clients reuse theirs
     stream = _Stream(asyncio.get_running_loop(), self.stream_buffer, admission)
     gen = EngineGeneration(self, key, rid, stream, admission)
     self.active[key] = gen
-    self.engine_loop.add(key, prompt_ids, params, stream, prompt=prompt)
+    self.engine_loop.add(key, prompt_ids, params, stream, prompt=prompt, kv_source=prefill_worker)
     return gen
 
   def shut_down_all(self, message: str) -> int:

@@ -260,7 +260,8 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
   async def _send_pages(self, context, key: str, out: RequestOutput, num_tokens: int, skip: int,
                         num_pages: int) -> None:
     header = kv_pb.PrefillHeader(first_token=_token_logprob(out), layout=layout_to_proto(self.layout),
-                                 num_prompt_tokens=num_tokens, first_page=skip, num_pages=num_pages - skip)
+                                 num_prompt_tokens=num_tokens, first_page=skip, num_pages=num_pages - skip,
+                                 cached_tokens=out.num_cached_tokens)
     await context.write(kv_pb.PrefillServerMessage(header=header))
     sent = 0
     for lo in range(skip, num_pages, self.pages_per_chunk):
@@ -294,9 +295,11 @@ class TransferRecord:
 class DecodeConnector(KVConnector):
   """Every fresh request's prompt KV (past local prefix-cache hits) comes from a prefill worker.
 
-  `pick(prompt_ids, in_flight_per_worker) -> address` chooses the worker (a
-  router may pick by cached overlap); default: fewest transfers in flight,
-  ties in turn. Hooks run on the engine thread; the transfer runs on `loop`.
+  `pick(prompt_ids, in_flight_per_worker) -> address` chooses the worker;
+  default: fewest transfers in flight, ties in turn. A request that names its
+  worker (`kv_source`: a router picked it by cached overlap and said so in the
+  x-jaxinfer-prefill-worker metadata) goes there, if it is one of ours.
+  Hooks run on the engine thread; the transfer runs on `loop`.
   """
 
   def __init__(self, prefill_workers: Sequence[str], *, timeout_s: float, pick: PickWorker | None = None):
@@ -330,7 +333,7 @@ class DecodeConnector(KVConnector):
     skip = req.num_computed // self.layout.page_size
     params = dataclasses.replace(req.params, seed=req.seed)
     self._transfers[req.request_id] = asyncio.run_coroutine_threadsafe(
-        self._transfer(req.request_id, list(req.prompt_token_ids), params, skip), self._loop)
+        self._transfer(req.request_id, list(req.prompt_token_ids), params, skip, req.kv_source), self._loop)
 
   def request_finished(self, req) -> bool:
     transfer = self._transfers.pop(req.request_id, None)
@@ -338,13 +341,24 @@ class DecodeConnector(KVConnector):
       transfer.cancel()  # thread-safe: cancels the task on the loop, which cancels the call
     return False
 
-  def _imported(self, engine, rid: str, first: pb.TokenLogprob) -> None:
+  def _imported(self, engine, rid: str, header: kv_pb.PrefillHeader) -> None:
     self._transfers.pop(rid, None)  # done: a later abort must not cancel the Ack
-    engine.finish_remote_kv(rid, first.token_id, first.logprob, {t.token_id: t.logprob for t in first.top})
+    first = header.first_token
+    engine.finish_remote_kv(rid, first.token_id, first.logprob, {t.token_id: t.logprob for t in first.top},
+                            remote_cached_tokens=header.cached_tokens)
 
   # ---- loop thread --------------------------------------------------------------------
 
-  def _choose(self, prompt_ids: Sequence[int]) -> str:
+  def check_source(self, addr: str) -> None:
+    """InvalidRequestError unless `addr` is one of this decode worker's prefill workers."""
+    if addr not in self.in_flight:
+      raise InvalidRequestError(f"x-jaxinfer-prefill-worker: {addr!r} is not one of this decode worker's "
+                                f"--prefill-workers {list(self.workers)}")
+
+  def _choose(self, prompt_ids: Sequence[int], hint: str | None = None) -> str:
+    if hint is not None:
+      self.check_source(hint)  # checked at Generate already; a direct engine caller lands here
+      return hint
     if self.pick is not None:
       addr = self.pick(prompt_ids, dict(self.in_flight))
       if addr not in self.in_flight:
@@ -365,12 +379,12 @@ class DecodeConnector(KVConnector):
   async def _call(self, fn):
     return await asyncio.wrap_future(self._engine_loop.call(fn))
 
-  async def _transfer(self, rid: str, ids: list[int], params, skip: int) -> None:
+  async def _transfer(self, rid: str, ids: list[int], params, skip: int, hint: str | None = None) -> None:
     addr = None
     call = None
     imported = False
     try:
-      addr = self._choose(ids)
+      addr = self._choose(ids, hint)
       self.in_flight[addr] += 1
       async with asyncio.timeout(self.timeout_s):
         call = self._stub(addr).Prefill()
@@ -380,7 +394,7 @@ class DecodeConnector(KVConnector):
         header = (await self._read(call, "header", addr)).header
         t1 = time.perf_counter()
         record = await self._receive(call, rid, ids, skip, header, addr)
-        await self._call(lambda e: self._imported(e, rid, header.first_token))
+        await self._call(lambda e: self._imported(e, rid, header))
         imported = True
       self._record(dataclasses.replace(record, prefill_s=t1 - t0, transfer_s=time.perf_counter() - t1))
       # The prefill worker frees the pages on the Ack; its status is only worth a log line.

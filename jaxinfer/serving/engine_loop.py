@@ -98,10 +98,11 @@ class EngineLoop:
     return self
 
   def add(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
-          prompt: str | None = None, hold_kv: bool = False) -> None:
+          prompt: str | None = None, hold_kv: bool = False, kv_source: str | None = None) -> None:
     """hold_kv: its KV pages outlive it (a transfer reads them) until
-    `call(lambda e: e.release_kv(request_id))` frees them."""
-    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink, hold_kv))
+    `call(lambda e: e.release_kv(request_id))` frees them. kv_source: the prefill
+    worker a decode worker's connector must take its prompt KV from."""
+    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink, hold_kv, kv_source))
 
   def abort(self, request_id: str) -> None:
     self._commands.put(("abort", request_id))
@@ -166,9 +167,9 @@ class EngineLoop:
   def _act(self, cmd: tuple) -> None:
     kind = cmd[0]
     if kind == "add":
-      _, rid, ids, params, prompt, sink, hold_kv = cmd
+      _, rid, ids, params, prompt, sink, hold_kv, kv_source = cmd
       try:
-        self.engine.add_request(rid, ids, params, prompt=prompt, hold_kv=hold_kv)
+        self.engine.add_request(rid, ids, params, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
       except Exception as e:  # the sink reports it; nothing was queued
         if not isinstance(e, InvalidRequestError):
           log.exception("adding request %s failed", rid)

@@ -26,6 +26,22 @@ fails a check, or whose call fails with UNAVAILABLE, gets no new requests
 until a check says SERVING again. A request whose worker fails before its
 first token is retried on another; after it, the client gets UNAVAILABLE.
 
+Disaggregated mode (`--prefill-workers P1,P2 --decode-workers D1,D2`, instead
+of `--workers`): the index follows the prefill workers' KV events, so step 2
+picks the prefill worker by cached overlap (KVRouter over the prefill
+workers) and the decode worker by load (fewest requests, then prompt blocks,
+in flight through this router); the Generate goes to the decode worker with
+the prefill worker's address in its `x-jaxinfer-prefill-worker` metadata
+(server.PREFILL_WORKER_METADATA), and the decode worker takes the prompt's KV
+from there. At start every decode worker must say (GetModelInfo: role,
+prefill_workers) that it is a decode worker whose --prefill-workers include
+every one of the router's, else start fails naming both. A prefill worker's
+load is charged until the request's first token (its part is done then).
+
+Addresses may be `dns:HOST:PORT`: expanded once, at start, to every address
+HOST resolves to (`expand_addresses`; a Kubernetes headless Service names its
+pods this way). Pods that come or go later are not seen.
+
 Everything runs on the serving asyncio loop (grpc.aio channels); no threads.
 """
 
@@ -35,6 +51,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -60,6 +77,7 @@ from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
+from jaxinfer.serving.server import PREFILL_WORKER_METADATA
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -121,18 +139,21 @@ class RouterMetrics:
     self.rejected_requests = Counter("jaxinfer_rejected_requests",
                                      "Requests refused before reaching a worker, by status "
                                      "(gRPC's names, whichever transport refused).", ["code"], registry=r)
-    self.routed_requests = Counter("jaxinfer_router_routed_requests", "Requests sent to each worker.",
-                                   ["worker"], registry=r)
+    self.routed_requests = Counter(
+        "jaxinfer_router_routed_requests", "Requests sent to each worker, by the worker's part in them: "
+        "both (aggregated), or prefill and decode (a disaggregated request counts on one of each).",
+        ["worker", "role"], registry=r)
     self.retried_requests = Counter("jaxinfer_router_retried_requests",
                                     "Requests sent again elsewhere after this worker failed before "
                                     "their first token.", ["worker"], registry=r)
     self.predicted_cached_tokens = Counter(
         "jaxinfer_router_predicted_cached_tokens",
-        "Prompt tokens the router's index expected the chosen worker to have cached.", ["worker"], registry=r)
+        "Prompt tokens the router's index expected the chosen worker (disaggregated: the prefill "
+        "worker) to have cached.", ["worker"], registry=r)
     self.actual_cached_tokens = Counter(
         "jaxinfer_router_actual_cached_tokens",
-        "Prompt tokens the worker reported served by its prefix cache (usage.cached_tokens).",
-        ["worker"], registry=r)
+        "Prompt tokens the worker reported served by its prefix cache (usage.cached_tokens; "
+        "disaggregated: the prefill worker's, as the decode worker relays it).", ["worker"], registry=r)
     self.decision_time = Histogram(
         "jaxinfer_router_decision_seconds", "Hashing the prompt and choosing a worker.",
         buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2), registry=r)
@@ -149,9 +170,38 @@ class RouterMetrics:
     return generate_latest(self.registry)
 
 
+def expand_addresses(addresses: Sequence[str], what: str = "workers") -> tuple[str, ...]:
+  """HOST:PORT entries as given; each `dns:HOST:PORT` replaced by IP:PORT for every
+  address HOST resolves to now (socket.getaddrinfo), in its order, without repeats.
+  Resolved once: a router started from a headless Service sees the pods of that moment."""
+  out: list[str] = []
+  for a in addresses:
+    if not a.startswith("dns:"):
+      out.append(a)
+      continue
+    host, sep, port = a[len("dns:"):].rpartition(":")
+    if not sep or not host or not port.isdigit():
+      raise InvalidRequestError(f"{what}: {a!r} is not dns:HOST:PORT")
+    try:
+      infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+      raise InvalidRequestError(f"{what}: {a!r}: {host} does not resolve ({e})") from None
+    for family, _, _, _, sockaddr in infos:
+      ip = sockaddr[0]
+      address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+      if address not in out:
+        out.append(address)
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterOptions:
-  workers: tuple[str, ...]
+  """Aggregated: `workers`. Disaggregated: `prefill_workers` and `decode_workers`
+  (requests go to a decode worker, naming the prefill worker it takes the KV from)."""
+
+  workers: tuple[str, ...] = ()
+  prefill_workers: tuple[str, ...] = ()
+  decode_workers: tuple[str, ...] = ()
   policy: str = "kv"
   overlap_weight: float = 1.0
   request_weight: float = 0.0
@@ -160,15 +210,47 @@ class RouterOptions:
   connect_timeout_s: float = 120.0  # start: how long each worker may take to turn SERVING
 
   def __post_init__(self):
-    if not self.workers:
-      raise InvalidRequestError("workers: give at least one worker address")
-    if len(set(self.workers)) != len(self.workers):
-      raise InvalidRequestError(f"workers: an address is given twice in {list(self.workers)}")
+    if self.disaggregated:
+      if self.workers:
+        raise InvalidRequestError(
+            "workers: give --workers (aggregated: each worker serves whole requests) or --prefill-workers "
+            f"with --decode-workers (disaggregated), not both (workers={list(self.workers)})")
+      for name in ("prefill_workers", "decode_workers"):
+        if not getattr(self, name):
+          raise InvalidRequestError(f"{name}: a disaggregated router needs at least one prefill and one "
+                                    f"decode worker (prefill_workers={list(self.prefill_workers)}, "
+                                    f"decode_workers={list(self.decode_workers)})")
+    elif not self.workers:
+      raise InvalidRequestError("workers: give at least one worker address (or --prefill-workers and "
+                                "--decode-workers)")
+    every = self.all_workers
+    for a in every:
+      if every.count(a) > 1:
+        raise InvalidRequestError(f"workers: {a} is given twice (workers={list(self.workers)}, prefill_workers="
+                                  f"{list(self.prefill_workers)}, decode_workers={list(self.decode_workers)})")
     if self.policy not in POLICIES:
       raise InvalidRequestError(f"policy must be one of {POLICIES}, got {self.policy!r}")
     for name in ("health_interval_s", "connect_timeout_s"):
       if not getattr(self, name) > 0:
         raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+  @property
+  def disaggregated(self) -> bool:
+    return bool(self.prefill_workers or self.decode_workers)
+
+  @property
+  def all_workers(self) -> tuple[str, ...]:
+    return (*self.workers, *self.prefill_workers, *self.decode_workers)
+
+  @property
+  def kv_workers(self) -> tuple[str, ...]:
+    """Whose KV events feed the index (and who is picked by cached overlap)."""
+    return self.prefill_workers if self.disaggregated else self.workers
+
+  @property
+  def generate_workers(self) -> tuple[str, ...]:
+    """Who gets the Generate calls."""
+    return self.decode_workers if self.disaggregated else self.workers
 
 
 class _Worker:
@@ -179,6 +261,17 @@ class _Worker:
     self.health = health_pb2_grpc.HealthStub(self.channel)
     self.kv = kv_pb_grpc.KVEventsStub(self.channel)
     self.info: pb.ModelInfo | None = None
+
+
+@dataclasses.dataclass
+class _Route:
+  """Where one attempt of a request went, and what it is charged."""
+
+  worker: str  # the Generate call's worker (disaggregated: the decode worker)
+  prefill: str | None  # disaggregated: the prefill worker named in the call's metadata
+  blocks: float  # prompt blocks charged to each
+  predicted: int  # cached tokens the index predicted (on the prefill worker when disaggregated)
+  prefill_charged: bool = True  # until the first token: the prefill worker's part is done then
 
 
 class RouterGeneration:
@@ -198,23 +291,22 @@ class RouterGeneration:
     self._closed = False
     self._shutdown: Unavailable | None = None
     self._call = None
-    self._worker: str | None = None
-    self._blocks = 0.0
-    self._predicted = 0
+    self._route: _Route | None = None
     self._attempts = 0
 
   # ---- the worker call -------------------------------------------------------------
 
   def _dispatch(self) -> None:
-    """Starts the call on the best live worker (Unavailable if none is)."""
-    self._worker, self._blocks, self._predicted = self._b.choose(self._request.token_ids.ids)
+    """Starts the call on the best live worker(s) (Unavailable if none is)."""
+    route = self._route = self._b.choose(self._request.token_ids.ids)
     self._attempts += 1
-    self._call = self._b.workers[self._worker].stub.Generate(self._request)
+    metadata = ((PREFILL_WORKER_METADATA, route.prefill),) if route.prefill is not None else None
+    self._call = self._b.workers[route.worker].stub.Generate(self._request, metadata=metadata)
 
   def _release(self) -> None:
-    if self._worker is not None:
-      self._b.release(self._worker, self._blocks)
-      self._worker = None
+    if self._route is not None:
+      self._b.release(self._route)
+      self._route = None
     if self._call is not None:
       self._call.cancel()  # a no-op once it ended; otherwise frees the worker's pages
 
@@ -225,7 +317,7 @@ class RouterGeneration:
     while True:
       if self.finished or self._closed:
         raise StopAsyncIteration
-      worker = self._worker
+      route = self._route
       try:
         r = await self._call.read()
       except asyncio.CancelledError:
@@ -237,17 +329,22 @@ class RouterGeneration:
         if self._shutdown is not None:
           self.close()
           raise self._shutdown from None
-        self._retry_or_raise(worker, e)
+        self._retry_or_raise(route, e)
         continue
       if r is grpc.aio.EOF:
         self.close()
-        raise RequestFailed(f"request {self.request_id}: worker {worker} ended the stream without "
+        raise RequestFailed(f"request {self.request_id}: worker {route.worker} ended the stream without "
                             "a finish reason")
-      return self._apply(worker, r)
+      return self._apply(route, r)
 
-  def _retry_or_raise(self, worker: str, e: grpc.aio.AioRpcError) -> None:
+  def _retry_or_raise(self, route: _Route, e: grpc.aio.AioRpcError) -> None:
     code, details = e.code(), e.details()
     gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    worker = route.worker
+    # A decode worker whose prefill worker is gone answers UNAVAILABLE naming it (disagg.
+    # PrefillUnavailable): the prefill worker is the one to route around, the decode worker is fine.
+    if gone and route.prefill is not None and f"prefill worker {route.prefill} " in details:
+      worker = route.prefill
     if gone:
       self._b.mark_down(worker, f"{code.name}: {details}")
     self._release()
@@ -271,13 +368,14 @@ class RouterGeneration:
       raise Overloaded(f"worker {worker}: {details}")
     raise RequestFailed(f"request {self.request_id} failed on worker {worker}: {code.name}: {details}")
 
-  def _apply(self, worker: str, r: pb.GenerateResponse) -> RequestOutput:
+  def _apply(self, route: _Route, r: pb.GenerateResponse) -> RequestOutput:
     o, now = self._out, time.monotonic()
     new_ids = list(r.token_ids)
     if new_ids:
       if self.first_token_at is None:
         self.first_token_at = now
         self._b.metrics.time_to_first_token.observe(now - self.arrival)
+        self._b.release_prefill(route)  # its part (prompt, first token, KV sent) is done
       self.last_token_at = now
     o.token_ids = o.token_ids + new_ids
     o.text += r.text
@@ -288,7 +386,10 @@ class RouterGeneration:
     if r.finish_reason:
       o.finish_reason = FINISH_REASON_NAMES.get(r.finish_reason, "stop")
       o.num_cached_tokens = r.usage.cached_tokens
-      self._b.metrics.actual_cached_tokens.labels(worker).inc(r.usage.cached_tokens)
+      if route.prefill is None:
+        self._b.metrics.actual_cached_tokens.labels(route.worker).inc(r.usage.cached_tokens)
+      else:  # the prediction was about the prefill worker's cache: compare with what it had
+        self._b.metrics.actual_cached_tokens.labels(route.prefill).inc(r.usage.prefill_cached_tokens)
       self.finished = True
       self.close()
     return dataclasses.replace(o)
@@ -329,7 +430,8 @@ class RouterBackend(PromptMixin):
     self.options = options
     self.metrics = RouterMetrics()
     self.workers: dict[str, _Worker] = {}  # channels are made in start(), on the serving loop
-    self.router: KVRouter | None = None  # built once the workers said their page size
+    self.router: KVRouter | None = None  # the kv_workers' index and load; built once they said their page size
+    self.decode_router: KVRouter | None = None  # disaggregated: the decode workers' liveness and load
     self.active: dict[int, RouterGeneration] = {}
     self.draining = False
     self._round_robin = itertools.count()
@@ -340,12 +442,12 @@ class RouterBackend(PromptMixin):
     self.model_info = ModelInfo(
         model=frontend.source, max_model_len=frontend.max_model_len, vocab_size=cfg.vocab_size, dtype="",
         devices=(), max_num_seqs=0, page_size=0, num_pages=0, architecture=cfg.architecture,
-        eos_token_ids=frontend.eos_ids)
+        eos_token_ids=frontend.eos_ids, role="router")
 
   # ---- lifecycle ---------------------------------------------------------------------
 
   def start(self) -> None:
-    self.workers = {a: _Worker(a) for a in self.options.workers}
+    self.workers = {a: _Worker(a) for a in self.options.all_workers}
     self._started = asyncio.ensure_future(self._connect())
 
   async def wait_ready(self) -> None:
@@ -380,12 +482,16 @@ class RouterBackend(PromptMixin):
   async def _connect(self) -> None:
     """Every worker SERVING and serving the same model as --model; then the KV
     event subscriptions and the health checks start."""
-    infos = await asyncio.gather(*(self._wait_serving(w) for w in self.workers.values()))
-    first = self.options.workers[0]
+    o = self.options
+    addresses = o.all_workers
+    infos = await asyncio.gather(*(self._wait_serving(self.workers[a]) for a in addresses))
+    first = addresses[0]
     f = self.frontend
     ours = {"architecture": f.config.architecture, "vocab_size": f.config.vocab_size,
             "eos_token_ids": tuple(f.eos_ids)}
-    for address, info in zip(self.options.workers, infos):
+    by_address = dict(zip(addresses, infos))
+    self._check_roles(by_address)
+    for address, info in zip(addresses, infos):
       theirs = {"architecture": info.architecture, "vocab_size": info.vocab_size,
                 "eos_token_ids": tuple(info.eos_token_ids)}
       for field, value in ours.items():
@@ -399,21 +505,52 @@ class RouterBackend(PromptMixin):
                               "(start every worker with the same flags)")
     i0 = infos[0]
     f.max_model_len = i0.max_model_len
+    serving = [by_address[a] for a in o.generate_workers]  # decode workers hold the running requests
     self.model_info = dataclasses.replace(
         self.model_info, max_model_len=i0.max_model_len, dtype=i0.dtype,
-        devices=tuple(f"{a}/{d}" for a, info in zip(self.options.workers, infos) for d in info.devices),
-        max_num_seqs=sum(i.max_num_seqs for i in infos), page_size=i0.page_size,
-        num_pages=sum(i.num_pages for i in infos))
-    o = self.options
-    self.router = KVRouter(RouterConfig(block_size=i0.page_size, overlap_weight=o.overlap_weight,
-                                        request_weight=o.request_weight, temperature=o.temperature),
-                           seed=self._seed)
-    for address in self.options.workers:
+        devices=tuple(f"{a}/{d}" for a, info in zip(addresses, infos) for d in info.devices),
+        max_num_seqs=sum(i.max_num_seqs for i in serving), page_size=i0.page_size,
+        num_pages=sum(i.num_pages for i in serving))
+    config = RouterConfig(block_size=i0.page_size, overlap_weight=o.overlap_weight,
+                          request_weight=o.request_weight, temperature=o.temperature)
+    self.router = KVRouter(config, seed=self._seed)
+    for address in o.kv_workers:
       self.router.add_worker(address)
+    if o.disaggregated:
+      self.decode_router = KVRouter(config, seed=self._seed)
+      for address in o.decode_workers:
+        self.decode_router.add_worker(address)
+    for address in addresses:
       self.metrics.worker_up.labels(address).set(1)
-    self._tasks = [asyncio.ensure_future(self._watch(w)) for w in self.workers.values()]
+    self._tasks = [asyncio.ensure_future(self._watch(self.workers[a])) for a in o.kv_workers]
     self._tasks.append(asyncio.ensure_future(self._check_health()))
-    log.info("routing to %d workers (%s policy, block size %d)", len(self.workers), o.policy, i0.page_size)
+    if o.disaggregated:
+      log.info("routing to %d decode workers by load, %d prefill workers by %s (block size %d)",
+               len(o.decode_workers), len(o.prefill_workers), o.policy, i0.page_size)
+    else:
+      log.info("routing to %d workers (%s policy, block size %d)", len(self.workers), o.policy, i0.page_size)
+
+  def _check_roles(self, infos: dict[str, pb.ModelInfo]) -> None:
+    """Disaggregated: the prefill workers serve KVTransfer, and every decode worker
+    accepts every prefill worker the router may name (its Generate refuses others)."""
+    o = self.options
+    if not o.disaggregated:
+      return
+    for address in o.prefill_workers:
+      if infos[address].role != "prefill":
+        raise JaxinferError(f"prefill worker {address} is not a prefill worker: its role is "
+                            f"{infos[address].role or 'unknown'!r} (start it with jaxinfer serve --role prefill)")
+    for address in o.decode_workers:
+      info = infos[address]
+      if info.role != "decode":
+        raise JaxinferError(f"decode worker {address} is not a decode worker: its role is "
+                            f"{info.role or 'unknown'!r} (start it with jaxinfer serve --role decode)")
+      missing = [p for p in o.prefill_workers if p not in info.prefill_workers]
+      if missing:
+        raise JaxinferError(
+            f"decode worker {address} does not take KV from the router's prefill worker(s) {missing}: its "
+            f"--prefill-workers are {list(info.prefill_workers)} (give every decode worker the router's "
+            "--prefill-workers, spelled the same)")
 
   async def _wait_serving(self, w: _Worker) -> pb.ModelInfo:
     loop = asyncio.get_running_loop()
@@ -440,16 +577,23 @@ class RouterBackend(PromptMixin):
 
   # ---- worker state ------------------------------------------------------------------
 
+  def _router_of(self, address: str) -> KVRouter | None:
+    if self.decode_router is not None and address in self.options.decode_workers:
+      return self.decode_router
+    return self.router
+
   def mark_down(self, address: str, why: str) -> None:
-    if self.router is not None and address in self.router.workers:
+    r = self._router_of(address)
+    if r is not None and address in r.workers:
       log.warning("worker %s is down (%s): routing around it", address, why)
-      self.router.set_alive(address, False)
+      r.set_alive(address, False)
       self.metrics.worker_up.labels(address).set(0)
 
   def _mark_up(self, address: str) -> None:
-    if address not in self.router.workers:
+    r = self._router_of(address)
+    if address not in r.workers:
       log.info("worker %s is SERVING again", address)
-      self.router.set_alive(address, True)
+      r.set_alive(address, True)
       self.metrics.worker_up.labels(address).set(1)
 
   async def _check_health(self) -> None:
@@ -507,41 +651,74 @@ class RouterBackend(PromptMixin):
   def reject(self, e: BaseException) -> None:
     self.metrics.rejected_requests.labels(rejection_code(e)).inc()
 
-  def choose(self, ids: Sequence[int]) -> tuple[str, float, int]:
-    """(worker, prompt blocks charged to it, predicted cached tokens); counts the decision."""
+  def choose(self, ids: Sequence[int]) -> _Route:
+    """Where a request goes, charged to its worker(s); counts the decision."""
     t = time.perf_counter()
+    o = self.options
     ps = self.model_info.page_size
     num_blocks = -(-len(ids) // ps)
     r = self.router
-    if self.options.policy == "round_robin":
+    # Disaggregated, the decode worker is picked first: with none up there is nothing to charge.
+    decode = self._pick_decode() if o.disaggregated else None
+    role, what = ("prefill", "prefill workers") if o.disaggregated else ("both", "workers")
+    none_up = f"no worker is up ({what}: {', '.join(o.kv_workers)})"
+    if o.policy == "round_robin":
       live = r.workers
       if not live:
-        raise Unavailable(f"no worker is up (workers: {', '.join(self.options.workers)})")
+        raise Unavailable(none_up)
       worker = live[next(self._round_robin) % len(live)]
       overlap = int(r.index.overlap(hash_blocks(ids, ps))[r.index.slot(worker)])
     else:
       try:
         choice = r.select(hash_blocks(ids, ps), num_blocks)
       except LookupError:
-        raise Unavailable(f"no worker is up (workers: {', '.join(self.options.workers)})") from None
+        raise Unavailable(none_up) from None
       worker, overlap = choice.worker, choice.overlap_blocks
     # A worker always computes the last prompt token (LLMEngine needs its logits),
     # so it can reuse at most the full blocks before it.
     predicted = min(overlap, (len(ids) - 1) // ps) * ps
     r.started(worker, num_blocks)
     m = self.metrics
-    m.decision_time.observe(time.perf_counter() - t)
-    m.routed_requests.labels(worker).inc()
+    m.routed_requests.labels(worker, role).inc()
     m.predicted_cached_tokens.labels(worker).inc(predicted)
-    return worker, float(num_blocks), predicted
+    if decode is not None:
+      self.decode_router.started(decode, num_blocks)
+      m.routed_requests.labels(decode, "decode").inc()
+      route = _Route(decode, worker, float(num_blocks), predicted)
+    else:
+      route = _Route(worker, None, float(num_blocks), predicted)
+    m.decision_time.observe(time.perf_counter() - t)
+    return route
 
-  def release(self, worker: str, blocks: float) -> None:
-    self.router.finished(worker, blocks)
+  def _pick_decode(self) -> str:
+    """The live decode worker with the fewest requests, then prompt blocks, in flight
+    through this router; ties in turn. Its KV comes from elsewhere, so overlap says nothing."""
+    d = self.decode_router
+    live = d.workers
+    if not live:
+      raise Unavailable(f"no worker is up (decode workers: {', '.join(self.options.decode_workers)})")
+    turn = next(self._round_robin)
+    order = [live[(turn + i) % len(live)] for i in range(len(live))]
+    slot = d.index.slot
+    return min(order, key=lambda w: (d.active_requests[slot(w)], d.active_blocks[slot(w)]))
+
+  def release_prefill(self, route: _Route) -> None:
+    """The prefill worker's part of a request is over (first token, or the request ended)."""
+    if route.prefill is not None and route.prefill_charged:
+      self.router.finished(route.prefill, route.blocks)
+      route.prefill_charged = False
+
+  def release(self, route: _Route) -> None:
+    self.release_prefill(route)
+    (self.decode_router if self.options.disaggregated else self.router).finished(route.worker, route.blocks)
 
   def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None) -> RouterGeneration:
+               prompt: str | None = None, prefill_worker: str | None = None) -> RouterGeneration:
     if self.draining:
       raise Unavailable("the server is shutting down")
+    if prefill_worker is not None:
+      raise InvalidRequestError(f"{PREFILL_WORKER_METADATA}: the router picks the prefill worker itself; "
+                                f"send {prefill_worker!r} to a decode worker, not to the router")
     if not self.ready:
       raise Unavailable(f"the router is not ready ({self.state})")
     if params.prompt_logprobs is not None:
@@ -559,10 +736,17 @@ class RouterBackend(PromptMixin):
     return len(left)
 
   def worker_loads(self) -> dict[str, tuple[float, float]]:
-    """worker -> (active requests, active prompt blocks), as the router counts them."""
-    r = self.router
-    return {w: (float(r.active_requests[r.index.slot(w)]), float(r.active_blocks[r.index.slot(w)]))
-            for w in self.workers} if r is not None else {}
+    """worker -> (active requests, active prompt blocks), as the router counts them
+    (a prefill worker's until its requests' first tokens)."""
+    if self.router is None:
+      return {}
+    loads = {}
+    for w in self.workers:
+      r = self._router_of(w)
+      s = r.index.slot(w)
+      loads[w] = (float(r.active_requests[s]), float(r.active_blocks[s]))
+    return loads
 
 
-__all__ = ["ModelFrontend", "POLICIES", "RouterBackend", "RouterGeneration", "RouterMetrics", "RouterOptions"]
+__all__ = ["ModelFrontend", "POLICIES", "RouterBackend", "RouterGeneration", "RouterMetrics", "RouterOptions",
+           "expand_addresses"]

@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxinfer.v1.Inference"
 KV_EVENTS_SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVEvents"].full_name  # "jaxinfer.v1.KVEvents"
+# Generate metadata a router sets on a decode worker's call: the prefill worker it chose
+# (by cached overlap) for the prompt's KV. Must be one of the decode worker's --prefill-workers.
+PREFILL_WORKER_METADATA = "x-jaxinfer-prefill-worker"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +144,7 @@ def _prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
 def _usage_to_proto(u: Usage) -> pb.Usage:
   return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                   cached_tokens=u.cached_tokens, time_to_first_token_s=u.time_to_first_token_s,
-                  latency_s=u.latency_s)
+                  latency_s=u.latency_s, prefill_cached_tokens=u.prefill_cached_tokens)
 
 
 class _Servicer(pb_grpc.InferenceServicer):
@@ -161,7 +164,8 @@ class _Servicer(pb_grpc.InferenceServicer):
       if b.draining:  # before parsing: a draining server owes no validation
         raise Unavailable("the server is shutting down")
       prompt, ids, params = b.parse(_prompt_from_proto(request), sampling_from_proto(request.sampling))
-      gen = b.generate(ids, params, request_id=rid, prompt=prompt)
+      hint = dict(context.invocation_metadata() or ()).get(PREFILL_WORKER_METADATA)
+      gen = b.generate(ids, params, request_id=rid, prompt=prompt, prefill_worker=hint)
     except JaxinferError as e:
       await self._refuse(context, e)
     async with gen:  # leaving early (cancel, deadline, disconnect) aborts it in the engine
@@ -205,7 +209,8 @@ class _Servicer(pb_grpc.InferenceServicer):
     return pb.ModelInfo(model=i.model, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
                         dtype=i.dtype, devices=list(i.devices), max_num_seqs=i.max_num_seqs,
                         page_size=i.page_size, num_pages=i.num_pages, architecture=i.architecture,
-                        eos_token_ids=list(i.eos_token_ids))
+                        eos_token_ids=list(i.eos_token_ids), role=i.role,
+                        prefill_workers=list(i.prefill_workers))
 
 
 _KV_KINDS = {"stored": kv_pb.KVEvent.STORED, "removed": kv_pb.KVEvent.REMOVED}
@@ -419,6 +424,8 @@ class InferenceServer:
       self.kv_connector = disagg.attach(self.config.role, self.backend, server,
                                         prefill_workers=self.config.prefill_workers,
                                         timeout_s=self.config.kv_transfer_timeout_s)
+    if isinstance(self.backend, EngineBackend):
+      self.backend.set_role(self.config.role, self.kv_connector)
     services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
     if isinstance(self.backend, EngineBackend):
       kv_pb_grpc.add_KVEventsServicer_to_server(

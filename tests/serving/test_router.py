@@ -308,7 +308,7 @@ def test_a_request_whose_worker_fails_before_its_first_token_is_retried_elsewher
         time.sleep(0.4)
     text = p.metrics_text()
     retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{fake.address}"}}')
-    routed_fake = total(text, f'jaxinfer_router_routed_requests_total{{worker="{fake.address}"}}')
+    routed_fake = total(text, f'jaxinfer_router_routed_requests_total{{role="both",worker="{fake.address}"}}')
     assert retried == routed_fake >= 1  # every request the fake got was served by the other worker
   finally:
     p.stop()
@@ -322,7 +322,7 @@ def test_killing_a_worker_mid_stream(rc, router, workers):
   streams = [rc.stream([30 + i] * 6, max_tokens=400, temperature=0, ignore_eos=True) for i in range(n)]
   firsts = [next(s) for s in streams]  # all running: the router split them by load
   assert all(f.token_ids for f in firsts)
-  routed = re.findall(r'^jaxinfer_router_routed_requests_total\{worker="([^"]+)"\} (\S+)$',
+  routed = re.findall(r'^jaxinfer_router_routed_requests_total\{role="both",worker="([^"]+)"\} (\S+)$',
                       router.metrics_text(), re.M)
   assert len(routed) == 2
   outcome: list = [None] * n

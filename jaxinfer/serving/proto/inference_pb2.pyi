@@ -123,18 +123,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "time_to_first_token_s", "latency_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "time_to_first_token_s", "latency_s", "prefill_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     time_to_first_token_s: float
     latency_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    prefill_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
@@ -189,7 +191,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "devices", "max_num_seqs", "page_size", "num_pages", "architecture", "eos_token_ids")
+    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "devices", "max_num_seqs", "page_size", "num_pages", "architecture", "eos_token_ids", "role", "prefill_workers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,8 @@ class ModelInfo(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -210,4 +214,6 @@ class ModelInfo(_message.Message):
     num_pages: int
     architecture: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., architecture: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    role: str
+    prefill_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., architecture: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., prefill_workers: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -48,18 +48,20 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("first_token", "layout", "num_prompt_tokens", "first_page", "num_pages")
+    __slots__ = ("first_token", "layout", "num_prompt_tokens", "first_page", "num_pages", "cached_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: _inference_pb2.TokenLogprob
     layout: KVLayout
     num_prompt_tokens: int
     first_page: int
     num_pages: int
-    def __init__(self, first_token: _Optional[_Union[_inference_pb2.TokenLogprob, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token: _Optional[_Union[_inference_pb2.TokenLogprob, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("first_page", "num_pages", "data")

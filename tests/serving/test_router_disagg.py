@@ -1,0 +1,229 @@
+"""`jaxinfer route --prefill-workers P1,P2 --decode-workers D`: the router picks the
+prefill worker by cached prefix and names it to the decode worker in the
+`x-jaxinfer-prefill-worker` metadata. Real processes on loopback, the tiny llama3
+and worker flags of test_router.py (pages of 4 tokens).
+
+The test that kills a prefill worker runs last (file order)."""
+
+import time
+
+import grpc
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.serving import Client
+from jaxinfer.serving.client import build_request
+from jaxinfer.serving.proto import inference_pb2 as pb
+from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+from jaxinfer.serving.server import PREFILL_WORKER_METADATA
+from test_router import PAGE, WORKER_FLAGS, FakeWorker, Proc, model_dir, total  # noqa: F401 (model_dir: a fixture)
+
+
+def route(model_dir, prefill, decode, *args):
+  return Proc("route", "--model", str(model_dir), "--prefill-workers", ",".join(prefill),
+              "--decode-workers", ",".join(decode), "--port", "0", "--metrics-port", "0",
+              "--health-interval", "0.3", *args)
+
+
+@pytest.fixture(scope="module")
+def prefills(model_dir):
+  procs = [Proc("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS)
+           for _ in range(2)]
+  try:
+    yield [p.wait() for p in procs]
+  finally:
+    for p in procs:
+      p.stop()
+
+
+@pytest.fixture(scope="module")
+def decode(model_dir, prefills):
+  p = Proc("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
+           "--prefill-workers", ",".join(w.address for w in prefills), *WORKER_FLAGS)
+  try:
+    yield p.wait()
+  finally:
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def router1(model_dir, prefills, decode):
+  """One prefill worker (a subset of the decode worker's two) and the decode worker."""
+  p = route(model_dir, [prefills[0].address], [decode.address]).wait()
+  yield p
+  p.stop()
+
+
+@pytest.fixture(scope="module")
+def router2(model_dir, prefills, decode):
+  p = route(model_dir, [w.address for w in prefills], [decode.address]).wait()
+  yield p
+  p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+  return LLM(model_dir, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
+
+
+PROMPTS = ["Hello there", [5, 6, 7, 8, 9, 10, 11, 12, 13], [{"role": "user", "content": "Hi, who are you?"}]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["text", "ids", "chat"])
+def test_greedy_outputs_equal_one_worker(router1, prefills, reference, prompt):
+  want = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+  before, routed_before = prefills[0].metrics_text(), router1.metrics_text()
+  with Client(router1.address, timeout=120) as c:
+    got = c.generate(prompt, max_tokens=12, temperature=0)
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    deltas = list(c.stream(prompt, max_tokens=12, temperature=0))
+  assert [t for d in deltas for t in d.token_ids] == want.token_ids
+  assert "".join(d.text for d in deltas) == want.text
+  assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH and deltas[-1].usage.completion_tokens == 12
+  # The prompts were computed by the prefill worker (its first token is the output's first).
+  after = prefills[0].metrics_text()
+  assert total(after, "jaxinfer_prompt_tokens_total") - total(before, "jaxinfer_prompt_tokens_total") == \
+      2 * len(want.prompt_token_ids)
+  name = f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{prefills[0].address}"}}'
+  assert total(router1.metrics_text(), name) - total(routed_before, name) == 2
+
+
+def test_shared_prefix_goes_to_the_prefill_worker_that_holds_it(router2, prefills):
+  prefix = list(range(60, 100))  # 40 tokens = 10 blocks, seen by no other test
+  with Client(router2.address, timeout=120) as c:
+    c.generate(prefix + [200], max_tokens=2, temperature=0)
+    time.sleep(1.0)  # the holder's KV events reach the router's index
+    text = router2.metrics_text()
+    routed = [total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{w.address}"}}')
+              for w in prefills]
+    holder = routed.index(1.0)  # the first request went to one of them (a tie: either)
+    other = 1 - holder
+    hits = [total(w.metrics_text(), "jaxinfer_prefix_cache_hit_tokens_total") for w in prefills]
+    for i in range(6):  # a coin flip each if routing ignored the prefill workers' caches
+      c.generate(prefix + [201 + i, 7], max_tokens=2, temperature=0)
+  after = router2.metrics_text()
+  h, o = prefills[holder].address, prefills[other].address
+  assert total(after, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{h}"}}') == 7
+  assert total(after, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{o}"}}') == 0
+  # The holder's own prefix cache served the 10 blocks each time, and the router's
+  # prediction and the count the decode worker relays from the holder agree.
+  assert total(prefills[holder].metrics_text(), "jaxinfer_prefix_cache_hit_tokens_total") - hits[holder] == 6 * 40
+  for name in ("jaxinfer_router_predicted_cached_tokens_total", "jaxinfer_router_actual_cached_tokens_total"):
+    assert total(after, f'{name}{{worker="{h}"}}') - total(text, f'{name}{{worker="{h}"}}') == 6 * 40, name
+
+
+def generate_with_hint(address, prompt, hint, **sampling):
+  with grpc.insecure_channel(address) as ch:
+    call = pb_grpc.InferenceStub(ch).Generate(build_request(prompt, stream=False, **sampling), timeout=120,
+                                              metadata=[(PREFILL_WORKER_METADATA, hint)])
+    return list(call)
+
+
+def test_the_decode_worker_takes_the_kv_from_the_hinted_prefill_worker(decode, prefills):
+  for target in (1, 0):  # each in turn: its default pick alone would not hit both
+    before = [total(w.metrics_text(), "jaxinfer_prompt_tokens_total") for w in prefills]
+    r = generate_with_hint(decode.address, [9, 8, 7, 6, 5], prefills[target].address, max_tokens=3,
+                           temperature=0)
+    assert len(r[-1].token_ids) == 3
+    after = [total(w.metrics_text(), "jaxinfer_prompt_tokens_total") for w in prefills]
+    assert [a - b for a, b in zip(after, before)] == [5 * (i == target) for i in range(2)]
+
+
+def test_a_bad_hint_is_invalid_argument(decode, prefills, router2):
+  bogus = "10.0.0.1:1"
+  with pytest.raises(grpc.RpcError) as e:
+    generate_with_hint(decode.address, [1, 2, 3], bogus, max_tokens=2)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert (f"x-jaxinfer-prefill-worker: '{bogus}' is not one of this decode worker's --prefill-workers "
+          f"{[w.address for w in prefills]}") in e.value.details()
+  with pytest.raises(grpc.RpcError) as e:  # a prefill worker imports no KV
+    generate_with_hint(prefills[0].address, [1, 2, 3], prefills[1].address, max_tokens=2)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "this worker's role is prefill, not decode" in e.value.details()
+  with pytest.raises(grpc.RpcError) as e:  # the router picks; a client does not
+    generate_with_hint(router2.address, [1, 2, 3], prefills[0].address, max_tokens=2)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "the router picks the prefill worker itself" in e.value.details()
+
+
+def test_decode_workers_must_accept_the_routers_prefill_workers(model_dir, prefills, decode):
+  with Client(prefills[0].address, timeout=60) as c:
+    info = c.model_info()
+  assert (info.role, list(info.prefill_workers)) == ("prefill", [])
+  with Client(decode.address, timeout=60) as c:
+    info = c.model_info()
+  assert (info.role, list(info.prefill_workers)) == ("decode", [w.address for w in prefills])
+  # A prefill worker the decode worker was not told about: its Generate would refuse the hint.
+  stranger = pb.ModelInfo()
+  stranger.CopyFrom(info)
+  stranger.role = "prefill"
+  del stranger.prefill_workers[:]
+  fake = FakeWorker(stranger)
+  try:
+    p = route(model_dir, [prefills[0].address, fake.address], [decode.address], "--connect-timeout", "30")
+    assert p.proc.wait(120) == 1
+    err = p.proc.stderr.read()
+    assert (f"jaxinfer: error: decode worker {decode.address} does not take KV from the router's prefill "
+            f"worker(s) ['{fake.address}']: its --prefill-workers are "
+            f"{[w.address for w in prefills]}") in err, err
+  finally:
+    fake.stop()
+  # Roles swapped: a prefill worker where a decode worker belongs.
+  p = route(model_dir, [prefills[0].address], [prefills[1].address], "--connect-timeout", "30")
+  assert p.proc.wait(120) == 1
+  err = p.proc.stderr.read()
+  assert (f"jaxinfer: error: decode worker {prefills[1].address} is not a decode worker: its role is "
+          "'prefill'") in err, err
+
+
+def test_route_flags_are_checked_before_anything_connects(model_dir):
+  for args, message in [
+      (["--workers", "127.0.0.1:1", "--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:3"],
+       "give --workers (aggregated: each worker serves whole requests) or --prefill-workers with "
+       "--decode-workers (disaggregated), not both"),
+      (["--prefill-workers", "127.0.0.1:2"], "decode_workers: a disaggregated router needs at least one "
+                                             "prefill and one decode worker"),
+      ([], "workers: give at least one worker address"),
+      (["--workers", "dns:localhost"], "--workers: 'dns:localhost' is not dns:HOST:PORT"),
+      (["--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:2"], "127.0.0.1:2 is given twice")]:
+    p = Proc("route", "--model", str(model_dir), "--port", "0", *args)
+    assert p.proc.wait(120) == 1, args
+    err = p.proc.stderr.read()
+    assert "jaxinfer: error: " in err and message in err, (args, err)
+
+
+def test_dns_entries_expand_to_the_resolved_addresses(model_dir, prefills, decode):
+  """dns:localhost:PORT is 127.0.0.1:PORT here: the spelling the decode worker was given."""
+  p = route(model_dir, [f"dns:localhost:{prefills[1].port}"], [f"dns:localhost:{decode.port}"]).wait()
+  try:
+    with Client(p.address, timeout=120) as c:
+      assert len(c.generate([4, 5, 6], max_tokens=2, ignore_eos=True).token_ids) == 2
+    text = p.metrics_text()
+    assert total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{prefills[1].address}"}}') == 1
+    assert total(text, f'jaxinfer_router_routed_requests_total{{role="decode",worker="{decode.address}"}}') == 1
+  finally:
+    p.stop()
+
+
+def test_a_dead_prefill_worker_is_routed_around(router2, prefills):
+  """Last: it kills the prefill worker that holds a prefix. The next request with that
+  prefix is routed there (the index still says so) or, once a health check saw it
+  dead, elsewhere; either way it is served, before its first token, by the other."""
+  def routed(text, w):
+    return total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{w.address}"}}')
+
+  prefix = list(range(150, 190))
+  with Client(router2.address, timeout=120) as c:
+    before = router2.metrics_text()
+    c.generate(prefix + [1], max_tokens=2, temperature=0)
+    after = router2.metrics_text()
+    holder = next(i for i, w in enumerate(prefills) if routed(after, w) > routed(before, w))
+    time.sleep(1.0)  # the holder's blocks reach the index: the next request would go there
+    prefills[holder].proc.kill()
+    prefills[holder].proc.wait(30)
+    for i in range(4):
+      assert len(c.generate(prefix + [3 + i], max_tokens=3, ignore_eos=True).token_ids) == 3
+  text = router2.metrics_text()
+  assert total(text, f'jaxinfer_router_worker_up{{worker="{prefills[holder].address}"}}') == 0
+  assert routed(text, prefills[1 - holder]) - routed(after, prefills[1 - holder]) == 4
