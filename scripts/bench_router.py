@@ -1,9 +1,14 @@
 #!/usr/bin/env python
-"""KV-aware routing vs round-robin, through `jaxinfer route`, on a multi-turn
-shared-prefix workload.
+"""KV-aware routing vs round-robin vs disaggregated prefill/decode, through
+`jaxinfer route`, on a multi-turn shared-prefix workload.
 
-Two `jaxinfer serve` workers (one model) and, per policy, a `jaxinfer route`
-in front of them, all in their own processes. The workload: --systems
+Setups (--policies), each with a `jaxinfer route` of its own in front:
+  kv, round_robin: two `jaxinfer serve` workers (--role both), that policy;
+  disagg: one `serve --role prefill` and one `serve --role decode` worker
+          (`route --prefill-workers P --decode-workers D`): the same two
+          processes' worth of engines, split by phase instead of by request.
+Every worker runs in its own process, all of them for the whole invocation
+(an idle one only holds memory). The workload: --systems
 system prompts of --system-len tokens, --conversations conversations each
 with one of them, --turns turns each. Turn k's prompt is the system prompt,
 then every earlier user message and answer, then a new user message of
@@ -21,10 +26,24 @@ reuses another's cache. A policy's numbers pool its runs' requests.
 
 Measured on the client: TTFT p50 / p99 (send to first token), output
 tokens/s and requests/s over the run, and the fraction of prompt tokens the
-workers served from their prefix caches (usage.cached_tokens).
+workers served from their prefix caches (usage.cached_tokens). Disaggregated,
+that is the decode worker's own cache (it keeps imported pages, and asks the
+prefill worker only for the pages after its hits); the prefill worker's,
+which decides how much prompt is computed, is `prefill_cached_fraction`
+(usage.prefill_cached_tokens).
+
+What 2 shared CPU cores can show: whether the disaggregated path costs or
+saves time end to end on this workload (the KV transfer over loopback gRPC,
+the extra hop, one engine doing all prompts and one all decode steps).
+What they cannot: the point of disaggregation on accelerators, where prefill
+and decode run on separate devices and stop interfering; here the four
+processes share two cores, so the prefill worker's compute still slows the
+decode worker's steps, and the other engineer's jobs on the same machine
+add noise.
 
   python scripts/bench_router.py                                    # embedded default model
   python scripts/bench_router.py --model tests/data/tiny/llama3 --system-len 96 --user-len 16
+  python scripts/bench_router.py --policies kv,disagg --rounds 1     # the disaggregated column vs kv
 
 Writes benchmarks/results/router-<date>.json (or --out) and prints a table.
 """
@@ -47,6 +66,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+
+SETUPS = {
+    "kv": "2 x serve --role both; route --workers --policy kv",
+    "round_robin": "2 x serve --role both; route --workers --policy round_robin",
+    "disagg": "serve --role prefill + serve --role decode; route --prefill-workers --decode-workers (kv policy)",
+}
 
 
 class Proc:
@@ -111,7 +137,8 @@ async def run_policy(address: str, conversations, args) -> tuple[list[dict], flo
       if r.finish_reason:
         usage = r.usage
     results.append(dict(ttft=first - sent, done=time.perf_counter(), prompt_tokens=usage.prompt_tokens,
-                        cached_tokens=usage.cached_tokens, output_tokens=len(ids)))
+                        cached_tokens=usage.cached_tokens, prefill_cached_tokens=usage.prefill_cached_tokens,
+                        output_tokens=len(ids)))
     return ids
 
   async def conversation(client, system, users, gate):
@@ -155,7 +182,8 @@ def summarize(results: list[dict], seconds: float) -> dict:
               output_tokens_per_s=sum(r["output_tokens"] for r in results) / seconds,
               requests_per_s=len(results) / seconds, prompt_tokens=prompt,
               cached_tokens=sum(r["cached_tokens"] for r in results),
-              cached_fraction=sum(r["cached_tokens"] for r in results) / prompt)
+              cached_fraction=sum(r["cached_tokens"] for r in results) / prompt,
+              prefill_cached_fraction=sum(r["prefill_cached_tokens"] for r in results) / prompt)
 
 
 def main() -> None:
@@ -170,7 +198,9 @@ def main() -> None:
   p.add_argument("--concurrency", type=int, default=5,
                   help="conversations in flight (not a multiple of 2, so round-robin does not keep "
                        "a conversation on one worker by accident)")
-  p.add_argument("--policies", default="kv,round_robin")
+  p.add_argument("--policies", default="kv,round_robin,disagg",
+                 help="setups to compare: kv, round_robin (2 --role both workers), disagg (1 prefill + "
+                      "1 decode worker, kv policy over the prefill worker)")
   p.add_argument("--rounds", type=int, default=1, help="ABBA rounds: each policy runs 2 x rounds times")
   p.add_argument("--overlap-weight", type=float, default=1.0,
                  help="the kv policy's cost of an uncached prompt block (jaxinfer route --overlap-weight)")
@@ -189,21 +219,32 @@ def main() -> None:
   engine = [*model, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--page-size", str(args.page_size)]
   cores = os.cpu_count()
-  print(f"bench_router: 2 workers + router + client on {cores} CPU cores{' (shared)' if cores <= 4 else ''}; "
-        "on so few cores the workers compete with each other and the client, so the absolute numbers are "
-        "small and noisy: compare the policies, not the machine", file=sys.stderr, flush=True)
-  workers = [Proc(["serve", *engine]) for _ in range(2)]
   policies = args.policies.split(",")
+  for policy in policies:
+    if policy not in SETUPS:
+      raise SystemExit(f"--policies: {policy!r} is not one of {SETUPS}")
+  print(f"bench_router: 2 workers per setup + router + client on {cores} CPU cores"
+        f"{' (shared)' if cores <= 4 else ''}; on so few cores the workers compete with each other and the "
+        "client, so the absolute numbers are small and noisy: compare the setups, not the machine",
+        file=sys.stderr, flush=True)
+  aggregated = [Proc(["serve", *engine]) for _ in range(2)] if set(policies) - {"disagg"} else []
+  prefill = Proc(["serve", *engine, "--role", "prefill"]) if "disagg" in policies else None
+  decode = None
   order = (policies + policies[::-1]) * args.rounds
   runs: dict[str, list[dict]] = {p: [] for p in policies}
   seconds: dict[str, float] = {p: 0.0 for p in policies}
   per_run = []
   try:
-    for w in workers:
+    for w in aggregated:
       w.wait()
-    addresses = ",".join(w.address for w in workers)
+    if prefill is not None:  # the decode worker needs the prefill worker's port
+      decode = Proc(["serve", *engine, "--role", "decode", "--prefill-workers", prefill.wait().address]).wait()
     for i, policy in enumerate(order):
-      router = Proc(["route", *model, "--workers", addresses, "--policy", policy, "--metrics-port", "0",
+      if policy == "disagg":
+        where = ["--prefill-workers", prefill.address, "--decode-workers", decode.address, "--policy", "kv"]
+      else:
+        where = ["--workers", ",".join(w.address for w in aggregated), "--policy", policy]
+      router = Proc(["route", *model, *where, "--metrics-port", "0",
                      "--overlap-weight", str(args.overlap_weight)]).wait()
       try:
         records, s = asyncio.run(run_policy(router.address, workload(args, vocab, args.seed + 1 + i), args))
@@ -215,26 +256,29 @@ def main() -> None:
       per_run.append(dict(policy=policy, **summarize(records, s), router=stats))
       print(f"bench_router: run {i + 1}/{len(order)} {policy}: {per_run[-1]}", file=sys.stderr, flush=True)
   finally:
-    for w in workers:
-      w.stop()
+    for w in [*aggregated, decode, prefill]:
+      if w is not None:
+        w.stop()
   results = {p: summarize(runs[p], seconds[p]) for p in policies}
 
-  rows = [("policy", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "req/s", "prefix-cached")]
+  rows = [("setup", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "req/s", "prefix-cached", "prefill-cached")]
   for policy, r in results.items():
     rows.append((policy, f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
-                 f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}", f"{r['cached_fraction']:.0%}"))
+                 f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}", f"{r['cached_fraction']:.0%}",
+                 f"{r['prefill_cached_fraction']:.0%}" if policy == "disagg" else "-"))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   for row in rows:
     print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-  print(f"(2 workers, {cores} CPU cores shared by workers, router and client; disaggregated prefill/decode "
-        "workers (jaxinfer serve --role) are not a column here yet)")
+  print(f"(2 workers per setup, {cores} CPU cores shared by every process, router and client; disagg = "
+        "1 prefill + 1 decode worker, prefix-cached = the decode worker's own cache there)")
   path = write_results("router", dict(
       workload=dict(systems=args.systems, system_len=args.system_len, conversations=args.conversations,
                     turns=args.turns, user_len=args.user_len, output_len=args.output_len,
                     concurrency=args.concurrency),
       overlap_weight=args.overlap_weight, engine=dict(model=args.model or "default", max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size),
-      workers=2, cpu_cores=cores, load_average=os.getloadavg(), order=order, results=results, runs=per_run),
+      workers=2, setups={p: SETUPS[p] for p in policies}, cpu_cores=cores, load_average=os.getloadavg(),
+      order=order, results=results, runs=per_run),
       args.out)
   print(f"wrote {path}")
 

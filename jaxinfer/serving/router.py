@@ -386,6 +386,7 @@ class RouterGeneration:
     if r.finish_reason:
       o.finish_reason = FINISH_REASON_NAMES.get(r.finish_reason, "stop")
       o.num_cached_tokens = r.usage.cached_tokens
+      o.num_remote_cached_tokens = r.usage.prefill_cached_tokens
       if route.prefill is None:
         self._b.metrics.actual_cached_tokens.labels(route.worker).inc(r.usage.cached_tokens)
       else:  # the prediction was about the prefill worker's cache: compare with what it had
@@ -419,7 +420,7 @@ class RouterGeneration:
     return Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                  cached_tokens=out.num_cached_tokens,
                  time_to_first_token_s=(first - self.arrival) if first is not None else 0.0,
-                 latency_s=last - self.arrival)
+                 latency_s=last - self.arrival, prefill_cached_tokens=out.num_remote_cached_tokens)
 
 
 class RouterBackend(PromptMixin):

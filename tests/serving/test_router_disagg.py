@@ -101,7 +101,8 @@ def test_shared_prefix_goes_to_the_prefill_worker_that_holds_it(router2, prefill
     other = 1 - holder
     hits = [total(w.metrics_text(), "jaxinfer_prefix_cache_hit_tokens_total") for w in prefills]
     for i in range(6):  # a coin flip each if routing ignored the prefill workers' caches
-      c.generate(prefix + [201 + i, 7], max_tokens=2, temperature=0)
+      r = c.generate(prefix + [201 + i, 7], max_tokens=2, temperature=0)
+      assert r.usage.prefill_cached_tokens == 40  # relayed: prefill worker -> decode worker -> router
   after = router2.metrics_text()
   h, o = prefills[holder].address, prefills[other].address
   assert total(after, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{h}"}}') == 7
