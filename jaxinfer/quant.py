@@ -12,8 +12,8 @@ scale = max|w| / 127 over each group. Embeddings and the LM head stay in the
 model dtype: they are looked up / used once per token and the tied SmolLM2
 embedding is also the input table, whose rows must stay exact.
 
-`linear(eq, x, w)` is the model's only matmul over linear weights. For an
-int8 weight it quantizes the activations per token (symmetric, max|x| / 127
+`linear(eq, x, w)` is the model's only matmul over linear weights. For a
+per-channel int8 weight it quantizes the activations per token (symmetric, max|x| / 127
 per row) and runs int8 x int8 with int32 accumulation, then multiplies the
 token scale and the channel (or group) scales after the contraction. Why not
 "dequantize inside the fusion": XLA CPU does not fuse a convert into a dot;
@@ -27,7 +27,8 @@ whole int8 weight (to s32 here) in a slow convert before its dot: no form
 of int8 pays for batch-1 decode under XLA CPU; that needs a kernel that
 reads int8 directly. The int32 accumulation is exact, so a token's output
 does not depend on the other tokens of the batch (each row has its own
-scale): greedy batch invariance holds as in float32.
+scale): greedy batch invariance holds as in float32. Group-wise (Q8_0)
+weights are dequantized and run in float32: see `int8_matmul`.
 """
 
 from __future__ import annotations
@@ -185,17 +186,21 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array) -> jax.Array:
-  """x [M, I] float, q [I, O] int8, scales [G, O] -> float32 [M, O]."""
+  """x [M, I] float, q [I, O] int8, scales [G, O] -> float32 [M, O].
+
+  Per channel (G = 1): per-token int8 activations x int8 weights, int32
+  accumulation, both scales applied after the contraction (exact factoring).
+  Group-wise (Q8_0, G > 1): the scales differ along the contraction, so they
+  cannot move after it; a batched int32 dot per group then a sum over groups
+  measured ~2-3x slower at 64 tokens than dequantizing the weight and one
+  float32 dot (scripts/bench_quant_matmul.py, 'q8_0 groups' vs 'q8_0 dequant';
+  the same at 1 token), so groups take the dequantized weight, activations unquantized.
+  """
+  if scales.shape[0] > 1:
+    return jnp.dot(x.astype(jnp.float32), dequantize_groups(q, scales))
   xq, a = quantize_activations(x)
-  G = scales.shape[0]
-  if G == 1:
-    acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * scales[0] * a
-  M, (I, O) = xq.shape[0], q.shape
-  # Group-wise (Q8_0): one int32 dot per group (a batch dimension), scaled, then summed.
-  acc = jax.lax.dot_general(xq.reshape(M, G, I // G), q.reshape(G, I // G, O),
-                            (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)  # [G, M, O]
-  return jnp.sum(acc.astype(jnp.float32) * scales[:, None, :], axis=0) * a
+  acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+  return acc.astype(jnp.float32) * scales[0] * a
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
@@ -205,9 +210,12 @@ def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """What int8_matmul computes, in float64 numpy: dequantized activations @ dequantized weights."""
-  xq, a = (np.asarray(t, np.float64) for t in quantize_activations(jnp.asarray(x)))
+  """What int8_matmul computes, in float64 numpy: (dequantized, per channel) activations @
+  dequantized weights."""
   G = scales.shape[0]
   I, O = q.shape
   w = (q.astype(np.float64).reshape(G, I // G, O) * np.asarray(scales, np.float64)[:, None, :]).reshape(I, O)
+  if G > 1:
+    return np.asarray(x, np.float64) @ w
+  xq, a = (np.asarray(t, np.float64) for t in quantize_activations(jnp.asarray(x)))
   return (xq * a) @ w

@@ -22,6 +22,7 @@ its own process (scripts/bench_offline.py's worker, token budget 512 as there): 
 
   python scripts/bench_quant_matmul.py              # matmuls only
   python scripts/bench_quant_matmul.py --e2e        # and the end-to-end decode rows
+  python scripts/bench_quant_matmul.py --accuracy   # and float32 vs int8 logits of the default model
 
 Writes benchmarks/results/quant-matmul-<date>.json and prints a Markdown table.
 """
@@ -56,15 +57,15 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxinfer.quant import dequantize_groups, int8_matmul, quantize_int8
+  from jaxinfer.quant import int8_matmul, quantize_int8
 
   rng = np.random.default_rng(0)
   forms = {
       "float32": lambda x, w: x @ w["f"],
       "int8 dequant": lambda x, w: (x @ w["q"].astype(jnp.float32)) * w["s"][0],
       "int8 x int8": lambda x, w: int8_matmul(x, w["q"], w["s"]),
-      "q8_0 groups": lambda x, w: int8_matmul(x, w["q"], w["g"]),
-      "q8_0 dequant": lambda x, w: x @ dequantize_groups(w["q"], w["g"]),
+      "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
+      "q8_0 dequant": lambda x, w: int8_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
   }
   rows = []
   for name, (I, O) in SHAPES.items():
@@ -85,6 +86,20 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
             flush=True)
   return rows
+
+
+def _grouped_int8(x, q, scales):
+  """Q8_0 kept integer: per-token int8 activations, one int32 dot per group of 32 inputs (a
+  batch dimension), each scaled by its group's scales, summed over groups."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxinfer.quant import quantize_activations
+  xq, a = quantize_activations(x)
+  M, G, (I, O) = xq.shape[0], scales.shape[0], q.shape
+  acc = jax.lax.dot_general(xq.reshape(M, G, I // G), q.reshape(G, I // G, O),
+                            (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)  # [G, M, O]
+  return jnp.sum(acc.astype(jnp.float32) * scales[:, None, :], axis=0) * a
 
 
 def _chain(mm, x, ws):
@@ -108,11 +123,41 @@ def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
   return rows
 
 
+def accuracy_rows(num_prompts: int) -> dict:
+  """float32 vs int8 next-token logits of the default model over chat prompts (teacher-forced)."""
+  import numpy as np
+
+  import bench_offline
+  from jaxinfer import LLM
+  prompts = bench_offline.prompts_token_ids(num_prompts)
+  ref = LLM(None, max_model_len=512, warmup=False)
+  ref_logits = [ref.logits(p) for p in prompts]
+  del ref
+  q = LLM(None, max_model_len=512, warmup=False, quantization="int8")
+  diffs, agree, n = [], 0, 0
+  for p, a in zip(prompts, ref_logits):
+    b = q.logits(p)
+    diffs.append(np.abs(a - b))
+    agree += int(np.sum(a.argmax(-1) == b.argmax(-1)))
+    n += len(p)
+  d = np.concatenate([x.ravel() for x in diffs])
+  scale = float(np.mean([np.abs(a).mean() for a in ref_logits]))
+  row = {"prompts": num_prompts, "positions": n, "top1_agreement": agree / n,
+         "max_abs_logit_diff": float(d.max()), "mean_abs_logit_diff": float(d.mean()),
+         "mean_abs_logit": scale}
+  print(row, flush=True)
+  return row
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, default=30, help="distinct weights per chain (SmolLM2: 30 layers)")
   p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best is kept)")
   p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs int8 on the default model")
+  p.add_argument("--accuracy", action="store_true",
+                 help="also float32 vs int8 logits of the default model over --accuracy-prompts chat prompts")
+  p.add_argument("--accuracy-prompts", type=int, default=16)
+  p.add_argument("--skip-matmuls", action="store_true")
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--num-prompts", type=int, default=64)
   p.add_argument("--timeout", type=float, default=1800)
@@ -120,19 +165,21 @@ def main() -> None:
   args = p.parse_args()
   from bench_peers import write_results
 
-  rows = matmul_rows(args.layers, args.repeats)
-  forms = [k for k in rows[0] if k.endswith(" us")]
-  print("\n| shape | T | " + " | ".join(forms) + " |")
-  print("|---|---|" + "---|" * len(forms))
+  rows = [] if args.skip_matmuls else matmul_rows(args.layers, args.repeats)
+  forms = [k for k in rows[0] if k.endswith(" us")] if rows else []
+  if rows:
+    print("\n| shape | T | " + " | ".join(forms) + " |")
+    print("|---|---|" + "---|" * len(forms))
   for r in rows:
     print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r[f]:.1f}" for f in forms) + " |")
+  accuracy = accuracy_rows(args.accuracy_prompts) if args.accuracy else None
   e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout) if args.e2e else []
   if e2e:
     print("\n| prompts | weights | tok/s | peak RSS MB |\n|---|---|---|---|")
     for r in e2e:
       print(f"| {r['num_prompts']} | {r.get('quantization') or 'float32'} | {r['tokens_per_s']:.1f} | "
             f"{r['peak_rss_mb']:.0f} |")
-  path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e,
+  path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,
                                             notes="best of --repeats; time per matmul (a chain of "
                                                   "--layers distinct weights); machine shared"),
                        args.out)
