@@ -270,7 +270,6 @@ class _Route:
   worker: str  # the Generate call's worker (disaggregated: the decode worker)
   prefill: str | None  # disaggregated: the prefill worker named in the call's metadata
   blocks: float  # prompt blocks charged to each
-  predicted: int  # cached tokens the index predicted (on the prefill worker when disaggregated)
   prefill_charged: bool = True  # until the first token: the prefill worker's part is done then
 
 
@@ -685,9 +684,9 @@ class RouterBackend(PromptMixin):
     if decode is not None:
       self.decode_router.started(decode, num_blocks)
       m.routed_requests.labels(decode, "decode").inc()
-      route = _Route(decode, worker, float(num_blocks), predicted)
+      route = _Route(decode, worker, float(num_blocks))
     else:
-      route = _Route(worker, None, float(num_blocks), predicted)
+      route = _Route(worker, None, float(num_blocks))
     m.decision_time.observe(time.perf_counter() - t)
     return route
 
