@@ -12,23 +12,29 @@ scale = max|w| / 127 over each group. Embeddings and the LM head stay in the
 model dtype: they are looked up / used once per token and the tied SmolLM2
 embedding is also the input table, whose rows must stay exact.
 
-`linear(eq, x, w)` is the model's only matmul over linear weights. For a
-per-channel int8 weight it quantizes the activations per token (symmetric, max|x| / 127
-per row) and runs int8 x int8 with int32 accumulation, then multiplies the
-token scale and the channel (or group) scales after the contraction. Why not
-"dequantize inside the fusion": XLA CPU does not fuse a convert into a dot;
-it writes a float32 [in, out] copy of the weight on every call (a convert
-fusion feeding the dot; tests/test_quant.py asserts it). Measured at
-SmolLM2-135M's shapes (scripts/bench_quant_matmul.py, a chain of 30 layers'
-weights): at 64 tokens int8 x int8 is the fastest form (~1.3-1.5x float32 on
-the MLP weights, where weight-only dequant is 0.8-1.1x); at 1 token every
-int8 form is ~8-13x slower than float32, because XLA CPU still widens the
-whole int8 weight (to s32 here) in a slow convert before its dot: no form
-of int8 pays for batch-1 decode under XLA CPU; that needs a kernel that
-reads int8 directly. The int32 accumulation is exact, so a token's output
-does not depend on the other tokens of the batch (each row has its own
-scale): greedy batch invariance holds as in float32. Group-wise (Q8_0)
-weights are dequantized and run in float32: see `int8_matmul`.
+`linear(eq, x, w)` is the model's only matmul over linear weights. For an
+int8 weight it is weight-only: the activations stay float, the int8 values
+are converted for the dot and the per-channel scales multiply its output
+(exact factoring: sum_i x_i q_io s_o = s_o sum_i x_i q_io). Group-wise
+(Q8_0) scales vary along the contraction, so those weights are dequantized
+whole first.
+
+What was measured to choose this (scripts/bench_quant_matmul.py, SmolLM2-135M
+shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
+- XLA CPU does not fuse the convert into the dot: it writes a float32
+  [in, out] copy of the weight on every call (a convert fusion feeding the
+  dot; tests/test_quant.py asserts it). int8 activations x int8 weights with
+  int32 accumulation do not escape it: XLA CPU widens the int8 weight to an
+  s32 copy for that dot (also asserted).
+- Speed: at 1 token every int8 form is ~8-13x slower per matmul than
+  float32 (the widening convert dominates); at 64 tokens int8 x int8 is
+  ~1.4x faster than float32 on the MLP weights, weight-only about even.
+- Accuracy (the default model, float32 vs int8 next-token logits over 16
+  chat prompts): weight-only agrees on the top-1 token at 97% of positions,
+  mean |logit diff| 0.30; per-token int8 activations drop that to 90% and
+  0.94. That loss outweighs a 1.4x gain at large batch, so weight-only it is.
+No int8 form pays for batch-1 decode under XLA CPU: that needs a kernel that
+reads int8 directly (issue 14).
 """
 
 from __future__ import annotations
@@ -177,30 +183,19 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x [M, I] -> (int8 [M, I], float32 scale [M, 1]), symmetric per row."""
-  x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-  a = jnp.where(amax > 0, amax / 127.0, 1.0)
-  return jnp.clip(jnp.round(x32 / a), -127, 127).astype(jnp.int8), a
-
-
 def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array) -> jax.Array:
   """x [M, I] float, q [I, O] int8, scales [G, O] -> float32 [M, O].
 
-  Per channel (G = 1): per-token int8 activations x int8 weights, int32
-  accumulation, both scales applied after the contraction (exact factoring).
-  Group-wise (Q8_0, G > 1): the scales differ along the contraction, so they
-  cannot move after it; a batched int32 dot per group then a sum over groups
-  measured ~2-3x slower at 64 tokens than dequantizing the weight and one
-  float32 dot (scripts/bench_quant_matmul.py, 'q8_0 groups' vs 'q8_0 dequant';
-  the same at 1 token), so groups take the dequantized weight, activations unquantized.
+  Per channel (G = 1): the dot over the converted int8 values, then the
+  scales (exact factoring). Group-wise (Q8_0, G > 1): the scales differ along
+  the contraction, so the weight is dequantized first (a batched int32 dot per
+  group measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
+  Activations are never quantized (see the module doc for why).
   """
+  x = x.astype(jnp.float32)
   if scales.shape[0] > 1:
-    return jnp.dot(x.astype(jnp.float32), dequantize_groups(q, scales))
-  xq, a = quantize_activations(x)
-  acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-  return acc.astype(jnp.float32) * scales[0] * a
+    return jnp.dot(x, dequantize_groups(q, scales))
+  return jnp.dot(x, q.astype(jnp.float32)) * scales[0]
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
@@ -210,12 +205,8 @@ def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """What int8_matmul computes, in float64 numpy: (dequantized, per channel) activations @
-  dequantized weights."""
+  """What int8_matmul computes, in float64 numpy: x @ the dequantized weight."""
   G = scales.shape[0]
   I, O = q.shape
   w = (q.astype(np.float64).reshape(G, I // G, O) * np.asarray(scales, np.float64)[:, None, :]).reshape(I, O)
-  if G > 1:
-    return np.asarray(x, np.float64) @ w
-  xq, a = (np.asarray(t, np.float64) for t in quantize_activations(jnp.asarray(x)))
-  return (xq * a) @ w
+  return np.asarray(x, np.float64) @ w

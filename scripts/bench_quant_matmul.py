@@ -9,12 +9,18 @@ layers do (x = x + mean(tanh(x @ W_l)): each matmul waits on the one before,
 at the cost of a row reduction), and reports the time per matmul.
 
 Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
-  float32        x @ W
-  int8 dequant   (x @ float(Q)) * s        weight-only; XLA CPU materializes float(Q) per call
-  int8 x int8    (q(x) @ Q, int32) * a * s  per-token activation scales (what jaxinfer.quant.linear runs)
-  q8_0 groups    the same with one scale per 32 inputs (GGUF Q8_0 kept as loaded): one int32 dot
-                 per group (a batch dimension), scaled, summed
-  q8_0 dequant   x @ (Q * group scales)   weight-only, float32 weight materialized per call
+  float32           x @ W
+  int8 weight-only  (x @ float(Q)) * s        what jaxinfer.quant.linear runs; XLA CPU
+                                              materializes float(Q) per call
+  int8 x int8       (q(x) @ Q, int32) * a * s  per-token int8 activations (not used: accuracy)
+  q8_0 groups       int8 x int8 with one scale per 32 inputs (GGUF Q8_0 as loaded): one
+                    int32 dot per group (a batch dimension), scaled, summed (not used)
+  q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
+
+--accuracy: float32 vs int8 next-token logits of the default model over chat
+prompts (teacher-forced), weight-only (the library) and with per-token int8
+activations (the 'int8 x int8' form patched in), the measurement that chose
+weight-only.
 
 --e2e also times LLM.generate on the default model, float32 and int8, each in
 its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
@@ -62,8 +68,8 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   rng = np.random.default_rng(0)
   forms = {
       "float32": lambda x, w: x @ w["f"],
-      "int8 dequant": lambda x, w: (x @ w["q"].astype(jnp.float32)) * w["s"][0],
-      "int8 x int8": lambda x, w: int8_matmul(x, w["q"], w["s"]),
+      "int8 weight-only": lambda x, w: int8_matmul(x, w["q"], w["s"]),
+      "int8 x int8": lambda x, w: _int8_dot(x, w["q"], w["s"]),
       "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
       "q8_0 dequant": lambda x, w: int8_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
   }
@@ -88,14 +94,30 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   return rows
 
 
+def _quantize_activations(x):
+  """x [M, I] -> (int8 [M, I], float32 scale [M, 1]), symmetric per token."""
+  import jax.numpy as jnp
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+  a = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(x32 / a), -127, 127).astype(jnp.int8), a
+
+
+def _int8_dot(x, q, scales):
+  """Per-token int8 activations x per-channel int8 weights, int32 accumulation, then both scales."""
+  import jax
+  import jax.numpy as jnp
+  xq, a = _quantize_activations(x)
+  acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+  return acc.astype(jnp.float32) * scales[0] * a
+
+
 def _grouped_int8(x, q, scales):
   """Q8_0 kept integer: per-token int8 activations, one int32 dot per group of 32 inputs (a
   batch dimension), each scaled by its group's scales, summed over groups."""
   import jax
   import jax.numpy as jnp
-
-  from jaxinfer.quant import quantize_activations
-  xq, a = quantize_activations(x)
+  xq, a = _quantize_activations(x)
   M, G, (I, O) = xq.shape[0], scales.shape[0], q.shape
   acc = jax.lax.dot_general(xq.reshape(M, G, I // G), q.reshape(G, I // G, O),
                             (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)  # [G, M, O]
@@ -123,30 +145,40 @@ def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
   return rows
 
 
-def accuracy_rows(num_prompts: int) -> dict:
-  """float32 vs int8 next-token logits of the default model over chat prompts (teacher-forced)."""
+def accuracy_rows(num_prompts: int) -> list[dict]:
+  """float32 vs int8 next-token logits of the default model over chat prompts (teacher-forced):
+  weight-only (jaxinfer.quant as it is), then with per-token int8 activations patched in."""
   import numpy as np
 
   import bench_offline
+  import jaxinfer.quant as quant
   from jaxinfer import LLM
   prompts = bench_offline.prompts_token_ids(num_prompts)
   ref = LLM(None, max_model_len=512, warmup=False)
   ref_logits = [ref.logits(p) for p in prompts]
   del ref
-  q = LLM(None, max_model_len=512, warmup=False, quantization="int8")
-  diffs, agree, n = [], 0, 0
-  for p, a in zip(prompts, ref_logits):
-    b = q.logits(p)
-    diffs.append(np.abs(a - b))
-    agree += int(np.sum(a.argmax(-1) == b.argmax(-1)))
-    n += len(p)
-  d = np.concatenate([x.ravel() for x in diffs])
-  scale = float(np.mean([np.abs(a).mean() for a in ref_logits]))
-  row = {"prompts": num_prompts, "positions": n, "top1_agreement": agree / n,
-         "max_abs_logit_diff": float(d.max()), "mean_abs_logit_diff": float(d.mean()),
-         "mean_abs_logit": scale}
-  print(row, flush=True)
-  return row
+  rows = []
+  library = quant.int8_matmul
+  for form, mm in (("int8 weight-only", library),
+                   ("int8 x int8", lambda x, q, s: library(x, q, s) if s.shape[0] > 1 else _int8_dot(x, q, s))):
+    quant.int8_matmul = mm  # linear() looks it up at trace time; a fresh LLM traces anew
+    try:
+      q = LLM(None, max_model_len=512, warmup=False, quantization="int8")
+      diffs, agree, n = [], 0, 0
+      for p, a in zip(prompts, ref_logits):
+        b = q.logits(p)
+        diffs.append(np.abs(a - b))
+        agree += int(np.sum(a.argmax(-1) == b.argmax(-1)))
+        n += len(p)
+    finally:
+      quant.int8_matmul = library
+    d = np.concatenate([x.ravel() for x in diffs])
+    row = {"form": form, "prompts": num_prompts, "positions": n, "top1_agreement": agree / n,
+           "max_abs_logit_diff": float(d.max()), "mean_abs_logit_diff": float(d.mean()),
+           "mean_abs_logit": float(np.mean([np.abs(a).mean() for a in ref_logits]))}
+    print(row, flush=True)
+    rows.append(row)
+  return rows
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
 from jaxinfer.quant import QuantizedWeight, dequantize, is_quantized, num_in_axes
+from jaxinfer.sharding import make_mesh, param_shardings
 
 Q = gguf.GGMLQuantizationType
 
@@ -50,6 +51,17 @@ def test_converted_int8_generates_like_quantizing_at_load(converted):
   a = LLM(converted, **sp)
   b = LLM(tiny_dir("llama3"), quantization="int8", **sp)
   np.testing.assert_array_equal(a.logits(prompt), b.logits(prompt))
+
+
+def test_converted_int8_restores_sharded_over_a_mesh(converted):
+  mesh = make_mesh(model=2)
+  params = load_model(converted, shardings_fn=lambda cfg, q=None: param_shardings(cfg, mesh, q)).params
+  P = jax.sharding.PartitionSpec
+  w = params["layers"][0]["w_up"]
+  assert w.values.sharding.spec == P(None, "model") and w.scales.sharding.spec == P(None, "model")
+  single = load_model(converted).params
+  for a, b in zip(_leaves(single), _leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_converted_bfloat16_keeps_int8_and_float32_scales(tmp_path):
