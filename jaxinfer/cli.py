@@ -76,6 +76,7 @@ def _serve(args: argparse.Namespace) -> None:
   import logging
 
   from jaxinfer.llm import LLM
+  from jaxinfer.serving.router import expand_addresses
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,7 +86,9 @@ def _serve(args: argparse.Namespace) -> None:
                         max_waiting_tokens=args.max_waiting_tokens, grace_period_s=args.grace_period,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name, role=args.role,
-                        prefill_workers=tuple(a.strip() for a in (args.prefill_workers or "").split(",") if a.strip()),
+                        prefill_workers=expand_addresses(
+                            [a.strip() for a in (args.prefill_workers or "").split(",") if a.strip()],
+                            "--prefill-workers"),
                         kv_transfer_timeout_s=args.kv_transfer_timeout)
   # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
   llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
@@ -197,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to their first token for decode workers); decode = take each prompt's KV from "
                         "--prefill-workers; both = neither (default)")
   srv.add_argument("--prefill-workers", default=None,
-                   help="--role decode: comma-separated prefill worker gRPC addresses, HOST:PORT,...")
+                   help="--role decode: comma-separated prefill worker gRPC addresses, HOST:PORT,...; "
+                        "dns:HOST:PORT stands for every address HOST resolves to at start (as in route)")
   srv.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds a KV transfer may take (decode: request to pages imported, else "
                         "DEADLINE_EXCEEDED; prefill: first token to the decode worker's Ack, else pages freed)")

@@ -56,3 +56,17 @@ def test_dockerfile_copies_what_exists():
     if line.startswith("COPY "):
       for src in line.split()[1:-1]:
         assert (ROOT / src).exists(), src
+
+
+def test_disaggregated_router_and_decode_pods_name_the_prefill_pods_alike():
+  """The router refuses decode workers whose --prefill-workers differ from its own
+  (spelled the same), so both must name the prefill Service the same way."""
+  parsed = {c["name"]: build_parser().parse_args(c["args"]) for n, _, c in containers()
+            if n == "disaggregated.yaml"}
+  assert parsed["prefill"].role == "prefill" and parsed["decode"].role == "decode"
+  assert parsed["decode"].prefill_workers == parsed["router"].prefill_workers
+  assert parsed["router"].prefill_workers.startswith("dns:jaxinfer-prefill.")
+  assert parsed["router"].decode_workers.startswith("dns:jaxinfer-decode.")
+  services = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "Service"}
+  for name in ("jaxinfer-prefill", "jaxinfer-decode"):
+    assert services[name]["spec"]["clusterIP"] == "None"

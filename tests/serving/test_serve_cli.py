@@ -93,3 +93,15 @@ def test_bad_options_are_one_line_errors():
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1].startswith("jaxinfer: error:")
+
+
+def test_decode_prefill_workers_expand_dns_names_before_loading_the_model(capsys):
+  """`--prefill-workers dns:HOST:PORT` (a headless Service) resolves at start, like `route`'s;
+  a name that does not resolve is a one-line error naming the flag, before any weights load."""
+  from jaxinfer.cli import main
+
+  assert main(["serve", "--role", "decode", "--model", "/nonexistent/model",
+               "--prefill-workers", "dns:no-such-host.invalid:50051"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("jaxinfer: error: --prefill-workers: 'dns:no-such-host.invalid:50051'"), err
+  assert "does not resolve" in err
