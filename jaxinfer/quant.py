@@ -9,8 +9,9 @@ A quantized linear weight is a `QuantizedWeight(values, scales)` pytree node:
 
 so w[i, o] = values[i, o] * scales[i // (in / G), o], symmetric, with
 scale = max|w| / 127 over each group. Embeddings and the LM head stay in the
-model dtype: they are looked up / used once per token and the tied SmolLM2
-embedding is also the input table, whose rows must stay exact.
+model dtype (not measured quantized): the embedding is a gather, not a
+matmul, and SmolLM2 ties it to the LM head, so quantizing one would
+quantize both; the LM head's [V, D] product is what the sampler reads.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights. For an
 int8 weight it is weight-only: the activations stay float, the int8 values
@@ -26,9 +27,10 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   dot; tests/test_quant.py asserts it). int8 activations x int8 weights with
   int32 accumulation do not escape it: XLA CPU widens the int8 weight to an
   s32 copy for that dot (also asserted).
-- Speed: at 1 token every int8 form is ~8-13x slower per matmul than
-  float32 (the widening convert dominates); at 64 tokens int8 x int8 is
-  ~1.4x faster than float32 on the MLP weights, weight-only about even.
+- Speed: at 1 token every int8 form is ~6-13x slower per matmul than
+  float32 (the widening convert dominates); at 64 tokens int8 x int8 was
+  1.0-1.7x faster than float32 on the MLP weights over four runs on a shared
+  machine, weight-only 0.7-1.2x.
 - Accuracy (the default model, float32 vs int8 next-token logits over 16
   chat prompts): weight-only agrees on the top-1 token at 97% of positions,
   mean |logit diff| 0.30; per-token int8 activations drop that to 90% and
