@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_peers  # noqa: E402
-from bench_serving import Server  # noqa: E402
+from bench_serving import start_server  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -142,10 +142,10 @@ def main() -> None:
   model = args.model or str(default_checkpoint())
   cfg = load_model(model, dtype="float32").config
   opts = ["--model", model, "--max-num-seqs", "8"]
-  prefill = Server([*opts, "--role", "prefill", "--kv-transfer-timeout", "60"])
+  prefill = start_server([*opts, "--role", "prefill", "--kv-transfer-timeout", "60"])
   decode = None
   try:
-    decode = Server([*opts, "--role", "decode", "--prefill-workers", f"127.0.0.1:{prefill.port}"])
+    decode = start_server([*opts, "--role", "decode", "--prefill-workers", f"127.0.0.1:{prefill.port}"])
     rows = []
     for i, length in enumerate(int(x) for x in args.lengths.split(",")):
       # One warm-up each (export / import programs compile on first use), then fresh prompts.

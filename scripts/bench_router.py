@@ -54,10 +54,7 @@ import argparse
 import asyncio
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -67,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from jaxinfer.serving.process import JaxinferProcess  # noqa: E402
 
 SETUPS = {
     "kv": "2 x serve --role both; route --workers --policy kv",
@@ -75,40 +73,9 @@ SETUPS = {
 }
 
 
-class Proc:
-  """`jaxinfer <command>` on a free port, in its own process, until it says SERVING."""
-
-  def __init__(self, args: list[str]):
-    self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *args, "--port", "0"],
-                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    self.log: list[str] = []
-    self.port = self.metrics_port = None
-
-  def wait(self) -> "Proc":
-    while True:
-      line = self.proc.stderr.readline()
-      if not line:
-        raise SystemExit("a process exited during start-up:\n" + "".join(self.log[-40:]))
-      self.log.append(line)
-      if m := re.search(r"listening on [\d.]+:(\d+)", line):
-        self.port = int(m.group(1))
-      if m := re.search(r"metrics on http://[\d.]+:(\d+)/metrics", line):
-        self.metrics_port = int(m.group(1))
-      if "health: SERVING" in line:
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        return self
-
-  @property
-  def address(self) -> str:
-    return f"127.0.0.1:{self.port}"
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      try:
-        self.proc.wait(60)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
+def spawn(args: list[str]) -> JaxinferProcess:
+  """`jaxinfer <command>` on a free port, in its own process (call .wait() for SERVING)."""
+  return JaxinferProcess(*args, "--port", "0", cwd=ROOT)
 
 
 def workload(args, vocab: int, seed: int) -> list[tuple[list[int], list[list[int]]]]:
@@ -160,7 +127,7 @@ async def run_policy(address: str, conversations, args) -> tuple[list[dict], flo
   return results, seconds
 
 
-def router_stats(router: Proc) -> dict:
+def router_stats(router: JaxinferProcess) -> dict:
   """The router's own view: mean decision time, predicted vs reported cached tokens."""
   import urllib.request
   text = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=10).read().decode()
@@ -227,8 +194,8 @@ def main() -> None:
         f"{' (shared)' if cores <= 4 else ''}; on so few cores the workers compete with each other and the "
         "client, so the absolute numbers are small and noisy: compare the setups, not the machine",
         file=sys.stderr, flush=True)
-  aggregated = [Proc(["serve", *engine]) for _ in range(2)] if set(policies) - {"disagg"} else []
-  prefill = Proc(["serve", *engine, "--role", "prefill"]) if "disagg" in policies else None
+  aggregated = [spawn(["serve", *engine]) for _ in range(2)] if set(policies) - {"disagg"} else []
+  prefill = spawn(["serve", *engine, "--role", "prefill"]) if "disagg" in policies else None
   decode = None
   order = (policies + policies[::-1]) * args.rounds
   runs: dict[str, list[dict]] = {p: [] for p in policies}
@@ -238,13 +205,13 @@ def main() -> None:
     for w in aggregated:
       w.wait()
     if prefill is not None:  # the decode worker needs the prefill worker's port
-      decode = Proc(["serve", *engine, "--role", "decode", "--prefill-workers", prefill.wait().address]).wait()
+      decode = spawn(["serve", *engine, "--role", "decode", "--prefill-workers", prefill.wait().address]).wait()
     for i, policy in enumerate(order):
       if policy == "disagg":
         where = ["--prefill-workers", prefill.address, "--decode-workers", decode.address, "--policy", "kv"]
       else:
         where = ["--workers", ",".join(w.address for w in aggregated), "--policy", policy]
-      router = Proc(["route", *model, *where, "--metrics-port", "0",
+      router = spawn(["route", *model, *where, "--metrics-port", "0",
                      "--overlap-weight", str(args.overlap_weight)]).wait()
       try:
         records, s = asyncio.run(run_policy(router.address, workload(args, vocab, args.seed + 1 + i), args))

@@ -39,11 +39,8 @@ import datetime
 import json
 import os
 import platform
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,6 +48,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from jaxinfer.serving.process import JaxinferProcess  # noqa: E402
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -117,33 +116,11 @@ def run_engine(args, prompts_path: Path) -> dict:
 # ---- phases 2 and 3: the server ---------------------------------------------------------------
 
 
-class Server:
-  """`jaxinfer serve` on a free port, in its own process."""
-
-  def __init__(self, options: list[str], max_waiting_requests: int = 256):
-    """`options`: `jaxinfer serve` engine flags (--model, --dtype, ...)."""
-    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--port", "0", *options,
-           "--max-waiting-requests", str(max_waiting_requests), "--max-waiting-tokens", str(10**9)]
-    self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    self.log: list[str] = []
-    self.port = None
-    while True:
-      line = self.proc.stderr.readline()
-      if not line:
-        raise SystemExit("the server exited during start-up:\n" + "".join(self.log[-40:]))
-      self.log.append(line)
-      if m := re.search(r"listening on [\d.]+:(\d+)", line):
-        self.port = int(m.group(1))
-      if "health: SERVING" in line:
-        break
-    threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-
-  def stop(self) -> None:
-    self.proc.send_signal(signal.SIGTERM)
-    try:
-      self.proc.wait(60)
-    except subprocess.TimeoutExpired:
-      self.proc.kill()
+def start_server(options: list[str], max_waiting_requests: int = 256) -> JaxinferProcess:
+  """`jaxinfer serve` with engine flags `options` on a free port, in its own process,
+  returned once SERVING (warm-up excluded from every timing)."""
+  return JaxinferProcess("serve", "--port", "0", *options, "--max-waiting-requests",
+                         str(max_waiting_requests), "--max-waiting-tokens", str(10**9), cwd=ROOT).wait()
 
 
 async def one_request(client, prompt, output_len) -> dict:
@@ -259,7 +236,7 @@ def main() -> None:
   finally:
     prompts_path.unlink(missing_ok=True)
   print("phase 2/3: gRPC server at saturation (starting the server, warm-up excluded)", file=sys.stderr)
-  server = Server(engine_options(args), max(256, args.num_prompts))
+  server = start_server(engine_options(args), max(256, args.num_prompts))
   try:
     results, seconds = asyncio.run(drive(server.port, prompts, args.output_len, rate=None,
                                          concurrency=None, seed=args.seed))

@@ -189,12 +189,12 @@ class GrpcSUT:
   name = "grpc"
 
   def __init__(self, server_args: list[str], samples: list[Sample], params_for):
-    from bench_serving import Server
+    from bench_serving import start_server
     from jaxinfer.serving import Client
 
     self.samples, self.params_for = samples, params_for
     self.responses = _Responses()
-    self.server = Server(server_args, max_waiting_requests=4096)
+    self.server = start_server(server_args, max_waiting_requests=4096)
     self.aloop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self.aloop.run_forever, name="mlperf-grpc", daemon=True)
     self._thread.start()

@@ -23,6 +23,19 @@ def golden(family: str):
 
 
 @pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+  """The tiny llama3 with its context stretched to 4096 positions, so that long
+  requests outlive the cancellations, deadlines and kills the serving tests aim at them."""
+  import shutil
+  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
+  shutil.copytree(tiny_dir("llama3"), d)
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["max_position_embeddings"] = 4096
+  (d / "config.json").write_text(json.dumps(cfg))
+  return d
+
+
+@pytest.fixture(scope="session")
 def smollm_golden():
   return json.loads((DATA / "golden" / "smollm2-135m.json").read_text())
 

@@ -7,21 +7,16 @@ Each worker's KV pool is read through its Prometheus gauge
 `jaxinfer_kv_cache_usage_ratio` (--metrics-port): 0 once nobody holds a page."""
 
 import asyncio
-import json
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 
-from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams, StructuredOutput
 from jaxinfer.serving import Client, InferenceServer, ServerConfig
 from jaxinfer.serving.client import build_request
@@ -31,50 +26,21 @@ from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.proto import kv_transfer_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
+from jaxinfer.serving.process import JaxinferProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
 LONG_PROMPT = [(7 * i) % 300 + 3 for i in range(4000)]  # ~1 s of prefill here: a transfer in flight
 
 
-class Worker:
-  """`jaxinfer serve` in its own process, on free ports."""
+def worker(model_dir, *args) -> JaxinferProcess:
+  """`jaxinfer serve` in its own process, on free ports, once SERVING."""
+  return JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
+                         *ENGINE, *args, cwd=ROOT).wait()
 
-  def __init__(self, model_dir, *args):
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", "0",
-         "--metrics-port", "0", *ENGINE, *args], stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    self.log: list[str] = []
-    self.port = self.metrics_port = None
-    while True:
-      line = self.proc.stderr.readline()
-      if not line:
-        raise AssertionError("the worker exited during start-up:\n" + "".join(self.log[-40:]))
-      self.log.append(line)
-      if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-        self.port = int(m.group(1))
-      if m := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
-        self.metrics_port = int(m.group(1))
-      if "health: SERVING" in line:
-        break
-    threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
 
-  @property
-  def address(self) -> str:
-    return f"127.0.0.1:{self.port}"
-
-  def kv_usage(self) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-      text = r.read().decode()
-    return float(re.search(r"^jaxinfer_kv_cache_usage_ratio (\S+)$", text, re.M).group(1))
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      try:
-        self.proc.wait(30)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
+def kv_usage(w: JaxinferProcess) -> float:
+  return w.metric("jaxinfer_kv_cache_usage_ratio")
 
 
 def wait_for(predicate, timeout=15.0, what="condition", logs=()):
@@ -87,16 +53,6 @@ def wait_for(predicate, timeout=15.0, what="condition", logs=()):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
-  shutil.copytree(tiny_dir("llama3"), d)
-  cfg = json.loads((d / "config.json").read_text())
-  cfg["max_position_embeddings"] = 4096
-  (d / "config.json").write_text(json.dumps(cfg))
-  return d
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
   return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
 
@@ -104,9 +60,9 @@ def reference(model_dir):
 @pytest.fixture(scope="module")
 def pair(model_dir):
   """A prefill worker (no Ack within 3 s frees its pages) and a decode worker on it."""
-  prefill = Worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3")
+  prefill = worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3")
   try:
-    decode = Worker(model_dir, "--role", "decode", "--prefill-workers", prefill.address)
+    decode = worker(model_dir, "--role", "decode", "--prefill-workers", prefill.address)
   except BaseException:
     prefill.stop()
     raise
@@ -178,7 +134,7 @@ def test_decode_worker_outputs_equal_one_worker(pair, reference):
 
   for deltas, ref in zip(asyncio.run(run()), want):
     assert [t for d in deltas for t in d.token_ids] == ref.token_ids
-  wait_for(lambda: decode.kv_usage() == 0.0 and prefill.kv_usage() == 0.0, what="both pools to empty")
+  wait_for(lambda: kv_usage(decode) == 0.0 and kv_usage(prefill) == 0.0, what="both pools to empty")
 
 
 def test_cancel_during_transfer_frees_both_pools(pair):
@@ -187,20 +143,20 @@ def test_cancel_during_transfer_frees_both_pools(pair):
     request = build_request(LONG_PROMPT, stream=True, temperature=0, max_tokens=50)
     call = pb_grpc.InferenceStub(ch).Generate(request)
     # Both sides hold pages: the decode worker's wait for the KV, the prefill worker's prompt.
-    wait_for(lambda: decode.kv_usage() > 0 and prefill.kv_usage() > 0, what="the transfer to start")
+    wait_for(lambda: kv_usage(decode) > 0 and kv_usage(prefill) > 0, what="the transfer to start")
     call.cancel()
     with pytest.raises(grpc.RpcError) as e:
       list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-  wait_for(lambda: decode.kv_usage() == 0.0, what="the decode pool to empty", logs=pair)
-  wait_for(lambda: prefill.kv_usage() == 0.0, what="the prefill pool to empty", logs=pair)
+  wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
+  wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
   # A deadline shorter than the prefill: DEADLINE_EXCEEDED, both pools empty again.
   with Client(decode.address) as c:
     with pytest.raises(grpc.RpcError) as e:
       c.generate(LONG_PROMPT, timeout=0.5, temperature=0, max_tokens=50)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-  wait_for(lambda: decode.kv_usage() == 0.0, what="the decode pool to empty", logs=pair)
-  wait_for(lambda: prefill.kv_usage() == 0.0, what="the prefill pool to empty", logs=pair)
+  wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
+  wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
 
 
 def prefill_message(prompt, request_id="t", skip_pages=0, **sampling):
@@ -227,20 +183,20 @@ def test_prefill_worker_frees_held_pages_without_an_ack_or_on_cancel(pair):
       assert (chunk.first_page, chunk.num_pages, done.num_bytes) == (0, 7, len(chunk.data))
       assert len(chunk.data) == 7 * 2 * 2 * 16 * 1 * 16 * 4  # pages x layers x (k, v) x page bytes
       held_at = time.monotonic()
-      assert prefill.kv_usage() > 0
+      assert kv_usage(prefill) > 0
       with pytest.raises(grpc.aio.AioRpcError) as e:
         await call.read()
       assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
       assert "no Ack within --kv-transfer-timeout=3 s" in e.value.details()
       assert 2.0 < time.monotonic() - held_at < 10.0
-      await asyncio.to_thread(wait_for, lambda: prefill.kv_usage() == 0.0)
+      await asyncio.to_thread(wait_for, lambda: kv_usage(prefill) == 0.0)
       # Cancelled after the header: freed at once.
       call = stub.Prefill()
       await call.write(prefill_message(prompt, skip_pages=2))
       header = (await call.read()).header
       assert (header.first_page, header.num_pages) == (2, 5)
       call.cancel()
-      await asyncio.to_thread(wait_for, lambda: prefill.kv_usage() == 0.0, 2.0)
+      await asyncio.to_thread(wait_for, lambda: kv_usage(prefill) == 0.0, 2.0)
       # A request without the decode worker's seed is refused, naming it.
       call = stub.Prefill()
       await call.write(kv_pb.PrefillClientMessage(request=kv_pb.PrefillRequest(
@@ -347,7 +303,7 @@ def test_an_unreachable_prefill_worker_is_unavailable_at_once(fake_and_decode):
 
 def test_killing_the_prefill_worker_mid_transfer_is_unavailable(model_dir, fake_and_decode):
   decode = fake_and_decode
-  victim = Worker(model_dir, "--role", "prefill")
+  victim = worker(model_dir, "--role", "prefill")
   try:
     conn = decode.kv_connector
     conn.workers = (conn.workers[0], victim.address)
@@ -364,7 +320,7 @@ def test_killing_the_prefill_worker_mid_transfer_is_unavailable(model_dir, fake_
 
       t = threading.Thread(target=run)
       t.start()
-      wait_for(lambda: victim.kv_usage() > 0, what="the prefill worker to start the prompt")
+      wait_for(lambda: kv_usage(victim) > 0, what="the prefill worker to start the prompt")
       victim.proc.kill()
       killed = time.monotonic()
       t.join(30)

@@ -7,7 +7,6 @@ test_server.py. Token ids are compared exactly through
 import asyncio
 import json
 import re
-import shutil
 import threading
 import time
 
@@ -15,7 +14,6 @@ import httpx
 import openai
 import pytest
 
-from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import InferenceServer, ServerConfig
 from jaxinfer.structured import StructuredOutput
@@ -23,16 +21,6 @@ from jaxinfer.structured import StructuredOutput
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=64, warmup=False)
 LONG = dict(max_tokens=3000, ignore_eos=True, temperature=0)  # outlives any test's patience
 MAX_WAITING = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
-  shutil.copytree(tiny_dir("llama3"), d)
-  cfg = json.loads((d / "config.json").read_text())
-  cfg["max_position_embeddings"] = 4096
-  (d / "config.json").write_text(json.dumps(cfg))
-  return d
 
 
 @pytest.fixture(scope="module")

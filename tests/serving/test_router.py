@@ -11,17 +11,14 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 
-from conftest import tiny_dir
 from jaxinfer.serving import Client
+from jaxinfer.serving.process import JaxinferProcess
 from jaxinfer.serving.proto import inference_pb2 as pb
 
 PAGE = 4
@@ -29,62 +26,9 @@ WORKER_FLAGS = ["--page-size", str(PAGE), "--max-num-seqs", "8", "--max-num-batc
                 "--metrics-port", "0"]
 
 
-class Proc:
-  """A `python -m jaxinfer ...` process; `ports` from its start-up lines."""
-
-  def __init__(self, *args, wait_serving=True):
-    self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *args], stderr=subprocess.PIPE, text=True)
-    self.lines: list[str] = []
-    self.port = self.metrics_port = self.http_port = None
-    self._wait_serving = wait_serving
-
-  def wait(self, timeout=600):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-      line = self.proc.stderr.readline()
-      if not line:
-        break
-      self.lines.append(line)
-      if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-        self.port = int(m.group(1))
-      if m := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
-        self.metrics_port = int(m.group(1))
-      if m := re.search(r"OpenAI HTTP on http://127\.0\.0\.1:(\d+)/v1", line):
-        self.http_port = int(m.group(1))
-      if "health: SERVING" in line:
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        return self
-    raise AssertionError("did not turn SERVING:\n" + "".join(self.lines))
-
-  @property
-  def address(self):
-    return f"127.0.0.1:{self.port}"
-
-  def metrics_text(self):
-    return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-
-  def stop(self):
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      try:
-        self.proc.wait(30)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
-  shutil.copytree(tiny_dir("llama3"), d)
-  cfg = json.loads((d / "config.json").read_text())
-  cfg["max_position_embeddings"] = 4096
-  (d / "config.json").write_text(json.dumps(cfg))
-  return d
-
-
 @pytest.fixture(scope="module")
 def workers(model_dir):
-  procs = [Proc("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
+  procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
   try:
     yield [p.wait() for p in procs]
   finally:
@@ -93,7 +37,7 @@ def workers(model_dir):
 
 
 def route(model_dir, worker_addresses, *args):
-  return Proc("route", "--model", str(model_dir), "--workers", ",".join(worker_addresses), "--port", "0",
+  return JaxinferProcess("route", "--model", str(model_dir), "--workers", ",".join(worker_addresses), "--port", "0",
               "--metrics-port", "0", "--health-interval", "0.3", *args)
 
 

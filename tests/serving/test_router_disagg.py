@@ -16,18 +16,19 @@ from jaxinfer.serving.client import build_request
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.server import PREFILL_WORKER_METADATA
-from test_router import PAGE, WORKER_FLAGS, FakeWorker, Proc, model_dir, total  # noqa: F401 (model_dir: a fixture)
+from jaxinfer.serving.process import JaxinferProcess
+from test_router import PAGE, WORKER_FLAGS, FakeWorker, total
 
 
 def route(model_dir, prefill, decode, *args):
-  return Proc("route", "--model", str(model_dir), "--prefill-workers", ",".join(prefill),
+  return JaxinferProcess("route", "--model", str(model_dir), "--prefill-workers", ",".join(prefill),
               "--decode-workers", ",".join(decode), "--port", "0", "--metrics-port", "0",
               "--health-interval", "0.3", *args)
 
 
 @pytest.fixture(scope="module")
 def prefills(model_dir):
-  procs = [Proc("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS)
+  procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS)
            for _ in range(2)]
   try:
     yield [p.wait() for p in procs]
@@ -38,7 +39,7 @@ def prefills(model_dir):
 
 @pytest.fixture(scope="module")
 def decode(model_dir, prefills):
-  p = Proc("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
+  p = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
            "--prefill-workers", ",".join(w.address for w in prefills), *WORKER_FLAGS)
   try:
     yield p.wait()
@@ -188,7 +189,7 @@ def test_route_flags_are_checked_before_anything_connects(model_dir):
       ([], "workers: give at least one worker address"),
       (["--workers", "dns:localhost"], "--workers: 'dns:localhost' is not dns:HOST:PORT"),
       (["--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:2"], "127.0.0.1:2 is given twice")]:
-    p = Proc("route", "--model", str(model_dir), "--port", "0", *args)
+    p = JaxinferProcess("route", "--model", str(model_dir), "--port", "0", *args)
     assert p.proc.wait(120) == 1, args
     err = p.proc.stderr.read()
     assert "jaxinfer: error: " in err and message in err, (args, err)

@@ -3,9 +3,7 @@ context was stretched to 4096 positions so that long requests outlive the
 cancellations, deadlines and shutdowns the tests aim at them."""
 
 import asyncio
-import json
 import re
-import shutil
 import threading
 import time
 import urllib.request
@@ -14,23 +12,12 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import Client, InferenceServer, ServerConfig
 from jaxinfer.serving.proto import inference_pb2 as pb
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=64, warmup=False)
 LONG = dict(max_tokens=3000, ignore_eos=True, temperature=0)  # seconds of work: outlives any test's patience
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny-long") / "llama3"
-  shutil.copytree(tiny_dir("llama3"), d)
-  cfg = json.loads((d / "config.json").read_text())
-  cfg["max_position_embeddings"] = 4096
-  (d / "config.json").write_text(json.dumps(cfg))
-  return d
 
 
 @pytest.fixture(scope="module")
