@@ -47,7 +47,7 @@ from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
 from jaxinfer.llm import LLM, Prompt
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.serving.engine_loop import EngineLoop, KVWatcher, Sink
+from jaxinfer.serving.engine_loop import EngineLoop, KVWatcher, LoopSink
 from jaxinfer.serving.metrics import Metrics
 
 
@@ -218,31 +218,19 @@ class _Admission:
       self._backend.waiting_tokens -= self.tokens
 
 
-class _Stream(Sink):
+class _Stream(LoopSink):
   """A request's bounded output queue: filled from the engine thread, read on the loop."""
 
   def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, admission: _Admission):
-    super().__init__()
-    self._loop = loop
+    super().__init__(loop)
     self._capacity = capacity
     self._admission = admission
     self._items: collections.deque = collections.deque()
     self._ready = asyncio.Event()
 
-  # engine thread
-  def deliver(self, out: RequestOutput) -> None:
-    self._post(out)
+  def on_loop(self, item: RequestOutput | BaseException) -> None:
+    self.put(item)
 
-  def fail(self, error: BaseException) -> None:
-    self._post(error)
-
-  def _post(self, item) -> None:
-    try:
-      self._loop.call_soon_threadsafe(self.put, item)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-      pass
-
-  # loop thread
   def put(self, item: RequestOutput | BaseException) -> None:
     self._admission.release()  # it has left the waiting queue (first output, or ended)
     last = self._items[-1] if self._items else None

@@ -65,7 +65,7 @@ from jaxinfer.engine.runner import MAX_TRANSFER_PAGES
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.serving.backend import Overloaded, Unavailable
 from jaxinfer.serving.convert import sampling_from_proto, sampling_to_proto
-from jaxinfer.serving.engine_loop import Sink
+from jaxinfer.serving.engine_loop import LoopSink
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import kv_transfer_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
@@ -147,27 +147,14 @@ def _token_logprob(out: RequestOutput) -> pb.TokenLogprob:
 
 # ---- producer: the prefill worker's RPC --------------------------------------------------
 
-class _FirstOutput(Sink):
+class _FirstOutput(LoopSink):
   """Resolves with a max_tokens=1 request's (only, final) output; filled from the engine thread."""
 
   def __init__(self, loop: asyncio.AbstractEventLoop):
-    super().__init__()
-    self._loop = loop
+    super().__init__(loop)
     self._future: asyncio.Future = loop.create_future()
 
-  def deliver(self, out: RequestOutput) -> None:
-    self._post(out)
-
-  def fail(self, error: BaseException) -> None:
-    self._post(error)
-
-  def _post(self, item) -> None:
-    try:
-      self._loop.call_soon_threadsafe(self._set, item)
-    except RuntimeError:  # the loop is closed: nobody waits any more
-      pass
-
-  def _set(self, item) -> None:
+  def on_loop(self, item) -> None:
     if self._future.done():
       return
     if isinstance(item, BaseException):

@@ -22,6 +22,7 @@ as of the last batch number, so snapshot + later batches = the cache.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -56,6 +57,31 @@ class Sink:
 
   def fail(self, error: BaseException) -> None:
     """The request never reached the engine (e.g. InvalidRequestError) or the loop broke."""
+    raise NotImplementedError
+
+
+class LoopSink(Sink):
+  """A sink read on an asyncio loop: each output or error is handed to `on_loop`
+  there (scheduled with call_soon_threadsafe, so the engine thread never waits)."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    super().__init__()
+    self._loop = loop
+
+  def deliver(self, out: RequestOutput) -> None:
+    self._post(out)
+
+  def fail(self, error: BaseException) -> None:
+    self._post(error)
+
+  def _post(self, item: RequestOutput | BaseException) -> None:
+    try:
+      self._loop.call_soon_threadsafe(self.on_loop, item)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+      pass
+
+  def on_loop(self, item: RequestOutput | BaseException) -> None:
+    """Runs on the loop thread."""
     raise NotImplementedError
 
 
@@ -223,6 +249,8 @@ class EngineLoop:
       return
     now = time.monotonic()
     m = self.metrics
+    if m is not None:  # before any output goes out: a client that sees it sees these gauges
+      m.set_engine_stats(self.engine.stats())
     for out in outputs:
       sink = self._sinks.get(out.request_id)
       if sink is None:
@@ -246,8 +274,6 @@ class EngineLoop:
           m.finished_requests.labels(out.finish_reason).inc()
           m.request_latency.observe(now - sink.arrival)
       sink.deliver(out)
-    if m is not None:
-      m.set_engine_stats(self.engine.stats())
 
   def _publish_kv_events(self) -> None:
     events = self.engine.kv_events()

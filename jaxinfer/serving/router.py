@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Sequence
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
