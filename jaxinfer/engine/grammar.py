@@ -132,6 +132,14 @@ class GrammarCompiler:
     m = llg.LLMatcher(tok, text, log_level=0)
     if m.is_error():
       raise InvalidRequestError(f"structured.{structured.kind}: {_summary(m.get_error())}")
+    # A grammar can compile and still match nothing (regex '[a&&b]'): its first mask
+    # leaves the matcher in error. Caught here, such a request is refused up front
+    # instead of ending at once with an empty output.
+    probe = m.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+      raise InvalidRequestError(f"structured.{structured.kind}: no output can satisfy it "
+                                f"({_summary(probe.get_error())})")
     with self._lock:
       self._compiled[structured] = m
       while len(self._compiled) > self.cache_size:

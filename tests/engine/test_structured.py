@@ -194,6 +194,8 @@ def test_preemption_does_not_consume_tokens_twice(llm):
     ("json_schema", {"type": "frobnicate"}, r"^structured\.json_schema: .*frobnicate"),
     ("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, r"^structured\.json_schema: "),
     ("regex", "a(b", r"^structured\.regex: .*unclosed group"),
+    ("regex", "[a&&b]x", r"^structured\.regex: no output can satisfy it"),  # valid, but matches nothing
+    ("json_schema", {"type": "string", "minLength": 5, "maxLength": 2}, r"^structured\.json_schema: Unsatisfiable"),
 ])
 def test_rejected_grammars_fail_at_add_request_and_the_engine_keeps_serving(llm, kind, value, message):
   engine = llm.engine

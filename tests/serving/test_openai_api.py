@@ -186,6 +186,9 @@ def test_structured_output_over_http(client):
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
         **kw)
   assert e.value.param == "response_format" and "frobnicate" in e.value.message
+  with pytest.raises(openai.BadRequestError) as e:  # a valid regex that no output can match
+    client.completions.create(prompt="go", extra_body=dict(guided_regex="[a&&b]"), **kw)
+  assert e.value.param == "guided_regex" and "no output can satisfy it" in e.value.message
 
 
 BAD = [  # path, raw body, status, param, a fragment of the message
