@@ -150,10 +150,14 @@ def test_cancel_during_transfer_frees_both_pools(pair):
     assert e.value.code() == grpc.StatusCode.CANCELLED
   wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
   wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
-  # A deadline shorter than the prefill: DEADLINE_EXCEEDED, both pools empty again.
+  # A deadline far shorter than the request: DEADLINE_EXCEEDED, both pools empty again.
+  # A fresh prompt (the first one's blocks are cached on both sides now) and 2000 new
+  # tokens, so the request outlives 0.5 s however fast this machine is (the deadline
+  # lands in the prefill, the transfer or the decode; each must free both pools).
+  fresh = [(11 * i) % 300 + 3 for i in range(2000)]
   with Client(decode.address) as c:
     with pytest.raises(grpc.RpcError) as e:
-      c.generate(LONG_PROMPT, timeout=0.5, temperature=0, max_tokens=50)
+      c.generate(fresh, timeout=0.5, temperature=0, max_tokens=2000, ignore_eos=True)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
   wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
   wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
