@@ -69,6 +69,7 @@ from jaxinfer.serving.engine_loop import LoopSink
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import kv_transfer_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
+from jaxinfer.serving.server import status_of
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +167,6 @@ class _FirstOutput(LoopSink):
     return await self._future
 
 
-def _status_of(e: BaseException) -> grpc.StatusCode:
-  if isinstance(e, InvalidRequestError):
-    return grpc.StatusCode.INVALID_ARGUMENT
-  if isinstance(e, Overloaded):
-    return grpc.StatusCode.RESOURCE_EXHAUSTED
-  if isinstance(e, Unavailable):
-    return grpc.StatusCode.UNAVAILABLE
-  return grpc.StatusCode.INTERNAL
-
-
 class KVTransferServicer(kv_grpc.KVTransferServicer):
   """jaxinfer.v1.KVTransfer.Prefill over a local engine (a `--role prefill` worker).
 
@@ -214,7 +205,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       admission = b.admit(len(ids))
     except JaxinferError as e:
       b.reject(e)
-      await context.abort(_status_of(e), f"Prefill {r.request_id}: {e}")
+      await context.abort(status_of(e), f"Prefill {r.request_id}: {e}")
     key = f"kvx-{r.request_id}#{next(self._keys)}"
     sink = _FirstOutput(asyncio.get_running_loop())
     b.engine_loop.add(key, ids, params, sink, hold_kv=True)
@@ -238,7 +229,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"Prefill {r.request_id}: the stream ended without an Ack; its KV pages were freed")
     except JaxinferError as e:  # e.g. the engine refused the request (InvalidRequestError)
-      await context.abort(_status_of(e), f"Prefill {r.request_id}: {e}")
+      await context.abort(status_of(e), f"Prefill {r.request_id}: {e}")
     finally:
       # Cancelled, timed out, failed or acknowledged: the pages go back (and the request,
       # if the decode worker gave up before its first token, is aborted).

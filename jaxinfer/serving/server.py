@@ -20,7 +20,7 @@ for a router's index. Each subscriber has a bounded queue filled from the
 engine thread; one that falls `kv_event_buffer` batches behind is ended
 with RESOURCE_EXHAUSTED (the engine never waits) and may subscribe again.
 
-Status codes (`_status_of`): INVALID_ARGUMENT (bad input, naming the field),
+Status codes (`status_of`): INVALID_ARGUMENT (bad input, naming the field),
 RESOURCE_EXHAUSTED (admission limits, naming the limit), FAILED_PRECONDITION
 (the model has no tokenizer for a text prompt), UNAVAILABLE (shutting down),
 INTERNAL (this request failed in the engine; the others go on).
@@ -115,8 +115,8 @@ class ServerConfig:
       raise InvalidRequestError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s!r}")
 
 
-def _status_of(e: BaseException) -> grpc.StatusCode:
-  """The one place errors become gRPC statuses."""
+def status_of(e: BaseException) -> grpc.StatusCode:
+  """The one place errors become gRPC statuses (also the prefill worker's KVTransfer, disagg.py)."""
   if isinstance(e, InvalidRequestError):
     return grpc.StatusCode.INVALID_ARGUMENT
   if isinstance(e, TokenizerError):
@@ -155,7 +155,7 @@ class _Servicer(pb_grpc.InferenceServicer):
 
   async def _refuse(self, context, e: JaxinferError):
     self.b.reject(e)
-    await context.abort(_status_of(e), str(e))
+    await context.abort(status_of(e), str(e))
 
   async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
     b = self.b
@@ -178,7 +178,7 @@ class _Servicer(pb_grpc.InferenceServicer):
             yield response_from_output(rid, out, whole=True, usage=_usage_to_proto(gen.usage(out)))
       except JaxinferError as e:
         message = str(e) if isinstance(e, RequestFailed) else f"request {rid}: {e}"
-        await context.abort(_status_of(e), message)
+        await context.abort(status_of(e), message)
 
   async def Tokenize(self, request: pb.TokenizeRequest, context):
     b = self.b
