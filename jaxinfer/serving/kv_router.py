@@ -204,7 +204,6 @@ class KVRouter:
   def __init__(self, config: RouterConfig = RouterConfig(), seed: int = 0):
     self.config = config
     self.index = KVIndex()
-    self._live = np.zeros(0, bool)
     self._dead = np.zeros(0, np.float64)  # 0 for a live slot, inf otherwise (added to its cost)
     self.active_blocks = np.zeros(0, np.float64)
     self.active_requests = np.zeros(0, np.float64)
@@ -212,8 +211,7 @@ class KVRouter:
 
   def add_worker(self, worker: str) -> None:
     slot = self.index.add_worker(worker)
-    if slot == len(self._live):
-      self._live = np.append(self._live, True)
+    if slot == len(self._dead):
       self._dead = np.append(self._dead, 0.0)
       self.active_blocks = np.append(self.active_blocks, 0.0)
       self.active_requests = np.append(self.active_requests, 0.0)
@@ -221,7 +219,6 @@ class KVRouter:
     self._set_live(slot, True)
 
   def _set_live(self, slot: int, alive: bool) -> None:
-    self._live[slot] = alive
     self._dead[slot] = 0.0 if alive else np.inf
 
   def remove_worker(self, worker: str) -> None:
@@ -236,7 +233,8 @@ class KVRouter:
 
   @property
   def workers(self) -> list[str]:
-    return [self.index.name(s) for s in np.flatnonzero(self._live)]
+    """The live workers (derived from the slots' cost penalty: 0 when live)."""
+    return [self.index.name(s) for s in np.flatnonzero(self._dead == 0)]
 
   def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([W] cost, [W] overlap) for a request whose prompt has these full-block
