@@ -21,20 +21,43 @@ DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """RoPE frequency scaling. `kind` is 'linear' or 'llama3' (Llama 3.1 style)."""
+  """RoPE frequency scaling: `kind` is 'linear', 'llama3' (Llama 3.1 style) or 'yarn'.
+
+  yarn (YaRN, Peng et al. 2023, sec. 3.2-3.4; DeepSeek-V3's long context):
+  frequencies between the wavelengths set by beta_fast and beta_slow
+  rotations over `original_max_position_embeddings` are ramped from kept to
+  divided by `factor`; the rotated dims are scaled by `attention_factor`
+  (None: derived from factor, mscale and mscale_all_dim as Hugging Face
+  does), and MLA's softmax scale by mscale(factor, mscale_all_dim) ** 2
+  (DeepSeek-V2 appendix). mscale / mscale_all_dim 0 mean absent; `truncate`
+  rounds the ramp's ends to whole dims.
+  """
 
   kind: str
   factor: float
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+  attention_factor: float | None = None
+  truncate: bool = True
 
   def __post_init__(self):
-    if self.kind not in ("linear", "llama3"):
+    if self.kind not in ("linear", "llama3", "yarn"):
       raise UnsupportedModelError(
-          f"rope scaling type {self.kind!r} is not supported (supported: linear, llama3)")
+          f"rope scaling type {self.kind!r} is not supported (supported: linear, llama3, yarn)")
     if self.factor <= 0:
       raise UnsupportedModelError(f"rope scaling factor must be > 0, got {self.factor}")
+    if self.kind == "yarn":
+      if self.original_max_position_embeddings <= 0:
+        raise UnsupportedModelError(
+            f"yarn original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}")
+      if not self.beta_fast > 0 or not self.beta_slow > 0:
+        raise UnsupportedModelError(
+            f"yarn beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
