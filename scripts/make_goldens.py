@@ -250,9 +250,86 @@ def make_batch_smollm2() -> None:
   print(f"batch_smollm2-135m: prompt lengths {[len(p) for p in prompts]}")
 
 
+# DeepSeek-V3 attention (MLA) with YaRN rope: one layer, checked as a module.
+MLA_CASES = {"mla_qlora": 32, "mla_noqlora": None}  # q_lora_rank (None: plain q_proj)
+MLA_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4096,
+                beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707)
+# Further yarn settings whose inv_freq / attention factor the tests check (no model run).
+MLA_ROPE_VARIANTS = [
+    dict(rope_type="yarn", rope_theta=50000.0, factor=8.0, original_max_position_embeddings=256,
+         beta_fast=16.0, beta_slow=2.0, truncate=False),
+    dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=1024,
+         attention_factor=0.9),
+]
+
+
+def make_mla(name: str, q_lora_rank: int | None, seed: int, prefill: int = 12, decodes: int = 3) -> None:
+  """tests/data/golden/<name>.npz: one DeepseekV3Attention layer with random weights (HF layout,
+  keys 'w:<hf name>', as layer 1 with its input_layernorm), its outputs for a `prefill`-token
+  prefill then `decodes` single-token steps through a DynamicCache, and the yarn inv_freq,
+  cos/sin attention factor and softmax scale (also for MLA_ROPE_VARIANTS)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+  def config(rope):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=16384,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope), rope_interleave=True, attention_bias=False)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+  cfg = config(MLA_ROPE)
+  torch.manual_seed(seed)
+  attn = ds.DeepseekV3Attention(cfg, layer_idx=0).eval()
+  randomize(attn, seed)
+  norm = ds.DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+  g = torch.Generator().manual_seed(seed + 1000)
+  with torch.no_grad():
+    norm.weight.copy_(1.0 + 0.1 * torch.randn(norm.weight.shape, generator=g))
+  rotary = ds.DeepseekV3RotaryEmbedding(cfg)
+  n = prefill + decodes
+  x = torch.randn(1, n, cfg.hidden_size, generator=g)
+  pos = torch.arange(n)[None]
+  cache = transformers.DynamicCache()
+  with torch.no_grad():
+    h = norm(x)
+    mask = torch.full((prefill, prefill), float("-inf")).triu(1)[None, None]
+    outs = [attn(h[:, :prefill], rotary(h, pos[:, :prefill]), mask, past_key_values=cache)[0]]
+    for t in range(prefill, n):  # one token sees every cached one: no mask
+      outs.append(attn(h[:, t:t + 1], rotary(h, pos[:, t:t + 1]), None, past_key_values=cache)[0])
+    # The same tokens in one causal pass, no cache: what the cached steps must reproduce.
+    full = attn(h, rotary(h, pos), torch.full((n, n), float("-inf")).triu(1)[None, None])[0]
+  out = torch.cat(outs, dim=1)[0]
+  assert torch.allclose(out, full[0], atol=1e-5), (out - full[0]).abs().max()
+
+  arrays = {f"w:model.layers.1.self_attn.{k}": v.numpy() for k, v in attn.state_dict().items()}
+  arrays["w:model.layers.1.input_layernorm.weight"] = norm.weight.detach().numpy()
+  arrays.update(x=x[0].numpy(), positions=pos[0].numpy().astype(np.int32), out=out.numpy(),
+                inv_freq=rotary.inv_freq.numpy(), attention_factor=np.float64(rotary.attention_scaling),
+                scaling=np.float64(attn.scaling), prefill=np.int32(prefill))
+  for i, rope in enumerate(MLA_ROPE_VARIANTS):
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config(rope))
+    arrays[f"variant{i}_inv_freq"] = inv_freq.numpy()
+    arrays[f"variant{i}_attention_factor"] = np.float64(factor)
+    arrays[f"variant{i}_scaling"] = np.float64(ds.DeepseekV3Attention(config(rope), 0).scaling)
+  meta = dict(hidden_size=64, num_heads=8, q_lora_rank=q_lora_rank or 0, kv_lora_rank=32,
+              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=cfg.rms_norm_eps,
+              max_position_embeddings=16384, layer=1, rope=MLA_ROPE, variants=MLA_ROPE_VARIANTS)
+  arrays["meta"] = np.array(json.dumps(meta))
+  path = DATA / "golden" / f"{name}.npz"
+  np.savez_compressed(path, **arrays)
+  print(f"{name}: {path.stat().st_size} bytes, out {tuple(out.shape)}, scaling {attn.scaling:.6f}, "
+        f"attention factor {rotary.attention_scaling:.6f}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--only", choices=[*FAMILIES, "smollm2-real", "batch"], help="regenerate one fixture")
+  parser.add_argument("--only", choices=[*FAMILIES, "smollm2-real", "batch", "mla"],
+                      help="regenerate one fixture")
   args = parser.parse_args()
   torch.set_num_threads(2)
   for seed, (name, (cls, kwargs)) in enumerate(FAMILIES.items()):
@@ -264,6 +341,9 @@ def main():
     make_batch_tiny("llama3")
     make_batch_tiny("mistral")
     make_batch_smollm2()
+  if args.only in (None, "mla"):
+    for seed, (name, q_lora_rank) in enumerate(MLA_CASES.items()):
+      make_mla(name, q_lora_rank, 100 + seed)
 
 
 if __name__ == "__main__":
