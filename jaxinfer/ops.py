@@ -52,7 +52,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
-                           decode_q_len: int = 1) -> jax.Array:
+                           decode_q_len: int = 1, v_head_dim: int | None = None) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -65,6 +65,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   the scaled scores to c * tanh(s / c) (Gemma 2 style). One call serves decode
   (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
   Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
+  `v_head_dim` dv: the values are only the first dv columns of v_pages and the
+  result is [T, H, dv] (the same numbers as the full result's first dv
+  columns). MLA passes its latent + rope-key cache as both k_pages and
+  v_pages and reads back the latent part; the XLA path then gathers each page
+  once and multiplies only dv columns by the probabilities (the Pallas
+  kernel computes all d columns and the rest are dropped).
   `decode_q_len` (static) tells the XLA path which sequences to treat as
   decodes: those with at most this many queries (1 + the drafts verified per
   step); the Pallas kernel needs no such hint.
@@ -73,15 +79,24 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if impl == "xla":
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                       num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, decode_q_len=decode_q_len)
+                                      soft_cap=soft_cap, decode_q_len=decode_q_len,
+                                      v_head_dim=v_head_dim)
   import pallas_kernels
-  return pallas_kernels.ragged_paged_attention(
+  _check_v_head_dim(v_head_dim, v_pages)
+  out = pallas_kernels.ragged_paged_attention(
       q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
       sliding_window=sliding_window, soft_cap=soft_cap, interpret=impl == "pallas_interpret")
+  return out if v_head_dim is None else out[..., :v_head_dim]
+
+
+def _check_v_head_dim(v_head_dim, v_pages):
+  if v_head_dim is not None and not 1 <= v_head_dim <= v_pages.shape[-1]:
+    raise ValueError(f"v_head_dim={v_head_dim} must be in [1, {v_pages.shape[-1]}] (v_pages' last dim)")
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale=None, sliding_window=None, soft_cap=None, decode_q_len=1):
+                               sm_scale=None, sliding_window=None, soft_cap=None, decode_q_len=1,
+                               v_head_dim=None):
   """The XLA path: each sequence's pages are read once per block of its queries.
 
   The batch is split by kind inside one program, as the TPU ragged kernel
@@ -102,10 +117,13 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   """
   if not 1 <= decode_q_len <= _BLOCK_Q:
     raise ValueError(f"decode_q_len={decode_q_len} must be in [1, {_BLOCK_Q}]")
+  _check_v_head_dim(v_head_dim, v_pages)
+  same_kv = v_pages is k_pages  # MLA: one latent cache is both keys and values
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens))
   T, H, d = q.shape
   K = k_pages.shape[2]
+  dv = v_pages.shape[-1] if v_head_dim is None else v_head_dim
   S = page_indices.shape[0]
   scale = d ** -0.5 if sm_scale is None else sm_scale
   # q is scaled in float32 and cast to the cache's dtype, so the dots read K and V as
@@ -114,15 +132,15 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   real = jnp.arange(S) < num_seqs
-  attend = functools.partial(_attend, k_pages, v_pages, sliding_window=sliding_window,
-                             soft_cap=soft_cap)
-  out = jnp.zeros(qs.shape, jnp.float32)  # [T + _BLOCK_Q, K, G, d]
+  attend = functools.partial(_attend, k_pages, k_pages if same_kv else v_pages, dv=dv,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+  out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T + _BLOCK_Q, K, G, dv]
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
                      sliding_window)
   out = _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens,
                       real & (q_lens > decode_q_len), sliding_window)
-  return out[:T].reshape(T, H, d).astype(q.dtype)
+  return out[:T].reshape(T, H, dv).astype(q.dtype)
 
 
 def _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, R, window):
@@ -163,12 +181,13 @@ def _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_multi, w
   return jax.lax.fori_loop(0, cu_blocks[-1], block, out)
 
 
-def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, sliding_window,
+def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, sliding_window,
             soft_cap):
   """Online softmax of queries qb [B, R, K, G, d] (at positions q_pos [B, R]) over
-  keys lo .. hi - 1 of each item's pages ([B, P] page ids), C keys at a time.
+  keys lo .. hi - 1 of each item's pages ([B, P] page ids), C keys at a time,
+  against the first dv columns of the values.
 
-  Returns float32 [B, R, K, G, d]; a row that sees no key gets zeros. Inside
+  Returns float32 [B, R, K, G, dv]; a row that sees no key gets zeros. Inside
   the loop the kv head leads (Q = R * G rows per head), so each chunk's
   dots are plain batched matmuls and only the gathered K/V tile is
   transposed, never the queries or the accumulator.
@@ -184,10 +203,12 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, slidi
   pos = jnp.broadcast_to(q_pos[:, :, None], (B, R, G)).reshape(B, 1, R * G, 1)
 
   def chunk(c, carry):
-    m, l, acc = carry  # [B, K, Q] x2, [B, K, Q, d]
+    m, l, acc = carry  # [B, K, Q] x2, [B, K, Q, dv]
     ids = jax.lax.dynamic_slice_in_dim(pages, c * ppc, ppc, axis=1)  # [B, ppc]
     k = k_pages[ids].reshape(B, C, K, d)
-    v = v_pages[ids].reshape(B, C, K, d)
+    # One gather when keys and values are the same pages (MLA's latent cache).
+    v = k if v_pages is k_pages else v_pages[ids].reshape(B, C, K, v_pages.shape[-1])
+    v = v[..., :dv]
     s = jnp.einsum("BKQd,BCKd->BKQC", qk, k, preferred_element_type=jnp.float32)
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -207,9 +228,9 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, slidi
 
   Q = R * G
   init = (jnp.full((B, K, Q), -jnp.inf, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
-          jnp.zeros((B, K, Q, d), jnp.float32))
+          jnp.zeros((B, K, Q, dv), jnp.float32))
   c_lo = jnp.maximum(lo, 0) // C
   c_hi = jnp.minimum(-(-hi // C), n_max)
   _, l, acc = jax.lax.fori_loop(c_lo, c_hi, chunk, init)
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-  return out.reshape(B, K, R, G, d).transpose(0, 2, 1, 3, 4)
+  return out.reshape(B, K, R, G, dv).transpose(0, 2, 1, 3, 4)

@@ -197,3 +197,44 @@ def _jit_xla(*args, **static):
 
 
 _JITTED: dict = {}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("decode_q_len", [1, 3])
+def test_v_head_dim_mla_latent_cache(impl, decode_q_len):
+  """MLA's use: one cache [N, p, 1, r + rope] is keys and values, the values are its first r
+  columns, an explicit scale; equal to naive attention on the full pages, first r columns kept."""
+  rng = np.random.default_rng(7)
+  page_size, H, r, rope = 16, 8, 24, 8
+  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
+  P = 20
+  num_pages = len(q_lens) * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
+  T = int(cu[-1]) + 3
+  q = rng.normal(size=(T, H, r + rope)).astype(np.float32)
+  latent = rng.normal(size=(num_pages, page_size, 1, r + rope)).astype(np.float32)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  scale = 0.3
+  got = np.asarray(ops.ragged_paged_attention(q, latent, latent, kv_full, page_indices, cu,
+                                              np.int32(len(q_lens)), sm_scale=scale, impl=impl,
+                                              decode_q_len=decode_q_len, v_head_dim=r))
+  # naive() scales by d ** -0.5: fold the wanted scale into q instead.
+  want = naive(q * scale * np.sqrt(r + rope), latent, latent, kv_full, page_indices, cu, len(q_lens))
+  real = int(cu[len(q_lens)])
+  assert got.shape == (T, H, r)
+  np.testing.assert_allclose(got[:real], want[:real, :, :r], atol=2e-5, rtol=1e-4)
+
+
+def test_v_head_dim_distinct_values_and_bad_width():
+  rng = np.random.default_rng(8)
+  kv_lens, page_indices, cu = layout(rng, [1, 9], [5, 30], 16, 9, 4)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  q = rng.normal(size=(12, 4, 16)).astype(np.float32)
+  k_pages, v_pages = (rng.normal(size=(9, 16, 2, 16)).astype(np.float32) for _ in range(2))
+  args = (q, k_pages, v_pages, kv_full, page_indices, cu, np.int32(2))
+  got = np.asarray(ops.ragged_paged_attention(*args, impl="xla", v_head_dim=5))
+  full = np.asarray(ops.ragged_paged_attention(*args, impl="xla"))
+  np.testing.assert_allclose(got[:10], full[:10, :, :5], atol=1e-6)
+  for bad in (0, 17):
+    with pytest.raises(ValueError, match="v_head_dim"):
+      ops.ragged_paged_attention(*args, impl="xla", v_head_dim=bad)
