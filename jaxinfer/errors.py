@@ -29,3 +29,9 @@ class TokenizerError(JaxinferError):
 
 class InvalidRequestError(JaxinferError, ValueError):
   """A prompt or sampling value is invalid; the message names the field."""
+
+
+class ShardingError(JaxinferError):
+  """A model cannot be split over a mesh as asked: an axis does not divide, two dimensions of
+  one tensor claim the same mesh axis, a rule is malformed, or the mesh needs more devices
+  than exist. The message names the tensor, the logical axis, its size and the mesh axes."""

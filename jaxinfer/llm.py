@@ -38,11 +38,17 @@ class LLM:
   """A model loaded for offline generation and evaluation."""
 
   def __init__(self, model: str | Path | None = None, dtype: str = "float32", *, mesh=None,
-               progress: bool = False, quantization: str | None = None, **engine_options: Any):
+               sharding_rules: dict | None = None, progress: bool = False,
+               quantization: str | None = None, **engine_options: Any):
     """Loads `model` (None: the embedded default) onto devices and warms the engine up.
 
-    `mesh` (a jax.sharding.Mesh with axes ('data', 'expert', 'model')) shards
-    the weights by their logical axes; default: the first device.
+    `mesh` (a jax.sharding.Mesh with axes ('data', 'expert', 'model'), e.g.
+    `jaxinfer.sharding.make_mesh(model=4)`) shards the weights and the KV
+    cache by their logical axes (jaxinfer.sharding.RULES); default: the first
+    device. `sharding_rules` overrides rules, each a mesh axis, a tuple of
+    them, or None to replicate: e.g. {"kv_heads": None} replicates the KV
+    heads when there are fewer than the 'model' axis splits (what vLLM does
+    implicitly; here a ShardingError names the tensor and suggests this).
     `quantization='int8'` stores linear weights as int8 with per-channel
     scales (quantized at load; a checkpoint converted with `--quantize int8`
     or a GGUF's Q8_0 tensors load as int8 directly); see jaxinfer.quant.
@@ -56,7 +62,8 @@ class LLM:
     if unknown:
       raise InvalidRequestError(f"unknown LLM option(s) {unknown}; engine options are {sorted(known)}")
     self.engine = LLMEngine.from_model(model, dtype, EngineConfig(**engine_options), mesh=mesh,
-                                       progress=progress, quantization=quantization)
+                                       sharding_rules=sharding_rules, progress=progress,
+                                       quantization=quantization)
     self.config = self.engine.config
     self.tokenizer: Tokenizer | None = self.engine.tokenizer
     self.source = self.engine.source

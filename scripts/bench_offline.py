@@ -153,7 +153,7 @@ def run_gpu_worker(spec: dict) -> dict:
 
   from jaxinfer.config import ModelConfig
   from jaxinfer.engine.engine import EngineConfig, LLMEngine
-  from jaxinfer.models.transformer import cache_bytes_per_token
+  from jaxinfer.models.cache import cache_bytes_per_token
   from jaxinfer.params import init_params
   from jaxinfer.sampling import SamplingParams
 

@@ -45,7 +45,7 @@ from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.models.transformer import cache_bytes_per_token
+from jaxinfer.models.cache import CacheSpec
 from jaxinfer.ops import ATTENTION_IMPLS
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
@@ -154,7 +154,8 @@ class LLMEngine:
   """Continuous batching over a paged, prefix-cached KV cache."""
 
   def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Tokenizer | None,
-               engine_config: EngineConfig = EngineConfig(), *, mesh=None, progress: bool = False):
+               engine_config: EngineConfig = EngineConfig(), *, mesh=None, sharding_rules=None,
+               progress: bool = False):
     ec = engine_config
     self.config = cfg
     self.tokenizer = tokenizer
@@ -162,10 +163,12 @@ class LLMEngine:
     self.max_model_len = min(cfg.max_position_embeddings, ec.max_model_len or 4096)
     _enable_compilation_cache(ec.compilation_cache_dir)
     dtype = jax.tree.leaves(params)[0].dtype
-    per_page = cache_bytes_per_token(cfg, dtype) * ec.page_size
+    cache_spec = CacheSpec.from_config(cfg, dtype)
+    per_page = cache_spec.page_bytes(ec.page_size)
     pages_per_seq = -(-self.max_model_len // ec.page_size)
     if ec.num_pages is None:
-      num_pages = min(ec.kv_cache_bytes // per_page, ec.max_num_seqs * pages_per_seq + 1)
+      num_pages = cache_spec.num_pages_for(ec.kv_cache_bytes, ec.page_size,
+                                           cap=ec.max_num_seqs * pages_per_seq + 1)
     else:
       num_pages = ec.num_pages
     if num_pages - 1 < pages_per_seq:
@@ -185,7 +188,7 @@ class LLMEngine:
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
-                              max_model_len=self.max_model_len, mesh=mesh,
+                              max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k)
     log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
              num_pages * per_page / 2**20, dtype)
@@ -203,22 +206,29 @@ class LLMEngine:
 
   @classmethod
   def from_model(cls, model: str | Path | None = None, dtype: str = "float32",
-                 engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+                 engine_config: EngineConfig = EngineConfig(), *, mesh=None, sharding_rules=None,
                  progress: bool = False, quantization: str | None = None) -> "LLMEngine":
     """Loads a checkpoint (None: the embedded default model) and builds the engine.
 
+    mesh: shard weights and KV cache by their logical axes (jaxinfer.sharding);
+    sharding_rules: overrides of jaxinfer.sharding.RULES, e.g. {"kv_heads": None}.
+    A model the mesh cannot split as the rules ask is a ShardingError naming the tensor.
     quantization='int8': linear weights int8 (see jaxinfer.quant)."""
     from jaxinfer.checkpoint import load_model
+    from jaxinfer.sharding import make_rules, param_shardings
     if model is None:
       from jaxinfer.default_model import default_checkpoint
       model = default_checkpoint()
     shardings_fn = None
     if mesh is not None:
-      from jaxinfer.sharding import param_shardings
-      shardings_fn = lambda cfg, quantization=None: param_shardings(cfg, mesh, quantization)
+      rules = make_rules(sharding_rules)
+      shardings_fn = lambda cfg, quantization=None: param_shardings(cfg, mesh, quantization, rules)
+    elif sharding_rules:
+      from jaxinfer.errors import ShardingError
+      raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn, quantization=quantization)
     engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
-                 progress=progress)
+                 sharding_rules=sharding_rules, progress=progress)
     engine.source = loaded.source
     return engine
 
@@ -295,6 +305,7 @@ class LLMEngine:
     self.scheduler.connector = connector
 
   def kv_layout(self):
+    """The wire layout of this engine's KV pages (derived from the runner's cache spec)."""
     return self.runner.kv_layout()
 
   def export_kv(self, request_id: str, first_page: int, num_pages: int) -> list[dict[str, np.ndarray]]:
@@ -331,12 +342,30 @@ class LLMEngine:
     req = self._waiting_for_kv(request_id)
     pages = self.kv.pages(request_id)
     ps = self.kv.page_size
-    n = len(arrays[0]["k"]) if arrays and "k" in arrays[0] else 0
+    n = self.runner.num_import_pages(arrays)
     lo, hi = req.num_computed // ps, -(-(req.num_computed + req.num_remote_tokens) // ps)
     if not lo <= first_page <= first_page + n <= hi:
       raise KVTransferError(f"request {request_id!r}: pages [{first_page}, {first_page + n}) are not "
                             f"among the pages its remote tokens fill, [{lo}, {hi})")
     self.runner.import_pages(pages[first_page:first_page + n], arrays)
+
+  def export_kv_tokens(self, request_id: str, start: int, num_tokens: int) -> list[dict[str, np.ndarray]]:
+    """Tokens [start, start + num_tokens) of a running or held request's KV, token-major
+    (per layer {name: [num_tokens, ...]}): what a worker with any page size can import."""
+    if request_id not in self.scheduler.held and request_id not in self._requests:
+      raise KVTransferError(f"request {request_id!r} holds no KV pages (released, or never added)")
+    return self.runner.export_tokens(self.kv.pages(request_id), start, num_tokens)
+
+  def import_kv_tokens(self, request_id: str, start: int, runs: Sequence[dict[str, np.ndarray]]) -> None:
+    """Writes remote tokens [start, start + T) (as `export_kv_tokens` returns them, from a
+    worker of any page size) into the request's pages. Only its remote tokens may be written."""
+    req = self._waiting_for_kv(request_id)
+    first, last = req.num_computed, req.num_computed + req.num_remote_tokens
+    T = self.runner.cache_spec.num_transfer_tokens(runs, page_major=False)
+    if not first <= start <= start + T <= last:
+      raise KVTransferError(f"request {request_id!r}: tokens [{start}, {start + T}) are not among "
+                            f"its remote tokens [{first}, {last})")
+    self.runner.import_tokens(self.kv.pages(request_id), start, runs)
 
   def finish_remote_kv(self, request_id: str, first_token: int | None = None, logprob: float = 0.0,
                        top: dict[int, float] | None = None, remote_cached_tokens: int = 0) -> None:

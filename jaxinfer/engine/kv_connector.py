@@ -29,6 +29,7 @@ from jaxinfer.errors import JaxinferError
 
 if TYPE_CHECKING:
   from jaxinfer.engine.scheduler import Request
+  from jaxinfer.models.cache import CacheSpec
 
 
 class KVTransferError(JaxinferError):
@@ -42,8 +43,10 @@ class KVTransferTimeout(KVTransferError):
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
   """What two workers must agree on for one's pages to be the other's (page ids and pool
-  sizes may differ). One page per layer is `[page_size, num_kv_heads, head_dim]` of
-  `dtype`, for each of the cache's arrays (`names`, e.g. ('k', 'v'))."""
+  sizes may differ): the wire form of a `CacheSpec` (jaxinfer.models.cache) at one page
+  size, built by `from_cache_spec`. One page per layer is `[page_size, num_kv_heads,
+  head_dim]` of `dtype`, for each of the cache's arrays (`names`, e.g. ('k', 'v')); an
+  MLA layer's headless latent travels as one 'kv head' of head_dim r + R."""
 
   num_layers: int
   page_size: int
@@ -51,6 +54,23 @@ class KVLayout:
   head_dim: int
   dtype: str
   names: tuple[str, ...] = ("k", "v")
+
+  @classmethod
+  def from_cache_spec(cls, spec: "CacheSpec", page_size: int) -> "KVLayout":
+    """The layout of `spec`'s pages; KVTransferError for a stack that mixes layer kinds
+    (one KVLayout describes every layer alike)."""
+    layer = spec.uniform_layer()
+    if layer is None:
+      kinds = sorted({l.kind for l in spec.layers})
+      raise KVTransferError(f"the KV cache mixes layer kinds {kinds}: KVLayout describes one page "
+                            "layout for every layer, so these pages cannot be transferred")
+    shapes = {a.shape for a in layer.arrays}
+    if len(shapes) != 1:
+      raise KVTransferError(f"the KV cache's arrays {layer.names} have different token shapes {sorted(shapes)}")
+    shape, = shapes
+    heads, dim = shape if len(shape) == 2 else (1,) + shape
+    return cls(num_layers=len(spec.layers), page_size=page_size, num_kv_heads=heads, head_dim=dim,
+               dtype=spec.dtype, names=layer.names)
 
   @property
   def page_bytes(self) -> int:

@@ -27,10 +27,15 @@ token occurred in the output and which tokens are in the prompt: the
 repetition / presence / frequency penalties read it on device, so no
 per-step [S, V] array crosses to the device.
 
-KV pages move between workers (prefill/decode disaggregation) through
-`export_pages` / `import_pages`: a gather from / scatter into the paged cache
-of a power-of-two bucket of pages (at most MAX_TRANSFER_PAGES per program;
-more are split), so they add a bounded set of programs, compiled on first use.
+The KV cache's layout (what a page holds per layer, its shardings, bytes
+per token) is `self.cache_spec` (jaxinfer.models.cache); this module never
+spells it. KV pages move between workers (prefill/decode disaggregation)
+through `export_pages` / `export_tokens` (a gather of a power-of-two bucket of
+pages, at most MAX_TRANSFER_PAGES per program) and `import_pages` /
+`import_tokens` (a token-granular scatter of a power-of-two bucket of tokens,
+at most MAX_TRANSFER_PAGES pages' worth per program; more are split), so they
+add a bounded set of programs, compiled on first use. Imports write tokens,
+not pages, so pages exported at another worker's page size land in ours.
 
 Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
 P pages per sequence, R sampler rows, V vocab, W = ceil(V / 32) mask words, N top logprobs.
@@ -51,15 +56,15 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
+from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.ops import resolve_attention_impl
-from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, init_cache
+from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer.engine.spec_decode import accept
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
 MAX_TRANSFER_PAGES = 64  # pages per gather / scatter program (largest transfer bucket)
-_PAGE_DIMS = ("pages", "page_size", "num_kv_heads", "head_dim")
 
 
 def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -209,11 +214,15 @@ class ModelRunner:
 
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
-               attention_impl: str = "auto", num_speculative_tokens: int = 0):
+               sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0):
+    """`mesh` and `sharding_rules` (overrides of jaxinfer.sharding.RULES) shard the KV cache
+    like the weights; without a mesh everything lives on the first device."""
+    from jaxinfer.sharding import make_rules
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
     self.params = params
     self.dtype = jax.tree.leaves(params)[0].dtype
+    self.cache_spec = CacheSpec.from_config(cfg, self.dtype)
     self.page_size = page_size
     self.num_pages = num_pages
     self.max_num_seqs = max_num_seqs
@@ -223,15 +232,18 @@ class ModelRunner:
     self.token_buckets = power_of_two_buckets(1, max_num_batched_tokens)
     self.len_buckets = power_of_two_buckets(min(64, max_model_len), max_model_len)
     self.mesh = mesh
+    self.sharding_rules = make_rules(sharding_rules)
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
     self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
-    self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size))
-    self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)
-    self._gather = jax.jit(_gather_pages)
-    self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
+    self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size,
+                                             self.cache_spec, self._cache_shardings if mesh else None))
+    self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
+    self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
+    self._gather = jax.jit(gather_pages)
+    self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,))
     self._programs: set[tuple] = set()
 
   def reset_state(self) -> None:
@@ -242,19 +254,22 @@ class ModelRunner:
     second call of the first bucket trace and compile again (seen: 2 s)."""
     cfg = self.cfg
     rows = self.max_num_seqs + 1
-    self.cache = init_cache(cfg, self.num_pages, self.page_size, self.dtype)
+    self.cache = self.cache_spec.zeros(self.num_pages, self.page_size, self._cache_shardings(self.num_pages))
     self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                     "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
     if self.mesh is None:
-      self.cache, self.history = jax.device_put((self.cache, self.history), jax.devices()[0])
+      self.history = jax.device_put(self.history, jax.devices()[0])
       return
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxinfer.sharding import logical_to_spec
-    shape = self.cache[0]["k"].shape
-    spec = logical_to_spec((None, None, "kv_heads", None), shape, self.mesh)
-    self.cache = jax.device_put(self.cache, NamedSharding(self.mesh, spec))
     self.history = jax.device_put(self.history, NamedSharding(self.mesh, PartitionSpec()))
+
+  def _cache_shardings(self, num_pages: int):
+    """The pool's shardings: from the cache spec's logical axes and the rules on a mesh
+    (ShardingError if they do not divide), else the first device."""
+    if self.mesh is None:
+      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return jax.tree.map(lambda _: device, self.cache_spec.abstract(num_pages, self.page_size))
+    return self.cache_spec.shardings(self.mesh, num_pages, self.page_size, self.sharding_rules)
 
   def state_lost(self) -> bool:
     """Whether a failed step consumed the donated cache or history without replacing them."""
@@ -272,7 +287,8 @@ class ModelRunner:
   def max_programs(self) -> int:
     """Every program a request can ever trigger: steps with and without prompt
     logprobs, full-sequence logits per length bucket, the history-row setter."""
-    return 2 * len(self.token_buckets) + len(self.len_buckets) + 1 + 2 * len(self.transfer_buckets)
+    return (2 * len(self.token_buckets) + len(self.len_buckets) + 1 + len(self.transfer_buckets)
+            + len(self.import_buckets))
 
   def warmup(self, progress=None) -> None:
     """Compiles the step for every token bucket (all-padding batches touch no real page)."""
@@ -313,10 +329,7 @@ class ModelRunner:
   # ---- KV page transfer ----------------------------------------------------------------
 
   def kv_layout(self) -> KVLayout:
-    layer = self.cache[0]
-    shape = next(iter(layer.values())).shape
-    return KVLayout(num_layers=len(self.cache), page_size=shape[1], num_kv_heads=shape[2],
-                    head_dim=shape[3], dtype=str(np.dtype(self.dtype)), names=tuple(layer))
+    return KVLayout.from_cache_spec(self.cache_spec, self.page_size)
 
   def _check_page_ids(self, page_ids: Sequence[int]) -> np.ndarray:
     ids = np.asarray(page_ids, np.int64).reshape(-1)
@@ -326,69 +339,97 @@ class ModelRunner:
                             f"(page {NULL_PAGE} is reserved for padding)")
     return ids.astype(np.int32)
 
-  def _chunks(self, ids: np.ndarray):
-    """(offset, padded ids, real count) per program: buckets of at most MAX_TRANSFER_PAGES."""
-    for lo in range(0, len(ids), MAX_TRANSFER_PAGES):
-      part = ids[lo:lo + MAX_TRANSFER_PAGES]
-      B = bucket(len(part), self.transfer_buckets)
-      padded = np.full(B, NULL_PAGE, np.int32)  # padding reads / writes page 0, the padding page
-      padded[:len(part)] = part
-      yield lo, padded, len(part)
-
   def export_pages(self, page_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """Host copies of the given pages, per layer {'k', 'v'}: [n, page_size, K, d] each."""
+    """Host copies of the given pages, per layer {name: [n, page_size, *token_shape]}
+    (the cache spec's arrays: {'k', 'v'} of [K, d] for GQA, {'latent'} for MLA)."""
     ids = self._check_page_ids(page_ids)
     parts = []
-    for _, padded, n in self._chunks(ids):
+    for lo in range(0, len(ids), MAX_TRANSFER_PAGES):
+      part = ids[lo:lo + MAX_TRANSFER_PAGES]
+      padded = np.full(bucket(len(part), self.transfer_buckets), NULL_PAGE, np.int32)  # pad: page 0
+      padded[:len(part)] = part
       self._programs.add(("export", len(padded)))
       got = jax.device_get(self._gather(self.cache, padded))
       # Slice on the host: a device-side [:n] would compile once per count.
-      parts.append([{name: a[:n] for name, a in layer.items()} for layer in got])
+      parts.append([{name: a[:len(part)] for name, a in layer.items()} for layer in got])
     if not parts:
-      return [{name: np.zeros((0,) + a.shape[1:], np.dtype(self.dtype)) for name, a in layer.items()}
-              for layer in self.cache]
+      return [{name: np.zeros((0,) + shape[1:], np.dtype(self.dtype)) for name, shape in layer.items()}
+              for layer in self.cache_spec.shapes(0, self.page_size)]
     if len(parts) == 1:
       return parts[0]
     return [{name: np.concatenate([p[i][name] for p in parts]) for name in layer}
-            for i, layer in enumerate(self.cache)]
+            for i, layer in enumerate(parts[0])]
+
+  def export_tokens(self, page_ids: Sequence[int], start: int, num_tokens: int) -> list[dict[str, np.ndarray]]:
+    """Tokens [start, start + num_tokens) of a sequence whose pages are `page_ids`, token-major:
+    per layer {name: [num_tokens, *token_shape]}. Independent of our page size, so a worker
+    with another page size can `import_tokens` it."""
+    p = self.page_size
+    first, last = start // p, -(-(start + num_tokens) // p)
+    if start < 0 or num_tokens < 0 or last > len(page_ids):
+      raise KVTransferError(f"tokens [{start}, {start + num_tokens}) are outside the {len(page_ids)} "
+                            f"pages of {p} tokens given")
+    off = start - first * p
+    return [{name: a.reshape((-1,) + a.shape[2:])[off:off + num_tokens] for name, a in layer.items()}
+            for layer in self.export_pages(page_ids[first:last])]
+
+  def num_import_pages(self, arrays: Sequence[dict[str, np.ndarray]]) -> int:
+    """Our pages that page-major `arrays` (any worker's page size) fill; KVTransferError if
+    they do not match this cache."""
+    runs = self.cache_spec.check_transfer(arrays, page_major=True, page_size=self.page_size)
+    return -(-_run_length(runs) // self.page_size)
 
   def import_pages(self, page_ids: Sequence[int], arrays: Sequence[dict[str, np.ndarray]]) -> None:
     """Writes `arrays` (as `export_pages` returns them, possibly from another worker with
-    other page ids) into the given pages. KVTransferError, changing nothing, when the
-    number of layers, the arrays' names, page count, page_size, kv heads, head_dim or
-    dtype differ from this cache."""
+    other page ids or another page size) into the given pages: their tokens in order, re-chunked
+    into our pages. KVTransferError, changing nothing, when the number of layers, the
+    arrays' names, the token count, kv heads, head_dim (or the latent width) or dtype do not
+    fit this cache and these pages."""
     ids = self._check_page_ids(page_ids)
+    runs = self.cache_spec.check_transfer(arrays, page_major=True, page_size=self.page_size)
+    T, p = _run_length(runs), self.page_size
+    if -(-T // p) != len(ids):
+      n_src, p_src = next(iter(arrays[0].values())).shape[:2] if arrays else (0, p)
+      if p_src == p:
+        raise KVTransferError(f"page count is {n_src}, expected {len(ids)}")
+      raise KVTransferError(f"{n_src} pages of {p_src} tokens fill {-(-T // p)} pages of {p}, expected {len(ids)}")
+    self._write_tokens(ids, 0, runs)
+
+  def import_tokens(self, page_ids: Sequence[int], start: int, runs: Sequence[dict[str, np.ndarray]]) -> None:
+    """Writes token runs (as `export_tokens` returns them) at positions [start, start + T)
+    of a sequence whose pages are `page_ids` (a run may start or end mid-page: the rest of
+    those pages is kept). KVTransferError, changing nothing, on a mismatch."""
+    runs = self.cache_spec.check_transfer(runs, page_major=False)
+    T, p = _run_length(runs), self.page_size
+    if start < 0 or start + T > len(page_ids) * p:
+      raise KVTransferError(f"tokens [{start}, {start + T}) are outside the {len(page_ids)} pages "
+                            f"of {p} tokens given")
+    ids = self._check_page_ids(list(page_ids)[start // p:-(-(start + T) // p)])
+    self._write_tokens(ids, start - (start // p) * p, runs)
+
+  def _write_tokens(self, ids: np.ndarray, start: int, runs: list[dict[str, np.ndarray]]) -> None:
+    """Token t of the runs goes to position start + t of the pages `ids` (already checked)."""
     if len(set(ids.tolist())) != len(ids):
       raise KVTransferError(f"page ids repeat: {ids.tolist()}")
-    if len(arrays) != len(self.cache):
-      raise KVTransferError(f"num_layers: the transfer has {len(arrays)} layers, this model has {len(self.cache)}")
-    want_dtype = np.dtype(self.dtype)
-    for l, (layer, ours) in enumerate(zip(arrays, self.cache)):
-      if set(layer) != set(ours):
-        raise KVTransferError(f"layer {l}: the transfer has arrays {sorted(layer)}, this cache {sorted(ours)}")
-      for name, a in layer.items():
-        want = (len(ids),) + tuple(ours[name].shape[1:])
-        if a.ndim != len(want):
-          raise KVTransferError(f"layer {l} {name!r}: {a.ndim} dimensions, expected {len(want)} {_PAGE_DIMS}")
-        for dim, got, exp in zip(_PAGE_DIMS, a.shape, want):
-          if got != exp:
-            what = "page count" if dim == "pages" else dim
-            raise KVTransferError(f"layer {l} {name!r}: {what} is {got}, expected {exp} "
-                                  f"(shape {tuple(a.shape)} vs {want})")
-        if a.dtype != want_dtype:
-          raise KVTransferError(f"layer {l} {name!r}: dtype is {a.dtype}, this cache holds {want_dtype}")
-    for lo, padded, n in self._chunks(ids):
-      B = len(padded)
-      part = []
-      for layer in arrays:
+    T, p = _run_length(runs), self.page_size
+    pos = start + np.arange(T)
+    slots = (ids[pos // p] * p + pos % p).astype(np.int32)
+    chunk = self.import_buckets[-1]
+    for lo in range(0, T, chunk):
+      part = slots[lo:lo + chunk]
+      B = bucket(len(part), self.import_buckets)
+      padded = np.full(B, NULL_PAGE * p, np.int32)  # padding tokens write the padding page
+      padded[:len(part)] = part
+      block = []
+      for layer in runs:
         d = {}
         for name, a in layer.items():
-          buf = np.zeros((B,) + a.shape[1:], want_dtype)
-          buf[:n] = a[lo:lo + n]
+          buf = np.zeros((B,) + a.shape[1:], a.dtype)
+          buf[:len(part)] = a[lo:lo + len(part)]
           d[name] = buf
-        part.append(d)
+        block.append(d)
       self._programs.add(("import", B))
-      self.cache = self._scatter(self.cache, padded, part)
+      self.cache = self._scatter(self.cache, padded, block)
 
   # ---- evaluation ------------------------------------------------------------------------
 
@@ -427,13 +468,8 @@ def _step(cfg, attention_impl, decode_q_len, params, cache, history, batch: Step
   return cache, history, out
 
 
-def _gather_pages(cache, ids):
-  return jax.tree.map(lambda x: x[ids], cache)
-
-
-def _scatter_pages(cache, ids, arrays):
-  # Padding rows all target page 0: whichever write wins, page 0 only ever holds padding.
-  return jax.tree.map(lambda x, a: x.at[ids].set(a), cache, arrays)
+def _run_length(runs: Sequence[dict[str, np.ndarray]]) -> int:
+  return len(next(iter(runs[0].values()))) if runs and runs[0] else 0
 
 
 def _set_history_row(history, row, ids, prompt_len, total_len):
@@ -447,10 +483,12 @@ def _set_history_row(history, row, ids, prompt_len, total_len):
           "prompt": history["prompt"].at[row].set(prompt)}
 
 
-def _all_logits(cfg, attention_impl, page_size, params, tokens, length):
+def _all_logits(cfg, attention_impl, page_size, cache_spec: CacheSpec, cache_shardings, params, tokens, length):
   L = tokens.shape[0]
   num_pages = L // page_size + 2
-  cache = init_cache(cfg, num_pages, page_size, jax.tree.leaves(params)[0].dtype)
+  cache = cache_spec.zeros(num_pages, page_size)
+  if cache_shardings is not None:  # on a mesh: split the scratch pages like the step's
+    cache = jax.lax.with_sharding_constraint(cache, cache_shardings(num_pages))
   pos = jnp.arange(L, dtype=jnp.int32)
   # Pages 1.. hold the sequence; padding tokens write to page 0.
   slots = jnp.where(pos < length, pos + page_size, 0)

@@ -18,12 +18,9 @@ import jax.numpy as jnp
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.cache import Cache
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.quant import linear
-
-# Per layer: {'k': [N, p, K, d], 'v': [N, p, K, d]} (N pages of p tokens).
-Cache = list[dict[str, jax.Array]]
-
 
 class PagedBatch(NamedTuple):
   """Where a step's ragged tokens live in the paged cache (see ops.ragged_paged_attention)."""
@@ -33,15 +30,6 @@ class PagedBatch(NamedTuple):
   page_indices: jax.Array  # [S, P]
   cu_q_lens: jax.Array  # [S + 1]
   num_seqs: jax.Array  # [] int32
-
-
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> Cache:
-  shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
-
-
-def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:

@@ -1,0 +1,249 @@
+"""The paged KV cache spec: what one page holds per layer, and everything derived from it.
+
+The pool is, per layer, a dict of arrays [N, p, *token_shape] (N pages of p
+tokens). What a token holds depends on the layer's attention:
+
+  GQA layer   {'k': [K, d], 'v': [K, d]}   logical axes ('kv_heads', 'head_dim')
+  MLA layer   {'latent': [r + R]}          logical axes ('kv_latent',)
+
+An MLA layer (DeepSeek-V2/V3, `cfg.kv_lora_rank > 0`) caches the compressed
+KV latent c_KV and the decoupled rope key k^R, concatenated (DeepSeek-V2
+paper, sections 2.1.2-2.1.3): every head reads the same latent, so there is
+no head axis to shard, and a token costs r + R values instead of 2 * K * d.
+
+`CacheSpec.from_config(cfg, dtype)` chooses each layer's kind from the config
+(`layer_cache(cfg, i)`), so mixed stacks are one tuple of layers. From the
+spec alone come allocation (`abstract`, `zeros`), bytes per token and the pool
+size (`bytes_per_token`, `num_pages_for`), shardings (`shardings`: the
+logical axes ('pages', 'page_size', *token axes) through the same rule table
+as the weights, jaxinfer.sharding), and KV transfer (`gather_pages`,
+`scatter_tokens`, `check_transfer`). No other module spells the layout.
+
+Legend: N pages in the pool, p page size, n pages moved, T tokens moved,
+K kv heads, d head_dim, r kv_lora_rank, R qk_rope_head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Per layer: {name: [N, p, *token_shape]}, e.g. {'k': [N, p, K, d], 'v': [N, p, K, d]}.
+Cache = list[dict[str, jax.Array]]
+
+PAGE_AXES = ("pages", "page_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenArray:
+  """One array of a layer's cache, per token: its name, shape and logical axes."""
+
+  name: str
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+
+  def __post_init__(self):
+    assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+  """What one layer's page holds per token: 'gqa' ({'k', 'v'}) or 'mla' ({'latent'})."""
+
+  kind: str
+  arrays: tuple[TokenArray, ...]
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(a.name for a in self.arrays)
+
+  @property
+  def values_per_token(self) -> int:
+    return sum(a.size for a in self.arrays)
+
+
+def gqa_layer(num_kv_heads: int, head_dim: int) -> LayerCache:
+  tok = ((num_kv_heads, head_dim), ("kv_heads", "head_dim"))
+  return LayerCache("gqa", (TokenArray("k", *tok), TokenArray("v", *tok)))
+
+
+def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
+  return LayerCache("mla", (TokenArray("latent", (kv_lora_rank + qk_rope_head_dim,), ("kv_latent",)),))
+
+
+def layer_cache(cfg, i: int) -> LayerCache:
+  """Layer i's cache: MLA's latent when the config has a KV LoRA rank, else GQA heads.
+
+  Every layer of today's configs has the same kind; the index is there so a
+  config that mixes attention kinds per layer needs no other change here."""
+  del i
+  if getattr(cfg, "kv_lora_rank", 0) > 0:
+    return mla_layer(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+  return gqa_layer(cfg.num_kv_heads, cfg.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+  """Every layer's per-token cache arrays, in one dtype (hashable: a static jit argument)."""
+
+  layers: tuple[LayerCache, ...]
+  dtype: str  # numpy dtype name, e.g. 'float32', 'bfloat16'
+
+  @classmethod
+  def from_config(cls, cfg, dtype) -> "CacheSpec":
+    return cls(tuple(layer_cache(cfg, i) for i in range(cfg.num_layers)), jnp.dtype(dtype).name)
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  # ---- sizes ----------------------------------------------------------------------------
+
+  def bytes_per_token(self) -> int:
+    """KV bytes one token takes over every layer."""
+    return sum(l.values_per_token for l in self.layers) * self.itemsize
+
+  def page_bytes(self, page_size: int) -> int:
+    return self.bytes_per_token() * page_size
+
+  def num_pages_for(self, budget_bytes: int, page_size: int, cap: int | None = None) -> int:
+    """Pages of `page_size` tokens that fit `budget_bytes` (at most `cap`)."""
+    n = budget_bytes // self.page_bytes(page_size)
+    return n if cap is None else min(n, cap)
+
+  # ---- allocation -----------------------------------------------------------------------
+
+  def shapes(self, num_pages: int, page_size: int) -> list[dict[str, tuple[int, ...]]]:
+    return [{a.name: (num_pages, page_size) + a.shape for a in l.arrays} for l in self.layers]
+
+  def axes(self) -> list[dict[str, tuple[str, ...]]]:
+    """Logical axes of every cache array: ('pages', 'page_size', *the token's axes)."""
+    return [{a.name: PAGE_AXES + a.axes for a in l.arrays} for l in self.layers]
+
+  def abstract(self, num_pages: int, page_size: int, shardings=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
+    """ShapeDtypeStructs of the whole pool: nothing allocated."""
+    shapes = self.shapes(num_pages, page_size)
+    if shardings is None:
+      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype), shapes, is_leaf=_is_shape)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, self.dtype, sharding=sh), shapes, shardings,
+                        is_leaf=_is_shape)
+
+  def zeros(self, num_pages: int, page_size: int, shardings=None) -> Cache:
+    """A zeroed pool. Inside jit: plain zeros. With `shardings`: each device allocates
+    only its own shard (a jitted fill with those out_shardings), never the whole pool first."""
+    def fill():
+      return jax.tree.map(lambda s: jnp.zeros(s, self.dtype), self.shapes(num_pages, page_size),
+                          is_leaf=_is_shape)
+    if shardings is None:
+      return fill()
+    return jax.jit(fill, out_shardings=shardings)()
+
+  def shardings(self, mesh, num_pages: int, page_size: int, rules: Mapping | None = None):
+    """NamedShardings of the pool from its logical axes and the weights' rule table (so the
+    pages' kv_heads dim is split like wk's). ShardingError when an axis does not divide."""
+    from jaxinfer.sharding import named_sharding
+    shapes, axes = self.shapes(num_pages, page_size), self.axes()
+    return [{name: named_sharding(axes[i][name], shapes[i][name], mesh, rules,
+                                  name=f"KV cache layer {i} {name!r}")
+             for name in shapes[i]} for i in range(len(self.layers))]
+
+  # ---- KV transfer ----------------------------------------------------------------------
+
+  def uniform_layer(self) -> LayerCache | None:
+    """The one layer kind every layer has, or None for a mixed stack."""
+    first = self.layers[0]
+    return first if all(l == first for l in self.layers) else None
+
+  def num_transfer_tokens(self, arrays: Sequence[Mapping[str, np.ndarray]], page_major: bool) -> int:
+    """Tokens a transfer carries (0 for an empty one): n * p for pages, T for a token run."""
+    if not arrays or not arrays[0]:
+      return 0
+    a = next(iter(arrays[0].values()))
+    return int(a.shape[0] * a.shape[1]) if page_major else int(a.shape[0])
+
+  def check_transfer(self, arrays: Sequence[Mapping[str, np.ndarray]], *, page_major: bool,
+                     page_size: int | None = None) -> list[dict[str, np.ndarray]]:
+    """The transfer as token runs {name: [T, *token_shape]} per layer, or KVTransferError
+    naming the layer, array and dimension that do not match this spec.
+
+    Page-major arrays are [n, p', *token_shape] from a worker whose page size p' may
+    differ from ours (`page_size`, only used to phrase errors): a page is a run of p'
+    tokens, so they are flattened, and re-chunked into our pages by whoever writes
+    them. A token shape of [1, F] is accepted for an [F] array (the wire layout of a
+    headless MLA latent is one 'kv head')."""
+    from jaxinfer.engine.kv_connector import KVTransferError
+    if len(arrays) != len(self.layers):
+      raise KVTransferError(f"num_layers: the transfer has {len(arrays)} layers, this model has {len(self.layers)}")
+    lead = ("pages", "page_size") if page_major else ("tokens",)
+    out, count = [], None
+    for l, (layer, spec) in enumerate(zip(arrays, self.layers)):
+      if set(layer) != set(spec.names):
+        raise KVTransferError(f"layer {l}: the transfer has arrays {sorted(layer)}, this cache {sorted(spec.names)}")
+      runs = {}
+      for tok in spec.arrays:
+        a = np.asarray(layer[tok.name])
+        dims = lead + tok.axes
+        if a.ndim == len(dims) + 1 and a.shape[len(lead)] == 1 and len(tok.shape) == 1:
+          a = a.reshape(a.shape[:len(lead)] + a.shape[len(lead) + 1:])
+        if a.ndim != len(dims):
+          raise KVTransferError(f"layer {l} {tok.name!r}: {a.ndim} dimensions, expected {len(dims)} {dims}")
+        for dim, got, exp in zip(dims[len(lead):], a.shape[len(lead):], tok.shape):
+          if got != exp:
+            name = {"kv_heads": "num_kv_heads"}.get(dim, dim)
+            raise KVTransferError(f"layer {l} {tok.name!r}: {name} is {got}, expected {exp} "
+                                  f"(token shape {tuple(a.shape[len(lead):])} vs {tok.shape})")
+        if a.dtype != np.dtype(self.dtype):
+          raise KVTransferError(f"layer {l} {tok.name!r}: dtype is {a.dtype}, this cache holds {self.dtype}")
+        run = a.reshape((-1,) + tok.shape)
+        if count is None:
+          count = (a.shape[:len(lead)], len(run))
+        elif count[1] != len(run):
+          what = f"{a.shape[0]} pages of {a.shape[1]}" if page_major else f"{len(run)} tokens"
+          raise KVTransferError(f"layer {l} {tok.name!r}: {what}, but the transfer's first array has "
+                                f"{count[0]} ({count[1]} tokens)")
+        runs[tok.name] = run
+      out.append(runs)
+    return out
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+# ---- device functions (the runner jits them) -------------------------------------------------
+
+def gather_pages(cache: Cache, ids: jax.Array) -> Cache:
+  """Pages `ids` [n] of every array: per layer {name: [n, p, *token_shape]}."""
+  return jax.tree.map(lambda x: x[ids], cache)
+
+
+def scatter_tokens(cache: Cache, slots: jax.Array, runs: Cache) -> Cache:
+  """cache[slot // p, slot % p] = run[t] for each token t (slots [T], runs {name: [T, ...]}).
+
+  Token-granular, so a run may start and end mid-page: a page filled by two
+  transfers keeps both halves, and runs cut at another worker's page size
+  land in ours. Padding tokens all target slot 0 (the padding page)."""
+  def write(x, a):
+    p = x.shape[1]
+    return x.at[slots // p, slots % p].set(a.astype(x.dtype))
+  return jax.tree.map(write, cache, runs)
+
+
+# ---- conveniences ------------------------------------------------------------------------------
+
+def init_cache(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> Cache:
+  """A zeroed pool for `cfg` (see CacheSpec.zeros)."""
+  return CacheSpec.from_config(cfg, dtype).zeros(num_pages, page_size)
+
+
+def cache_bytes_per_token(cfg, dtype) -> int:
+  return CacheSpec.from_config(cfg, dtype).bytes_per_token()
