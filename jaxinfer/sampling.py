@@ -312,10 +312,13 @@ def candidate_thresholds(scores: jax.Array, t: jax.Array, top_k: jax.Array, top_
   V = scores.shape[-1]
   W = min(width, V)
   # Dividing by t > 0 keeps the order (ties aside), so top_k runs on scores,
-  # which need no [B, V] copy. The barrier keeps XLA:CPU's TopK kernel: once
+  # which need no [B, V] copy. The barriers keep XLA:CPU's TopK kernel: once
   # its users look through to the sort it is lowered to, it compiles as a
-  # full sort (50x slower).
-  best, idx = jax.lax.optimization_barrier(jax.lax.top_k(scores, W))  # [B, W]
+  # full sort (50x slower). One barrier per output, not one over the pair:
+  # after SPMD partitioning (any mesh) a pair barrier becomes the TopK's
+  # direct user, which XLA:CPU's TopkDecomposer aborts on.
+  best, idx = jax.lax.top_k(scores, W)  # [B, W]
+  best, idx = jax.lax.optimization_barrier(best), jax.lax.optimization_barrier(idx)
   cand = best / t  # the scaled logits of the candidates, bit for bit
   # top-p's mass when top-k is off is the whole row's (top-k on: the top-k's).
   scaled = scores / t

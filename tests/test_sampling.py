@@ -44,7 +44,7 @@ def test_per_request_list_length_is_checked():
 
 def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None,
         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, counts=None,
-        prompt_mask=None, want_logprobs=False, full_output=False):
+        prompt_mask=None, want_logprobs=False, full_output=False, mesh=None):
   B, V = logits.shape
   full = lambda v, dt: jnp.full((B,), v, dt)
   seeds = jnp.zeros((B,), jnp.uint32) if seeds is None else jnp.asarray(seeds, jnp.uint32)
@@ -55,7 +55,10 @@ def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, posi
                      seeds, positions, full(want_logprobs, jnp.bool_))
   counts = jnp.zeros((B, V), jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
   prompt_mask = jnp.zeros((B, V), bool) if prompt_mask is None else jnp.asarray(prompt_mask)
-  out = jax.jit(sample)(jnp.asarray(logits), sp, counts, prompt_mask, jnp.arange(B))
+  args = (jnp.asarray(logits), sp, counts, prompt_mask, jnp.arange(B))
+  if mesh is not None:  # every input replicated over the mesh, as in a sharded engine's step
+    args = jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  out = jax.jit(sample)(*args)
   out = tuple(np.asarray(o) for o in out)
   return out if full_output else out[:2]
 
@@ -100,6 +103,18 @@ def test_seeded_rows_do_not_depend_on_the_batch():
   assert mixed[1] == alone[0]
   other_greedy, _ = run(np.concatenate([logits[:1], LOGITS[1:]]), temperature=0.0)
   assert other_greedy[0] == LOGITS[0].argmax()
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 1, 8)])
+def test_sampling_over_a_mesh_draws_the_same_tokens(shape):
+  """Partitioned over 8 devices the sampler compiles (its TopK pre-selection once
+  aborted XLA:CPU under SPMD) and draws what one device draws."""
+  from jaxinfer.sharding import make_mesh
+  controls = dict(temperature=0.8, top_k=5, top_p=0.9, seeds=[1, 2, 3, 4], positions=[0, 1, 2, 3])
+  one = run(LOGITS, **controls, full_output=True)
+  many = run(LOGITS, **controls, full_output=True, mesh=make_mesh(*shape))
+  for a, b in zip(one, many):
+    np.testing.assert_array_equal(a, b)
 
 
 ROW = np.array([[2.0, 1.9, -1.0, -1.2]], np.float32)
