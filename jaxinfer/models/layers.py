@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.errors import UnsupportedModelError
 from jaxinfer.quant import linear
 
 
@@ -27,10 +28,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """Per-pair rotation frequencies [Dh/2], float32, with the config's scaling applied.
 
-  A host-side constant that folds into the jitted step; cached because every
-  layer asks for it while tracing. Read-only, since callers share it.
+  Dh is head_dim, or for MLA (kv_lora_rank > 0) qk_rope_head_dim: only the
+  decoupled rope dims rotate (DeepSeek-V2 sec. 2.1.3). A host-side constant
+  that folds into the jitted step; cached because every layer asks for it
+  while tracing. Read-only, since callers share it.
   """
-  dim = cfg.head_dim
+  dim = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
   inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
               ).astype(np.float32)
   s = cfg.rope_scaling
@@ -38,6 +41,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return _frozen(inv_freq)
   if s.kind == "linear":
     return _frozen((inv_freq / s.factor).astype(np.float32))
+  if s.kind == "yarn":
+    if not cfg.kv_lora_rank and rope_attention_factor(cfg) != 1.0:
+      # The dense attention_block does not scale its rotated q/k yet: refuse
+      # rather than answer wrongly.
+      raise UnsupportedModelError(
+          f"{cfg.name or cfg.architecture}: yarn rope with attention factor "
+          f"{rope_attention_factor(cfg):.4f} is only implemented for MLA models")
+    return _frozen(_yarn_inv_freq(inv_freq, dim, cfg.rope_theta, s))
   # llama3 (Llama 3.1 report, sec. 3.1 / Meta's reference code): long wavelengths are
   # slowed by `factor`, short ones kept, the band between interpolated smoothly.
   old = s.original_max_position_embeddings
@@ -48,6 +59,47 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
   medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
   return _frozen(np.where(medium, smoothed, scaled).astype(np.float32))
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, base: float, s: RopeScaling) -> np.ndarray:
+  """YaRN "NTK-by-parts" (Peng et al. 2023, sec. 3.2): a pair that turns more than
+  beta_fast times over the original context keeps its frequency, one that turns
+  fewer than beta_slow times is interpolated (divided by factor), linear in between.
+  """
+  def pair_dim(turns: float) -> float:  # the dim whose pair turns `turns` times over the context
+    return dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = pair_dim(s.beta_fast), pair_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # a step instead of a ramp, without dividing by zero
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  return (inv_freq / s.factor * ramp + inv_freq * (1 - ramp)).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature sqrt(1/t) = 0.1 ln(factor) + 1 (Peng et al. 2023, sec. 3.4),
+  with DeepSeek's `mscale` multiplier on the log term; 1 when not extending."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """The factor yarn multiplies the rotated dims by (cos and sin scaled alike); 1 otherwise.
+
+  DeepSeek configs give mscale and mscale_all_dim: the ratio of the two
+  temperatures (1 for DeepSeek-V3, whose two are equal: its whole correction
+  then sits in the softmax scale, see mla.softmax_scale).
+  """
+  s = cfg.rope_scaling
+  if s is None or s.kind != "yarn":
+    return 1.0
+  if s.attention_factor is not None:
+    return float(s.attention_factor)
+  if s.mscale and s.mscale_all_dim:
+    return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+  return yarn_mscale(s.factor)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
