@@ -3,9 +3,25 @@
 It is passed explicitly to every model function (and is a static argument of
 every jitted one, hence hashable). Built from a Hugging Face `config.json`
 (`from_hf`) or from GGUF metadata (`from_gguf`), stored beside converted
-checkpoints (`to_dict` / `from_dict`). The MoE, MLA and MTP fields are part of
-the shape now so those models slot in without a redesign; dense models leave
-them at zero.
+checkpoints (`to_dict` / `from_dict`). Dense models leave the MoE, MLA and
+MTP fields at zero.
+
+Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek-V3): every layer not listed
+in `mlp_only_layers` replaces its dense FFN by `num_experts` experts of width
+`moe_intermediate_size`, `num_experts_per_token` of them per token, chosen by
+the router that `scoring_func` names:
+
+  softmax  softmax over the expert logits, top-k, renormalized to sum 1 when
+           `norm_topk_prob` (Mixtral always; Qwen3-MoE as configured).
+  sigmoid  DeepSeek-V3 (`topk_method` noaux_tc): sigmoid scores; the
+           selection adds `e_score_correction_bias` (`router_bias`) and keeps
+           only the experts of the `topk_group` best of `n_group` groups; the
+           weights are the unbiased scores, renormalized when `norm_topk_prob`,
+           times `routed_scaling_factor`.
+
+Shared experts (DeepSeek-V3, Qwen2-MoE) are one dense FFN of width
+`shared_expert_intermediate_size` that every token also goes through, scaled
+by sigmoid(x . w) when `shared_expert_gate` (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -17,6 +33,15 @@ from jaxinfer.errors import UnsupportedModelError
 
 # HF model_type / GGUF general.architecture values we implement.
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def mla_implemented() -> bool:
+  """Whether MLA attention (jaxinfer/models/mla.py, being written) is there to run DeepSeek models."""
+  import importlib.util
+  return importlib.util.find_spec("jaxinfer.models.mla") is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +103,20 @@ class ModelConfig:
   attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
   qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
   sliding_window: int | None = None  # each query sees at most this many keys (Mistral)
-  # Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS): a later issue.
+  # Mixture of experts (see the module doc); num_experts=0: a dense model.
   num_experts: int = 0
   num_experts_per_token: int = 0
   moe_intermediate_size: int = 0
+  mlp_only_layers: tuple[int, ...] = ()  # layers of an MoE model whose FFN is dense
+  scoring_func: str = "softmax"
+  norm_topk_prob: bool = True
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
   num_shared_experts: int = 0
+  shared_expert_intermediate_size: int = 0
+  shared_expert_gate: bool = False
   # Multi-head latent attention (DeepSeek-V3): a later issue.
   kv_lora_rank: int = 0
   q_lora_rank: int = 0
@@ -94,10 +128,10 @@ class ModelConfig:
   name: str = ""
 
   def __post_init__(self):
-    if self.architecture not in DENSE_ARCHITECTURES:
+    if self.architecture not in ARCHITECTURES:
       raise UnsupportedModelError(
           f"architecture {self.architecture!r} is not supported "
-          f"(supported: {', '.join(DENSE_ARCHITECTURES)})")
+          f"(supported: {', '.join(ARCHITECTURES)})")
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
       value = getattr(self, field)
@@ -110,9 +144,65 @@ class ModelConfig:
       raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise UnsupportedModelError(f"sliding_window must be > 0, got {self.sliding_window}")
-    if self.num_experts or self.kv_lora_rank or self.num_mtp_layers:
+    self._check_moe()
+    if self.kv_lora_rank and not mla_implemented():
       raise UnsupportedModelError(
-          f"{self.name or self.architecture}: MoE, MLA and MTP models are not implemented yet")
+          f"{self.name or self.architecture}: MLA attention (kv_lora_rank={self.kv_lora_rank}) "
+          "is not implemented yet")
+    if self.num_mtp_layers:
+      raise UnsupportedModelError(
+          f"{self.name or self.architecture}: multi-token prediction layers are not implemented yet")
+
+  def _check_moe(self) -> None:
+    who = self.name or self.architecture
+    if not self.num_experts:
+      if self.architecture in MOE_ARCHITECTURES:
+        raise UnsupportedModelError(f"{who}: architecture {self.architecture!r} needs num_experts > 0")
+      if self.num_shared_experts or self.mlp_only_layers:
+        raise UnsupportedModelError(f"{who}: shared experts / mlp_only_layers need num_experts > 0")
+      return
+    E, A = self.num_experts, self.num_experts_per_token
+    if not isinstance(E, int) or E < 1:
+      raise UnsupportedModelError(f"{who}: num_experts must be a positive int, got {E!r}")
+    if not (isinstance(A, int) and 1 <= A <= E):
+      raise UnsupportedModelError(
+          f"{who}: num_experts_per_token={A!r} must be between 1 and num_experts={E}")
+    if not isinstance(self.moe_intermediate_size, int) or self.moe_intermediate_size <= 0:
+      raise UnsupportedModelError(
+          f"{who}: moe_intermediate_size must be a positive int, got {self.moe_intermediate_size!r}")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise UnsupportedModelError(f"{who}: mlp_only_layers {bad} are not layers of a "
+                                  f"{self.num_layers}-layer model")
+    if self.scoring_func not in SCORING_FUNCS:
+      raise UnsupportedModelError(f"{who}: router scoring_func {self.scoring_func!r} is not "
+                                  f"supported (supported: {', '.join(SCORING_FUNCS)})")
+    if self.scoring_func == "softmax" and (self.n_group > 1 or self.router_bias):
+      # DeepSeek-V2's group_limited_greedy (softmax + max-per-group) is another router.
+      raise UnsupportedModelError(f"{who}: group-limited routing (n_group={self.n_group}) and a "
+                                  "router bias are only supported with scoring_func='sigmoid'")
+    G, TG = self.n_group, self.topk_group
+    if not (isinstance(G, int) and G >= 1 and E % G == 0):
+      raise UnsupportedModelError(f"{who}: n_group={G!r} must divide num_experts={E}")
+    if not (isinstance(TG, int) and 1 <= TG <= G):
+      raise UnsupportedModelError(f"{who}: topk_group={TG!r} must be between 1 and n_group={G}")
+    if G > 1 and E // G < 2:
+      raise UnsupportedModelError(f"{who}: group-limited routing scores a group by its best 2 "
+                                  f"experts, so each of the n_group={G} groups needs >= 2 experts")
+    if TG * (E // G) < A:
+      raise UnsupportedModelError(f"{who}: topk_group={TG} groups of {E // G} experts hold fewer "
+                                  f"than num_experts_per_token={A}")
+    if not self.routed_scaling_factor > 0:
+      raise UnsupportedModelError(
+          f"{who}: routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+    if bool(self.num_shared_experts) != bool(self.shared_expert_intermediate_size):
+      raise UnsupportedModelError(f"{who}: num_shared_experts={self.num_shared_experts} and "
+                                  f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} "
+                                  "must both be set or both be 0")
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer i's FFN is the mixture of experts (else the dense SwiGLU)."""
+    return self.num_experts > 0 and i not in self.mlp_only_layers
 
   @property
   def num_queries_per_kv(self) -> int:
@@ -132,6 +222,8 @@ class ModelConfig:
       raise UnsupportedModelError(f"unknown ModelConfig fields {sorted(unknown)}")
     if d.get("rope_scaling"):
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if "mlp_only_layers" in d:  # JSON has lists; the config must stay hashable
+      d["mlp_only_layers"] = tuple(d["mlp_only_layers"])
     return cls(**d)
 
   # ---- Hugging Face config.json -------------------------------------------
@@ -140,9 +232,9 @@ class ModelConfig:
   def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
     """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
     model_type = hf.get("model_type")
-    if model_type not in DENSE_ARCHITECTURES:
+    if model_type not in ARCHITECTURES:
       raise UnsupportedModelError(
-          f"model_type {model_type!r} is not supported (supported: {', '.join(DENSE_ARCHITECTURES)})")
+          f"model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
       raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
@@ -173,6 +265,11 @@ class ModelConfig:
     cfg["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
+      # yarn's own settings, where the config gives them (RopeScaling's defaults otherwise).
+      yarn = {k: float(rope[k]) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                          "attention_factor") if rope.get(k) is not None}
+      if rope.get("truncate") is not None:
+        yarn["truncate"] = bool(rope["truncate"])
       cfg["rope_scaling"] = RopeScaling(
           kind=rope_type,
           factor=float(rope.get("factor", 1.0)),
@@ -180,16 +277,19 @@ class ModelConfig:
           high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
           original_max_position_embeddings=int(
               rope.get("original_max_position_embeddings", 8192)),
+          **(yarn if rope_type == "yarn" else {}),
       )
     if model_type == "qwen2":
       cfg["attention_bias"] = True  # Qwen2 always has q/k/v biases
     else:
       cfg["attention_bias"] = bool(hf.get("attention_bias", False))
-    cfg["qk_norm"] = model_type == "qwen3"
+    cfg["qk_norm"] = model_type in ("qwen3", "qwen3_moe")
     window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
       window = None
     cfg["sliding_window"] = int(window) if window else None
+    if model_type in MOE_ARCHITECTURES:
+      cfg.update(_moe_from_hf(model_type, hf, cfg["num_layers"]))
     return cls(**cfg)
 
   # ---- GGUF metadata -------------------------------------------------------
@@ -237,3 +337,63 @@ class ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         name=str(meta.get("general.name") or arch),
     )
+
+
+def _moe_from_hf(model_type: str, hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+  """The MoE (and, for DeepSeek-V3, MLA) fields of a Hugging Face config.json."""
+  def num(key, *alts, default=None):
+    for k in (key, *alts):
+      if hf.get(k) is not None:
+        return hf[k]
+    if default is None:
+      raise UnsupportedModelError(f"config.json lacks the field {key!r} ({model_type})")
+    return default
+
+  out: dict[str, Any] = dict(num_experts_per_token=int(num("num_experts_per_tok")))
+  if model_type == "mixtral":
+    # Mixtral's experts are its FFN: intermediate_size is their width; the top-k always renormalize.
+    out.update(num_experts=int(num("num_local_experts", "num_experts")),
+               moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+  elif model_type == "qwen3_moe":
+    E = int(num("num_experts", "num_local_experts"))
+    step = int(num("decoder_sparse_step", default=1))
+    if step < 1:
+      raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    only = set(int(i) for i in hf.get("mlp_only_layers") or ())
+    # Qwen3-MoE: layer i is sparse iff it is not listed and (i + 1) % decoder_sparse_step == 0.
+    only |= {i for i in range(num_layers) if (i + 1) % step}
+    if hf.get("shared_expert_intermediate_size"):
+      raise UnsupportedModelError("qwen3_moe with shared experts is not supported")
+    out.update(num_experts=E, moe_intermediate_size=int(num("moe_intermediate_size")),
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+               mlp_only_layers=tuple(sorted(only)))
+  elif model_type == "deepseek_v3":
+    scoring = hf.get("scoring_func", "sigmoid")
+    method = hf.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+      raise UnsupportedModelError(
+          f"deepseek_v3 router scoring_func={scoring!r} topk_method={method!r} is not supported "
+          "(supported: scoring_func='sigmoid' with topk_method='noaux_tc')")
+    E = int(num("n_routed_experts", "num_local_experts"))
+    first_dense = int(num("first_k_dense_replace", default=0))
+    freq = int(num("moe_layer_freq", default=1))
+    if freq < 1:
+      raise UnsupportedModelError(f"moe_layer_freq must be >= 1, got {freq}")
+    # DeepSeek: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
+    only = tuple(i for i in range(num_layers) if i < first_dense or i % freq)
+    shared = int(num("n_shared_experts", default=0))
+    F = int(num("moe_intermediate_size"))
+    heads = int(hf["num_attention_heads"])
+    out.update(num_experts=E, moe_intermediate_size=F, mlp_only_layers=only,
+               scoring_func="sigmoid", router_bias=True,
+               norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+               n_group=int(num("n_group", default=1)), topk_group=int(num("topk_group", default=1)),
+               routed_scaling_factor=float(num("routed_scaling_factor", default=1.0)),
+               num_shared_experts=shared, shared_expert_intermediate_size=F * shared,
+               # MLA: no separate K/V heads; head_dim is the rope part's (what HF writes).
+               num_kv_heads=heads, head_dim=int(num("qk_rope_head_dim")),
+               kv_lora_rank=int(num("kv_lora_rank")), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+               qk_rope_head_dim=int(num("qk_rope_head_dim")),
+               qk_nope_head_dim=int(num("qk_nope_head_dim")), v_head_dim=int(num("v_head_dim")))
+    # The MTP module's weights (layers past num_hidden_layers) are not read, as in transformers.
+  return out

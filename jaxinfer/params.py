@@ -9,8 +9,24 @@ Face and GGUF checkpoints. From that one tree come random init
 (`jaxinfer.checkpoint`).
 
 Layout legend: V vocab, D hidden (embed), H query heads, K kv heads,
-Dh head_dim, F mlp (intermediate) width. Linear weights are stored [in, out]
-so layers are plain einsums ('BTD,DHK->BTHK').
+Dh head_dim, F mlp (intermediate) width, E experts. Linear weights are stored
+[in, out] so layers are plain einsums ('BTD,DHK->BTHK').
+
+Each layer's specs come from `layer_specs(cfg, i)`, which picks the FFN: the
+dense SwiGLU (w_gate, w_up, w_down) or, in an MoE layer, a `moe` subtree:
+
+  router     [D, E]     logical ('embed', None): every device needs all E
+                        logits of a token to pick its top-k, so it is not split
+  router_bias [E]       DeepSeek-V3's e_score_correction_bias
+  w_gate/w_up [E, D, F] ('experts', 'embed', 'mlp')
+  w_down     [E, F, D]  ('experts', 'mlp', 'embed')
+  shared     {w_gate, w_up, w_down[, gate]}  a dense SwiGLU every token takes
+
+Experts are stacked along a leading 'experts' axis (what `ragged_dot` and an
+expert-parallel split want). Hugging Face checkpoints, Hub ones and what
+transformers 5.23 `save_pretrained` writes alike, hold one [out, in] tensor
+per expert (`...experts.{e}.gate_proj.weight`): a spec whose `hf` name has
+'{e}' is stacked from those; GGUF's `ffn_*_exps` tensors are already stacked.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import UnsupportedModelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +51,11 @@ class WeightSpec:
   formats store linear weights [out, in] (GGUF's numpy view is reversed from
   its header dims, which lands on the same order); `linear=True` says to
   transpose to our [in, out] before reshaping to `shape`.
+
+  A stacked expert weight (first logical axis 'experts', shape [E, ...]) is
+  E copies of one expert's weight (`one_expert()`); a name with '{e}' in it
+  stands for E per-expert tensors, a name without for one stacked tensor
+  [E, one expert's checkpoint shape...].
   """
 
   shape: tuple[int, ...]
@@ -47,8 +69,27 @@ class WeightSpec:
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
-  def checkpoint_shape(self) -> tuple[int, ...]:
-    """The shape HF/GGUF files hold for this weight."""
+  @property
+  def num_experts(self) -> int:
+    """E for a stacked expert weight, else 0."""
+    return self.shape[0] if self.axes and self.axes[0] == "experts" else 0
+
+  def one_expert(self) -> "WeightSpec":
+    assert self.num_experts, self
+    return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+
+  def checkpoint_names(self, key: str) -> list[str]:
+    """The tensors format `key` ('hf' or 'gguf') builds this weight from: one, or one per expert."""
+    name = getattr(self, key)
+    if "{e}" in name:
+      return [name.format(e=e) for e in range(self.num_experts)]
+    return [name]
+
+  def checkpoint_shape(self, per_expert: bool = False) -> tuple[int, ...]:
+    """The shape HF/GGUF files hold for this weight (for one expert's tensor if `per_expert`)."""
+    if self.num_experts:
+      one = self.one_expert().checkpoint_shape()
+      return one if per_expert else (self.num_experts,) + one
     if not self.linear:  # per-head biases are stored flat: [H * Dh]
       return (int(np.prod(self.shape)),) if self.axes[0] in ("heads", "kv_heads") else self.shape
     fan_in = self.fan_in
@@ -57,12 +98,21 @@ class WeightSpec:
   @property
   def fan_in(self) -> int:
     # wo [H, Dh, D] reads H*Dh inputs; every other linear reads its first dim.
+    if self.num_experts:
+      return self.one_expert().fan_in
     if self.axes[:2] == ("heads", "head_dim"):
       return self.shape[0] * self.shape[1]
     return self.shape[0]
 
   def from_checkpoint(self, array: np.ndarray) -> np.ndarray:
-    """Turns a tensor in HF/GGUF layout into ours; the caller has checked its shape."""
+    """Turns a tensor in HF/GGUF layout into ours; the caller has checked its shape.
+
+    For a stacked expert weight, `array` is [E, one expert's checkpoint shape...]
+    (one stacked tensor, or the per-expert tensors stacked by the caller).
+    """
+    if self.num_experts:
+      one = self.one_expert()
+      return np.stack([one.from_checkpoint(np.asarray(a)) for a in array])
     if self.linear:
       array = array.T
     return array.reshape(self.shape)
@@ -73,65 +123,122 @@ def is_spec(x: Any) -> bool:
 
 
 def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
-  """The parameter pytree of a dense decoder, with a WeightSpec at every leaf.
+  """The parameter pytree of the decoder, with a WeightSpec at every leaf.
 
   quantization='int8': each linear weight but the LM head is a
   `QuantizedWeight` of two specs (int8 values, per-channel float32 scales).
   """
   if quantization is not None:
-    from jaxinfer.quant import parse_quantization, quantizable, quantized_spec
+    from jaxinfer.quant import check_quantizable, parse_quantization, quantizable, quantized_spec
     parse_quantization(quantization)
-    return jax.tree.map(lambda s: quantized_spec(s) if quantizable(s) else s, param_specs(cfg),
-                        is_leaf=is_spec)
-  D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                       cfg.intermediate_size, cfg.vocab_size)
-
-  def layer(i: int) -> dict[str, WeightSpec]:
-    hf, gg = f"model.layers.{i}.", f"blk.{i}."
-    spec = {
-        "attn_norm": WeightSpec((D,), ("embed",), "ones", hf + "input_layernorm.weight",
-                                gg + "attn_norm.weight"),
-        "wq": WeightSpec((D, H, Dh), ("embed", "heads", "head_dim"), "normal",
-                         hf + "self_attn.q_proj.weight", gg + "attn_q.weight", linear=True),
-        "wk": WeightSpec((D, K, Dh), ("embed", "kv_heads", "head_dim"), "normal",
-                         hf + "self_attn.k_proj.weight", gg + "attn_k.weight", linear=True),
-        "wv": WeightSpec((D, K, Dh), ("embed", "kv_heads", "head_dim"), "normal",
-                         hf + "self_attn.v_proj.weight", gg + "attn_v.weight", linear=True),
-        "wo": WeightSpec((H, Dh, D), ("heads", "head_dim", "embed"), "normal",
-                         hf + "self_attn.o_proj.weight", gg + "attn_output.weight", linear=True),
-        "mlp_norm": WeightSpec((D,), ("embed",), "ones", hf + "post_attention_layernorm.weight",
-                               gg + "ffn_norm.weight"),
-        "w_gate": WeightSpec((D, F), ("embed", "mlp"), "normal", hf + "mlp.gate_proj.weight",
-                             gg + "ffn_gate.weight", linear=True),
-        "w_up": WeightSpec((D, F), ("embed", "mlp"), "normal", hf + "mlp.up_proj.weight",
-                           gg + "ffn_up.weight", linear=True),
-        "w_down": WeightSpec((F, D), ("mlp", "embed"), "normal", hf + "mlp.down_proj.weight",
-                             gg + "ffn_down.weight", linear=True),
-    }
-    if cfg.attention_bias:
-      spec["bq"] = WeightSpec((H, Dh), ("heads", "head_dim"), "zeros",
-                              hf + "self_attn.q_proj.bias", gg + "attn_q.bias")
-      spec["bk"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros",
-                              hf + "self_attn.k_proj.bias", gg + "attn_k.bias")
-      spec["bv"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros",
-                              hf + "self_attn.v_proj.bias", gg + "attn_v.bias")
-    if cfg.qk_norm:
-      spec["q_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "self_attn.q_norm.weight",
-                                  gg + "attn_q_norm.weight")
-      spec["k_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "self_attn.k_norm.weight",
-                                  gg + "attn_k_norm.weight")
-    return spec
-
+    specs = param_specs(cfg)
+    check_quantizable(specs, quantization)
+    return jax.tree.map(lambda s: quantized_spec(s) if quantizable(s) else s, specs, is_leaf=is_spec)
+  D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
       "embed": WeightSpec((V, D), ("vocab", "embed"), "normal", "model.embed_tokens.weight",
                           "token_embd.weight"),
-      "layers": [layer(i) for i in range(cfg.num_layers)],
+      "layers": [layer_specs(cfg, i) for i in range(cfg.num_layers)],
       "final_norm": WeightSpec((D,), ("embed",), "ones", "model.norm.weight", "output_norm.weight"),
   }
   if not cfg.tie_word_embeddings:
     specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"), "normal", "lm_head.weight",
                                   "output.weight", linear=True)
   return specs
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
+  """Decoder layer i: norms, attention, and the FFN its config asks for (dense or MoE)."""
+  if cfg.kv_lora_rank:
+    raise UnsupportedModelError(f"{cfg.name or cfg.architecture}: MLA attention is not wired into "
+                                "the decoder yet")
+  D = cfg.hidden_size
+  hf, gg = f"model.layers.{i}.", f"blk.{i}."
+  spec: dict[str, Any] = {
+      "attn_norm": WeightSpec((D,), ("embed",), "ones", hf + "input_layernorm.weight",
+                              gg + "attn_norm.weight"),
+      **attention_specs(cfg, i),
+      "mlp_norm": WeightSpec((D,), ("embed",), "ones", hf + "post_attention_layernorm.weight",
+                             gg + "ffn_norm.weight"),
+  }
+  if cfg.is_moe_layer(i):
+    spec["moe"] = moe_specs(cfg, i)
+  else:
+    spec.update(swiglu_specs(D, cfg.intermediate_size, hf + "mlp.", gg, "", ("embed", "mlp")))
+  return spec
+
+
+def attention_specs(cfg: ModelConfig, i: int) -> dict[str, WeightSpec]:
+  """Grouped-query attention: q/k/v/o projections, optional q/k/v biases and q/k norms."""
+  D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  hf, gg = f"model.layers.{i}.self_attn.", f"blk.{i}."
+  spec = {
+      "wq": WeightSpec((D, H, Dh), ("embed", "heads", "head_dim"), "normal",
+                       hf + "q_proj.weight", gg + "attn_q.weight", linear=True),
+      "wk": WeightSpec((D, K, Dh), ("embed", "kv_heads", "head_dim"), "normal",
+                       hf + "k_proj.weight", gg + "attn_k.weight", linear=True),
+      "wv": WeightSpec((D, K, Dh), ("embed", "kv_heads", "head_dim"), "normal",
+                       hf + "v_proj.weight", gg + "attn_v.weight", linear=True),
+      "wo": WeightSpec((H, Dh, D), ("heads", "head_dim", "embed"), "normal",
+                       hf + "o_proj.weight", gg + "attn_output.weight", linear=True),
+  }
+  if cfg.attention_bias:
+    spec["bq"] = WeightSpec((H, Dh), ("heads", "head_dim"), "zeros", hf + "q_proj.bias", gg + "attn_q.bias")
+    spec["bk"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros", hf + "k_proj.bias", gg + "attn_k.bias")
+    spec["bv"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros", hf + "v_proj.bias", gg + "attn_v.bias")
+  if cfg.qk_norm:
+    spec["q_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "q_norm.weight", gg + "attn_q_norm.weight")
+    spec["k_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "k_norm.weight", gg + "attn_k_norm.weight")
+  return spec
+
+
+def swiglu_specs(D: int, F: int, hf: str, gg: str, gg_suffix: str, axes: tuple[str, str],
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 experts: int = 0) -> dict[str, WeightSpec]:
+  """w_gate, w_up [D, F] and w_down [F, D]; with `experts`, E of each stacked: [E, D, F], [E, F, D].
+
+  `hf` is the tensor name prefix ('{e}' in it for per-expert tensors); GGUF
+  names are blk.N.ffn_{gate,up,down}<gg_suffix>.weight.
+  """
+  lead, lead_axes = ((experts,), ("experts",)) if experts else ((), ())
+  g, u, d = names
+  return {
+      "w_gate": WeightSpec(lead + (D, F), lead_axes + axes, "normal", f"{hf}{g}.weight",
+                           f"{gg}ffn_gate{gg_suffix}.weight", linear=True),
+      "w_up": WeightSpec(lead + (D, F), lead_axes + axes, "normal", f"{hf}{u}.weight",
+                         f"{gg}ffn_up{gg_suffix}.weight", linear=True),
+      "w_down": WeightSpec(lead + (F, D), lead_axes + axes[::-1], "normal", f"{hf}{d}.weight",
+                           f"{gg}ffn_down{gg_suffix}.weight", linear=True),
+  }
+
+
+def moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
+  """Router, stacked routed experts and optional shared experts of MoE layer i."""
+  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  gg = f"blk.{i}."
+  if cfg.architecture == "mixtral":
+    hf, names = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
+  else:
+    hf, names = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
+  spec: dict[str, Any] = {
+      "router": WeightSpec((D, E), ("embed", None), "normal", hf + "gate.weight",
+                           gg + "ffn_gate_inp.weight", linear=True),
+      **swiglu_specs(D, F, hf + "experts.{e}.", gg, "_exps", ("embed", "mlp"), names, experts=E),
+  }
+  if cfg.router_bias:
+    spec["router_bias"] = WeightSpec((E,), (None,), "zeros", hf + "gate.e_score_correction_bias",
+                                     gg + "exp_probs_b.bias")
+  if cfg.num_shared_experts:
+    # DeepSeek: `shared_experts` (n_shared_experts of them fused into one wider FFN);
+    # Qwen2-MoE: one `shared_expert` behind a sigmoid gate.
+    shared_hf = hf + ("shared_expert." if cfg.shared_expert_gate else "shared_experts.")
+    spec["shared"] = swiglu_specs(D, cfg.shared_expert_intermediate_size, shared_hf, gg, "_shexp",
+                                  ("embed", "mlp"))
+    if cfg.shared_expert_gate:
+      spec["shared"]["gate"] = WeightSpec((D, 1), ("embed", None), "normal",
+                                          hf + "shared_expert_gate.weight",
+                                          gg + "ffn_gate_inp_shexp.weight", linear=True)
+  return spec
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None,

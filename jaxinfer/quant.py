@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.errors import CheckpointError, InvalidRequestError
+from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 
 QUANTIZATIONS = ("int8",)
 Q8_0_GROUP = 32  # GGUF Q8_0: one fp16 scale per 32 consecutive input values
@@ -90,6 +90,21 @@ def quantizable(spec) -> bool:
   return spec.linear and "vocab" not in spec.axes
 
 
+def check_quantizable(specs: Any, quantization: str) -> None:
+  """UnsupportedModelError unless every weight `quantization` would touch can be held that way.
+
+  Stacked expert weights [E, in, out] are not: their scales would be per
+  (expert, channel), which neither the scales layout above nor `linear`
+  (the grouped expert matmul is a ragged_dot) knows.
+  """
+  from jaxinfer.params import is_spec
+  for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
+    if quantizable(spec) and spec.num_experts:
+      raise UnsupportedModelError(
+          f"quantization={quantization!r} is not supported for mixture-of-experts weights "
+          f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf}); load this model unquantized")
+
+
 def quantized_spec(spec, groups: int = 1) -> QuantizedWeight:
   """The specs of a quantized weight: values keep the weight's axes, scales its output axes."""
   n = num_in_axes(spec)
@@ -126,6 +141,7 @@ def quantize_tree(specs: Any, weights: Any) -> Any:
   """Quantizes every quantizable float leaf of `weights` (a param_specs-shaped tree) per channel;
   leaves that already are QuantizedWeight (GGUF Q8_0) are kept."""
   from jaxinfer.params import is_spec
+  check_quantizable(specs, "int8")
 
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec):

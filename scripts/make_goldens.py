@@ -13,8 +13,11 @@ chat-template token ids, greedy ids for 5 chat prompts x 32 new tokens, and
 logits (tests/data/golden/smollm2-135m.npz + .json). For the engine's
 continuous-batching tests: greedy ids of 16 prompts of mixed lengths, each
 generated alone, for the tiny llama3 / mistral models and for SmolLM2
-(tests/data/golden/batch_<name>.json). torch/transformers are never
-imported by jaxinfer itself.
+(tests/data/golden/batch_<name>.json). Mixture-of-experts families
+(mixtral, qwen3_moe) get the same tiny dir + logits + batch golden, and
+moe_router.npz holds transformers' DeepSeek-V3 router on random inputs.
+`--only NAME...` regenerates just those fixtures, leaving the rest
+byte-identical. torch/transformers are never imported by jaxinfer itself.
 """
 
 from __future__ import annotations
@@ -69,6 +72,21 @@ FAMILIES = {
     "smollm2": (transformers.LlamaConfig, base(num_attention_heads=4, num_key_value_heads=1,
                                                tie_word_embeddings=True, rope_theta=100000.0)),
 }
+
+
+# Mixture of experts: hidden 64, 8 query heads, 8 experts top-2 of width 32 (8 divides
+# heads, experts and expert width, so 8-device meshes can split any of them).
+MOE_FAMILIES = {
+    "mixtral": (transformers.MixtralConfig, base(
+        num_attention_heads=8, num_key_value_heads=8, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2)),
+    # Layer 1 dense (mlp_only_layers) for a mixed stack; the top-2 not renormalized.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, base(
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+        norm_topk_prob=False, use_sliding_window=False)),
+}
+MOE_SEED = 200
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -326,22 +344,69 @@ def make_mla(name: str, q_lora_rank: int | None, seed: int, prefill: int = 12, d
         f"attention factor {rotary.attention_scaling:.6f}")
 
 
+def make_moe_router() -> None:
+  """transformers' DeepSeek-V3 router (sigmoid, correction bias, group-limited top-k) on random
+  inputs, for the router unit test (torch is not in the test venv)."""
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+  g = torch.Generator().manual_seed(7)
+  out = {}
+  cases = {"grouped": dict(n_group=4, topk_group=2, num_experts_per_tok=4, norm_topk_prob=True,
+                           routed_scaling_factor=2.5),
+           "ungrouped": dict(n_group=1, topk_group=1, num_experts_per_tok=3, norm_topk_prob=False,
+                             routed_scaling_factor=1.0)}
+  for case, kw in cases.items():
+    cfg = transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=16, **kw)
+    router = DeepseekV3TopkRouter(cfg).eval()
+    with torch.no_grad():
+      router.weight.copy_(torch.randn(router.weight.shape, generator=g) / np.sqrt(32))
+      router.e_score_correction_bias.copy_(0.1 * torch.randn(16, generator=g))
+      x = torch.randn(64, 32, generator=g)
+      _, weights, ids = router(x)
+    order = torch.argsort(ids, dim=-1)  # transformers' top-k is unsorted: sort by expert id
+    out.update({f"{case}_x": x.numpy(), f"{case}_weight": router.weight.detach().numpy().T.copy(),
+                f"{case}_bias": router.e_score_correction_bias.numpy(),
+                f"{case}_ids": torch.gather(ids, 1, order).numpy().astype(np.int32),
+                f"{case}_weights": torch.gather(weights, 1, order).numpy().astype(np.float32),
+                f"{case}_config": np.array([16, kw["num_experts_per_tok"], kw["n_group"], kw["topk_group"],
+                                            int(kw["norm_topk_prob"]), kw["routed_scaling_factor"]],
+                                           np.float64)})
+  np.savez_compressed(DATA / "golden" / "moe_router.npz", **out)
+  print("moe_router: DeepSeek-V3 router cases", list(cases))
+
+
+def make_moe(wanted) -> None:
+  for i, (name, (cls, kwargs)) in enumerate(MOE_FAMILIES.items()):
+    if wanted(name):
+      make_family(name, cls, kwargs, MOE_SEED + i)
+    if wanted(f"batch_{name}"):
+      make_batch_tiny(name)
+  if wanted("moe_router"):
+    make_moe_router()
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--only", choices=[*FAMILIES, "smollm2-real", "batch", "mla"],
-                      help="regenerate one fixture")
+  moe_fixtures = [*MOE_FAMILIES, *(f"batch_{f}" for f in MOE_FAMILIES), "moe_router"]
+  parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "smollm2-real", "batch", "mla", *moe_fixtures],
+                      help="regenerate only these fixtures (the others stay byte-identical)")
   args = parser.parse_args()
+  only = set(args.only or ())
+
+  def wanted(name):
+    return not only or name in only
+
   torch.set_num_threads(2)
   for seed, (name, (cls, kwargs)) in enumerate(FAMILIES.items()):
-    if args.only in (None, name):
+    if wanted(name):
       make_family(name, cls, kwargs, seed)
-  if args.only in (None, "smollm2-real"):
+  if wanted("smollm2-real"):
     make_smollm2()
-  if args.only in (None, "batch"):
+  if wanted("batch"):
     make_batch_tiny("llama3")
     make_batch_tiny("mistral")
     make_batch_smollm2()
-  if args.only in (None, "mla"):
+  make_moe(wanted)
+  if wanted("mla"):
     for seed, (name, q_lora_rank) in enumerate(MLA_CASES.items()):
       make_mla(name, q_lora_rank, 100 + seed)
 

@@ -35,20 +35,32 @@ def assemble(cfg: ModelConfig, source: str, key: str,
   CheckpointError itself; the shape check here names the tensor and file.
   It may also return a QuantizedWeight in checkpoint layout (GGUF Q8_0 kept
   as int8: values [out, in], scales [out, in / 32]), put in our layout here.
+  A stacked expert weight whose name has '{e}' is read expert by expert and
+  stacked; a missing expert is named in the error.
   """
   specs = param_specs(cfg)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
 
-  def load(spec: WeightSpec) -> np.ndarray:
-    name = getattr(spec, key)
-    expected = spec.checkpoint_shape()
+  def read(name: str, expected: tuple[int, ...]):
     array = fetch(name, expected)
     if array is None:
       raise CheckpointError(f"{source}: tensor {name!r} is missing")
     if tuple(array.shape) != expected:
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                             f"expected {expected} for this config")
+    return array
+
+  def load(spec: WeightSpec) -> np.ndarray:
+    names = spec.checkpoint_names(key)
+    if "{e}" in getattr(spec, key):
+      parts = [read(n, spec.checkpoint_shape(per_expert=True)) for n in names]
+      if any(isinstance(a, QuantizedWeight) for a in parts):
+        raise CheckpointError(f"{source}: quantized expert tensors ({names[0]!r}) are not supported")
+      return spec.from_checkpoint(np.stack([np.asarray(a) for a in parts]))
+    array = read(names[0], spec.checkpoint_shape())
     if isinstance(array, QuantizedWeight):
+      if spec.num_experts:
+        raise CheckpointError(f"{source}: quantized expert tensor {names[0]!r} is not supported")
       return quantized_from_checkpoint(spec, array)
     return spec.from_checkpoint(np.asarray(array))
 

@@ -1,9 +1,11 @@
-"""The dense decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as pure functions.
+"""The decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Mixtral, Qwen3-MoE) as pure functions.
 
 Families differ only in config flags: q/k/v biases (Qwen2), q/k RMSNorm
 (Qwen3), a sliding window (Mistral), tied embeddings (SmolLM2), RoPE scaling
-(Llama 3.1). The layer takes its FFN as a function of (params, x) so MoE
-layers reuse everything else.
+(Llama 3.1), mixture-of-experts FFNs (Mixtral, Qwen3-MoE; see
+jaxinfer.models.moe). The layer takes its FFN as a function of (params, x),
+so MoE layers reuse everything else, and `cfg.is_moe_layer(i)` picks it per
+layer (Qwen3-MoE's mlp_only_layers mix both in one stack).
 
 Legend: T new tokens (of many sequences, packed), S sequences, N pages,
 p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
@@ -20,6 +22,7 @@ from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.cache import Cache
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxinfer.models.moe import RouterStats, moe_ffn
 from jaxinfer.quant import linear
 
 class PagedBatch(NamedTuple):
@@ -84,21 +87,38 @@ def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, batch: PagedBa
 
 def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: Cache, batch: PagedBatch, *, attention_impl: str = "auto",
-            decode_q_len: int = 1) -> tuple[jax.Array, Cache]:
+            decode_q_len: int = 1, return_router_stats: bool = False):
   """Runs the ragged tokens [T] at positions [T] through the decoder.
 
   Writes their K/V into the paged `cache` at `batch.slot_mapping` and
   returns the final normed hidden states [T, D] and the updated cache.
   `attention_impl` picks the attention kernel and `decode_q_len` says which
   sequences the XLA path treats as decodes (see jaxinfer.ops).
+  With `return_router_stats`, also a RouterStats whose tokens_per_expert is
+  [MoE layers, E] (the step's real tokens only, not its padding).
   """
   x = jnp.take(params["embed"], tokens, axis=0)
+  # The step's real tokens are the first cu_q_lens[num_seqs]; the rest is bucket padding.
+  valid = jnp.arange(tokens.shape[0]) < batch.cu_q_lens[batch.num_seqs]
+  stats: list[RouterStats] = []
+
+  def sparse_ffn(p, h):
+    out, layer_stats = moe_ffn(p["moe"], cfg, h, valid)
+    stats.append(layer_stats)
+    return out
+
   new_cache = []
-  for layer_params, layer_cache in zip(params["layers"], cache):
+  for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
     x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch,
+                                   ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
                                    attention_impl=attention_impl, decode_q_len=decode_q_len)
     new_cache.append(layer_cache)
-  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  if not return_router_stats:
+    return hidden, new_cache
+  per_expert = (jnp.stack([s.tokens_per_expert for s in stats]) if stats
+                else jnp.zeros((0, max(cfg.num_experts, 1)), jnp.int32))
+  return hidden, new_cache, RouterStats(per_expert)
 
 
 def compute_logits(params: Any, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -1,0 +1,162 @@
+"""Mixture-of-experts FFN: routers and the grouped expert matmul, as pure functions.
+
+Legend: T tokens, E experts, A active (routed) experts per token, D hidden,
+F expert width, G router groups (DeepSeek-V3), R = T * A token copies.
+
+One MoE FFN (`moe_ffn`):
+  1. route: router logits [T, E] (float32) -> per token the ids [T, A] of its
+     experts and their weights [T, A] (`route_softmax_topk`, `route_deepseek_v3`);
+  2. dispatch: the R token copies sorted by expert id, so each expert's rows
+     are contiguous, with `group_sizes` [E] rows per expert;
+  3. grouped SwiGLU: `jax.lax.ragged_dot` multiplies each expert's rows by
+     that expert's weights only, never all E experts for every token;
+  4. combine: unsort back to [T, A, D] and sum the copies with their weights;
+  5. shared experts (DeepSeek-V3, Qwen2-MoE): a dense SwiGLU on every token, added.
+
+The routers follow the published models: Mixtral (softmax over all experts,
+top-k, renormalized), Qwen3-MoE (the same, renormalized iff norm_topk_prob)
+and DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", sec.
+2.1.2: sigmoid affinities; the auxiliary-loss-free bias shifts which experts
+are chosen but not their weights; node-limited routing, here the
+`n_group` / `topk_group` group limit, where a group scores the sum of its best
+2 experts' biased affinities; weights normalized over the chosen experts and
+scaled by `routed_scaling_factor`).
+
+On XLA CPU `ragged_dot` is lowered to a dense masked product over all
+groups (what jax's fallback does); on GPU/TPU it is a grouped matmul. The
+sorted layout is also what an expert-parallel all-to-all dispatches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import swiglu_mlp
+
+
+class RouterStats(NamedTuple):
+  """What one MoE layer's router did in a step (for load monitoring)."""
+
+  tokens_per_expert: jax.Array  # [E] int32: valid token copies routed to each expert
+
+
+def router_logits(x: jax.Array, w_router: jax.Array) -> jax.Array:
+  """x [T, D] . router [D, E] -> float32 [T, E].
+
+  Always in float32: a bf16 logit rounds near-tied experts to the same value
+  and the top-k would then pick by index (DeepSeek-V3 routes in float32 too).
+  """
+  return jnp.einsum("TD,DE->TE", x.astype(jnp.float32), w_router.astype(jnp.float32))
+
+
+def route_softmax_topk(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+  """Mixtral / Qwen3-MoE: softmax over all E experts, the top k; weights summing to 1 if `renormalize`.
+
+  logits [T, E] float32 -> (weights [T, A] float32, ids [T, A] int32).
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, ids = jax.lax.top_k(probs, k)
+  if renormalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, ids.astype(jnp.int32)
+
+
+def route_deepseek_v3(logits: jax.Array, bias: jax.Array | None, k: int, n_group: int, topk_group: int,
+                      scaling: float, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V3 (noaux_tc): sigmoid scores, group-limited top-k on scores + bias.
+
+  logits [T, E] float32, bias [E] (None: zeros) -> (weights [T, A] float32, ids [T, A] int32).
+  The bias only steers the choice; the weights are the chosen experts' plain
+  sigmoid scores (renormalized if asked), times `scaling`.
+  """
+  T, E = logits.shape
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [T, E]
+  choice = scores if bias is None else scores + bias.astype(jnp.float32)
+  if n_group > 1:
+    grouped = choice.reshape(T, n_group, E // n_group)  # [T, G, E/G]
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]: best 2 of each group
+    _, top_groups = jax.lax.top_k(group_scores, topk_group)  # [T, topk_group]
+    keep = jnp.any(top_groups[:, :, None] == jnp.arange(n_group), axis=1)  # [T, G]
+    choice = jnp.where(jnp.repeat(keep, E // n_group, axis=1), choice, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, k)
+  weights = jnp.take_along_axis(scores, ids, axis=-1)
+  if renormalize:
+    # transformers adds 1e-20: sigmoid weights can all be tiny, never all zero in float32.
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return weights * scaling, ids.astype(jnp.int32)
+
+
+def route(p: dict[str, Any], cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The config's router on x [T, D] -> (weights [T, A] float32, ids [T, A] int32)."""
+  logits = router_logits(x, p["router"])
+  if cfg.scoring_func == "sigmoid":
+    return route_deepseek_v3(logits, p.get("router_bias"), cfg.num_experts_per_token, cfg.n_group,
+                             cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+  return route_softmax_topk(logits, cfg.num_experts_per_token, cfg.norm_topk_prob)
+
+
+def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) for x [T, D], ids / weights [T, A].
+
+  w_gate, w_up [E, D, F], w_down [E, F, D]. The R = T * A token copies are
+  sorted by expert so `ragged_dot` computes each copy with its own expert
+  only; the result is unsorted and combined in float32, then cast to x's dtype.
+  """
+  T, A = ids.shape
+  E = w_gate.shape[0]
+  flat = ids.reshape(-1)  # [R]: copy r = t * A + a
+  order = jnp.argsort(flat, stable=True)  # [R] copies grouped by expert
+  group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+  xs = jnp.take(x, order // A, axis=0)  # [R, D]
+  gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)  # [R, F]
+  up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+  ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [R, D]
+  y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(T, A, -1)  # [T, A, D]
+  out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
+  return out.astype(x.dtype)
+
+
+def moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array | None = None
+            ) -> tuple[jax.Array, RouterStats]:
+  """The MoE FFN of one layer on x [T, D] -> ([T, D], RouterStats).
+
+  `valid` [T] bool marks real tokens (padding is routed like any token, since
+  shapes are static, but not counted in the stats).
+  """
+  weights, ids = route(p, cfg, x)
+  out = grouped_swiglu(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"])
+  if "shared" in p:
+    s = p["shared"]
+    shared = swiglu_mlp(x, s["w_gate"], s["w_up"], s["w_down"])
+    if "gate" in s:  # Qwen2-MoE: sigmoid(x . w) scales the shared expert per token
+      shared = shared * jax.nn.sigmoid(router_logits(x, s["gate"])).astype(x.dtype)
+    out = out + shared
+  count = None if valid is None else jnp.repeat(valid.astype(jnp.int32), ids.shape[1])
+  stats = RouterStats(jnp.bincount(ids.reshape(-1), weights=count, length=cfg.num_experts).astype(jnp.int32))
+  return out, stats
+
+
+def reference_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array) -> jax.Array:
+  """Token by token, expert by expert, no sorting and no ragged_dot: the tests' reference."""
+  weights, ids = route(p, cfg, x)
+  rows = []
+  for t in range(x.shape[0]):
+    acc = jnp.zeros(x.shape[1], jnp.float32)
+    for a in range(ids.shape[1]):
+      e = ids[t, a]
+      y = swiglu_mlp(x[t], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
+      acc = acc + weights[t, a] * y.astype(jnp.float32)
+    rows.append(acc)
+  out = jnp.stack(rows).astype(x.dtype)
+  if "shared" in p:
+    s = p["shared"]
+    shared = swiglu_mlp(x, s["w_gate"], s["w_up"], s["w_down"])
+    if "gate" in s:
+      shared = shared * jax.nn.sigmoid(router_logits(x, s["gate"])).astype(x.dtype)
+    out = out + shared
+  return out
