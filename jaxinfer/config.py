@@ -54,7 +54,7 @@ class RopeScaling:
   divided by `factor`; the rotated dims are scaled by `attention_factor`
   (None: derived from factor, mscale and mscale_all_dim as Hugging Face
   does), and MLA's softmax scale by mscale(factor, mscale_all_dim) ** 2
-  (DeepSeek-V2 appendix). mscale / mscale_all_dim 0 mean absent; `truncate`
+  (DeepSeek-V2 sec. 4.3). mscale / mscale_all_dim 0 mean absent; `truncate`
   rounds the ramp's ends to whole dims.
   """
 
