@@ -209,3 +209,62 @@ def test_import_outside_the_remote_pages_and_unknown_requests_are_refused(pair):
       cons.export_kv("x", 0, 1)
   finally:
     cons.set_kv_connector(None)
+
+
+def test_pages_of_another_page_size_land_in_ours_bit_exact(pair):
+  """A 16-token-page producer's pages re-chunked into an 8-token-page consumer, through
+  import_pages (page-major) and export_tokens / import_tokens (token-major, mid-page start)."""
+  a = pair[0].engine.runner
+  b = LLM(tiny_dir("llama3"), page_size=8, num_pages=40, **ENGINE).engine.runner
+  randomize_cache(a, 3)
+  src = [5, 9, 2]  # 48 tokens
+  dst = [11, 3, 20, 7, 30, 12]  # 6 pages of 8
+  b.import_pages(dst, a.export_pages(src))
+  for xa, xb in zip(_flat(a.cache), _flat(b.cache)):
+    tokens_a = np.asarray(xa)[src].reshape(48, 1, 16)
+    np.testing.assert_array_equal(np.asarray(xb)[dst].reshape(48, 1, 16), tokens_a)
+  # Tokens [20, 43) of the producer's sequence into consumer positions [20, 43): page 2 of
+  # the consumer (tokens 16..23) is written from its offset 4 on, the rest of it kept.
+  b.reset_state()
+  runs = a.export_tokens(src, 20, 23)
+  assert runs[0]["k"].shape == (23, 1, 16)
+  b.import_tokens(dst, 20, runs)
+  for xa, xb in zip(_flat(a.cache), _flat(b.cache)):
+    tokens_a = np.asarray(xa)[src].reshape(48, 1, 16)
+    tokens_b = np.asarray(xb)[dst].reshape(48, 1, 16)
+    np.testing.assert_array_equal(tokens_b[20:43], tokens_a[20:43])
+    assert not tokens_b[:20].any() and not tokens_b[43:].any()
+  with pytest.raises(KVTransferError, match=r"tokens \[40, 63\) are outside the 6 pages of 8 tokens"):
+    b.import_tokens(dst, 40, runs)
+
+
+def test_engines_with_different_page_sizes_hand_a_request_over(pair):
+  """Prefill on 16-token pages, decode on 8-token pages, through the token-major engine seam:
+  the same greedy tokens and logprobs as one engine."""
+  prod = pair[0].engine
+  prod.runner.reset_state()
+  cons = LLM(tiny_dir("llama3"), page_size=8, **ENGINE).engine
+  conn = RemoteAll()
+  cons.set_kv_connector(conn)
+  ref = LLM(tiny_dir("llama3"), **ENGINE)
+  prompt = list(range(7, 44))  # 37 tokens: 3 pages of 16 there, 5 pages of 8 here
+  sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+  want = ref.generate([prompt], sp)[0]
+  cons.add_request("x", prompt, sp)
+  assert cons.step() == [] and len(cons.kv.pages("x")) == 5
+  prod.add_request("x", prompt, dataclasses.replace(sp, max_tokens=1), hold_kv=True)
+  while prod.has_unfinished():
+    outs = prod.step()
+  first = outs[-1]
+  # Two transfers, split mid-page on both sides (token 21: page 1 of 16, page 2 of 8).
+  for lo, hi in ((0, 21), (21, 37)):
+    cons.import_kv_tokens("x", lo, prod.export_kv_tokens("x", lo, hi - lo))
+  with pytest.raises(KVTransferError, match=r"tokens \[30, 40\) are not among its remote tokens \[0, 37\)"):
+    cons.import_kv_tokens("x", 30, prod.export_kv_tokens("x", 30, 10))
+  cons.finish_remote_kv("x", first.token_ids[0], first.logprobs[0], first.top_logprobs[0])
+  prod.release_kv("x")
+  got = []
+  while cons.has_unfinished():
+    got += cons.step()
+  assert got[-1].token_ids == want.token_ids
+  np.testing.assert_allclose(got[-1].logprobs, want.logprobs, atol=1e-5)
