@@ -139,3 +139,80 @@ def test_ties_spread_and_temperature_samples_by_cost():
     dead.add_worker("x")
     dead.set_alive("x", False)
     dead.select([1])
+
+
+class _LRUWorker:
+  """A prefix cache of block hashes that evicts least recently used blocks and touches a
+  chain tail first (as KVManager frees a request's blocks), so parents outlive children."""
+
+  def __init__(self, capacity: int):
+    self.capacity, self.cache, self.seq = capacity, {}, 0
+
+  def store(self, chain: list[int]) -> list[KVEvent]:
+    events = []
+    for h in reversed(chain):
+      if h in self.cache:
+        self.cache[h] = self.cache.pop(h)  # most recent last
+      else:
+        self.cache[h] = None
+        events.append(KVEvent("stored", h))
+    while len(self.cache) > self.capacity:
+      old = next(iter(self.cache))
+      del self.cache[old]
+      events.append(KVEvent("removed", old))
+    return events
+
+
+def _leading(chain: list[int], held: set[int]) -> int:
+  n = 0
+  while n < len(chain) and chain[n] in held:
+    n += 1
+  return n
+
+
+def test_bisected_overlap_and_choice_equal_a_per_worker_walk_on_a_random_multi_turn_trace():
+  """70 LRU workers (masks past 64 bits) serve multi-turn conversations over shared system
+  prompts, their events reaching the index in late batches. For every request the index's
+  runs and overlap, and the router's costs and choice, equal those computed by walking each
+  worker's held set block by block (what its own prefix lookup does)."""
+  rng = np.random.default_rng(5)
+  W = 70
+  workers = [_LRUWorker(int(rng.integers(20, 200))) for _ in range(W)]
+  router = KVRouter(RouterConfig(block_size=PS, request_weight=0.5))
+  for w in range(W):
+    router.add_worker(f"w{w}")
+  systems = [hash_blocks([int(t) for t in rng.integers(0, 1000, int(rng.integers(4, 40)) * PS)], PS)
+             for _ in range(5)]
+  convs = [list(systems[int(rng.integers(0, 5))]) for _ in range(40)]
+  pending: list[tuple[int, int, list[KVEvent]]] = []  # (worker, seq, events) not yet seen by the index
+  multi_run = 0
+  for step in range(1500):
+    c = int(rng.integers(0, len(convs)))
+    turn = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 8)) * PS)]
+    chain = convs[c] = convs[c] + hash_blocks(turn, PS, parent=convs[c][-1])
+    lookup = chain[:len(chain) - int(rng.integers(0, 3))]
+    held = [router.index.holds(f"w{w}") for w in range(W)]
+    want = np.array([_leading(lookup, h) for h in held])
+    runs = router.index.runs(lookup)
+    assert sum(b for b, _ in runs) == want.max()
+    multi_run += len(runs) > 1
+    np.testing.assert_array_equal(router.index.overlap(lookup), want)
+    cost, _ = router.costs(lookup)
+    want_cost = router.active_blocks + 0.5 * router.active_requests + len(lookup) - want
+    np.testing.assert_allclose(cost, want_cost)
+    choice = router.select(lookup)
+    assert cost[choice.slot] == want_cost.min() and choice.overlap_blocks == want[choice.slot]
+    router.started(choice.worker, blocks=len(lookup))
+    if step % 3 == 0:
+      router.finished(choice.worker, blocks=len(lookup))
+    wk = workers[choice.slot]
+    wk.seq += 1
+    pending.append((choice.slot, wk.seq, wk.store(chain)))
+    # A random prefix of the pending batches arrives (each worker's in order).
+    arrived = int(rng.integers(0, len(pending) + 1))
+    for w, seq, events in pending[:arrived]:
+      router.index.apply(f"w{w}", seq, events)
+    del pending[:arrived]
+    if rng.random() < 0.2:  # a conversation ends, another starts
+      convs[c] = list(systems[int(rng.integers(0, 5))])
+  assert multi_run > 100  # the trace exercised held prefixes with several holder sets
