@@ -243,3 +243,19 @@ def test_dense_yarn_with_an_attention_factor_is_refused():
   cfg = mla_config(meta, kv_lora_rank=0, architecture="qwen2", head_dim=16)
   with pytest.raises(UnsupportedModelError, match="yarn"):
     rope_inv_freq(cfg)
+
+
+def test_from_hf_gives_the_same_rope_scaling():
+  """ModelConfig.from_hf reads the yarn keys this test's helper reads (and an HF DeepSeek-V3 dict)."""
+  meta = json.loads(str(golden("mla_qlora")["meta"]))
+  hf = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=32,
+            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+            max_position_embeddings=16384, rms_norm_eps=1e-6, rope_parameters=dict(meta["rope"]),
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid")
+  cfg = ModelConfig.from_hf(hf)
+  assert cfg.rope_scaling == rope_scaling_from_hf(meta["rope"])
+  np.testing.assert_allclose(rope_inv_freq(cfg), golden("mla_qlora")["inv_freq"], rtol=1e-6)
+  assert mla.softmax_scale(cfg) == pytest.approx(float(golden("mla_qlora")["scaling"]), rel=1e-12)
