@@ -259,3 +259,17 @@ def test_from_hf_gives_the_same_rope_scaling():
   assert cfg.rope_scaling == rope_scaling_from_hf(meta["rope"])
   np.testing.assert_allclose(rope_inv_freq(cfg), golden("mla_qlora")["inv_freq"], rtol=1e-6)
   assert mla.softmax_scale(cfg) == pytest.approx(float(golden("mla_qlora")["scaling"]), rel=1e-12)
+
+
+def test_int8_weights_run_the_absorbed_form():
+  """int8 weight-only quantization (jaxinfer.quant): wkv_b, contracted over its output dims by the
+  absorption, is dequantized; the output stays near transformers' float one."""
+  from jaxinfer.quant import is_quantized, quantize_tree
+  g, meta, cfg, params = load("mla_qlora")
+  specs = mla.mla_specs(cfg, meta["layer"])
+  qparams = jax.tree.map(jnp.asarray, quantize_tree(specs, jax.device_get(params)))
+  assert is_quantized(qparams["wkv_b"]) and is_quantized(qparams["wq_b"])
+  sched = [[(0, 0, 12)]] + [[(0, t, 1)] for t in range(12, 15)]
+  outs, _ = run_schedule(cfg, qparams, g["x"], sched, {0: [9, 3, 14, 6]})
+  err = np.abs(outs[0] - g["out"]).max()
+  assert 0 < err < 0.05, err
