@@ -9,6 +9,8 @@
   jaxinfer serve --role decode --prefill-workers 127.0.0.1:50061  # decode worker: prompts' KV from there
   jaxinfer route --model M --workers HOST:PORT,HOST:PORT       # KV-aware router over `serve` workers of M
   jaxinfer route --model M --prefill-workers P1,P2 --decode-workers D1,D2  # ... over prefill/decode workers
+  jaxinfer generate --mesh 1,1,8 "Hi"                          # tensor parallel over 8 devices
+  jaxinfer serve --mesh 2,1,8 --coordinator HOST0:1234 --num-processes 2 --process-id I  # 2 hosts
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
@@ -25,7 +27,6 @@ from jaxinfer.errors import JaxinferError
 
 def _generate(args: argparse.Namespace) -> None:
   from jaxinfer.errors import InvalidRequestError
-  from jaxinfer.llm import LLM
   from jaxinfer.sampling import SamplingParams
 
   if bool(args.prompts) == bool(args.input):
@@ -38,7 +39,16 @@ def _generate(args: argparse.Namespace) -> None:
                           repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty)
-  llm = LLM(args.model, dtype=args.dtype, progress=args.input is not None, **_engine_options(args))
+  llm = _load_llm(args, progress=args.input is not None)
+  if _follow(llm):
+    return
+  try:
+    _generate_with(llm, args, params)
+  finally:
+    llm.close()
+
+
+def _generate_with(llm, args: argparse.Namespace, params) -> None:
   if args.input and not args.quiet:
     e = llm.engine
     print(f"KV cache: {e.kv.num_pages} pages x {e.engine_config.page_size} tokens = "
@@ -72,10 +82,43 @@ def _engine_options(args: argparse.Namespace) -> dict:
   return engine
 
 
+def _load_llm(args: argparse.Namespace, **options):
+  """The LLM the flags describe, joined to its multi-host job first when --coordinator is given."""
+  from jaxinfer.errors import InvalidRequestError
+  from jaxinfer.llm import LLM
+
+  if args.coordinator is None and args.num_processes != 1:
+    raise InvalidRequestError("--num-processes needs --coordinator HOST:PORT")
+  if args.coordinator is not None:
+    from jaxinfer import distributed
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  mesh = None
+  if args.mesh is not None:
+    from jaxinfer.sharding import make_mesh
+    try:
+      data, expert, model = (int(x) for x in args.mesh.split(","))
+    except ValueError:
+      raise InvalidRequestError(f"--mesh must be DATA,EXPERT,MODEL (three ints), got {args.mesh!r}") from None
+    mesh = make_mesh(data, expert, model)
+  elif args.coordinator is not None:
+    raise InvalidRequestError("a multi-host job needs --mesh DATA,EXPERT,MODEL over all processes' devices")
+  return LLM(args.model, dtype=args.dtype, mesh=mesh, **options, **_engine_options(args))
+
+
+def _follow(llm) -> bool:
+  """On a multi-host follower: runs the leader's device calls until it is done; True if so."""
+  from jaxinfer import distributed
+  if not distributed.is_multi_host() or distributed.is_leader():
+    return False
+  import jax
+  calls = distributed.follow(llm.runner)
+  print(f"jaxinfer: process {jax.process_index()} ran {calls} device calls from the leader", file=sys.stderr)
+  return True
+
+
 def _serve(args: argparse.Namespace) -> None:
   import logging
 
-  from jaxinfer.llm import LLM
   from jaxinfer.serving.router import expand_addresses
   from jaxinfer.serving.server import ServerConfig, serve
 
@@ -91,8 +134,13 @@ def _serve(args: argparse.Namespace) -> None:
                             "--prefill-workers"),
                         kv_transfer_timeout_s=args.kv_transfer_timeout)
   # The server warms up on its engine thread, so health says NOT_SERVING meanwhile.
-  llm = LLM(args.model, dtype=args.dtype, warmup=False, **_engine_options(args))
-  code = serve(llm, config)
+  llm = _load_llm(args, warmup=False)
+  if _follow(llm):
+    return
+  try:
+    code = serve(llm, config)
+  finally:
+    llm.close()
   if code:
     raise SystemExit(code)
 
@@ -140,6 +188,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="speculative decoding: ngram = prompt lookup (default: off)")
   p.add_argument("--num-speculative-tokens", type=int, default=3,
                  help="drafts per step with --speculative-method (1-8)")
+  p.add_argument("--mesh", default=None, metavar="DATA,EXPERT,MODEL",
+                 help="shard over a (data, expert, model) device mesh, e.g. 1,1,8 (default: one device)")
+  p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="multi-host: the jax.distributed coordinator (process 0's address); every process "
+                      "runs the same command with its own --process-id")
+  p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the job")
+  p.add_argument("--process-id", type=int, default=0,
+                 help="multi-host: this process (0 leads: it schedules and serves; the others follow)")
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -190,3 +190,7 @@ class LLM:
     if len(ids) > self.max_model_len:
       raise InvalidRequestError(f"{len(ids)} token ids exceed max_model_len={self.max_model_len}")
     return self.runner.logits(ids)
+
+  def close(self) -> None:
+    """Multi-host: lets the follower processes finish (see jaxinfer.distributed); else nothing."""
+    self.engine.close()

@@ -203,6 +203,16 @@ class LLMEngine:
     self.num_steps = 0
     if ec.warmup:
       self.warmup(progress)
+    if jax.process_count() > 1 and jax.process_index() == 0:
+      # Multi-host: the other processes run this runner's device calls too (jaxinfer.distributed).
+      from jaxinfer.distributed import LeaderRunner
+      self.runner = LeaderRunner(self.runner)
+
+  def close(self) -> None:
+    """Multi-host: releases the followers (their `follow` returns). Single host: nothing."""
+    close = getattr(self.runner, "close", None)
+    if close is not None:
+      close()
 
   @classmethod
   def from_model(cls, model: str | Path | None = None, dtype: str = "float32",

@@ -293,7 +293,7 @@ class ModelRunner:
   def warmup(self, progress=None) -> None:
     """Compiles the step for every token bucket (all-padding batches touch no real page)."""
     for T in self.token_buckets:
-      self._run([], T)
+      self.run_batch(*self.pack_step([], T))
       if progress is not None:
         progress.update(1)
     self.history = self._set_row(self.history, self.scratch_row, np.zeros(self.max_model_len, np.int32), 0, 0)
@@ -304,13 +304,19 @@ class ModelRunner:
 
   def execute(self, seqs: list[ScheduledSeq]) -> StepResult:
     """Runs one step for the scheduled sequences (in this order) and returns host results."""
-    num_tokens = sum(s.num_new for s in seqs)
-    return self._run(seqs, bucket(num_tokens, self.token_buckets))
+    return self.run_batch(*self.pack_step(seqs))
 
-  def _run(self, seqs: list[ScheduledSeq], T: int) -> StepResult:
+  def pack_step(self, seqs: list[ScheduledSeq], T: int | None = None) -> tuple[int, bool, StepBatch]:
+    """The step's inputs as host arrays: (token bucket, prompt logprobs wanted, batch)."""
+    if T is None:
+      T = bucket(sum(s.num_new for s in seqs), self.token_buckets)
     batch = pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
                  self.page_size, self.scratch_row, self.cfg.vocab_size)
-    prompt_lp = any(s.want_prompt_logprobs for s in seqs)
+    return T, any(s.want_prompt_logprobs for s in seqs), batch
+
+  def run_batch(self, T: int, prompt_lp: bool, batch: StepBatch) -> StepResult:
+    """Runs one packed step on the devices and returns host results (multi-host
+    followers call this with the leader's batch; see jaxinfer.distributed)."""
     self._programs.add(("step", T, prompt_lp))
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
                                                prompt_logprobs=prompt_lp)
