@@ -195,18 +195,18 @@ class KVIndex:
     return _weighted_bits(self.runs(block_hashes), self.num_slots)
 
 
+def _holder_rows(runs: list[tuple[int, int]], W: int) -> np.ndarray:
+  """[len(runs), W] bool: which slots hold each run."""
+  nbytes = (W + 7) // 8
+  raw = np.frombuffer(b"".join(m.to_bytes(nbytes, "little") for _, m in runs), np.uint8)
+  return np.unpackbits(raw.reshape(len(runs), nbytes), axis=1, count=W, bitorder="little").view(bool)
+
+
 def _weighted_bits(runs: list[tuple[int, int]], W: int) -> np.ndarray:
   """[W] int32: sum over runs of blocks * (slot in mask)."""
   if not runs:
     return np.zeros(W, np.int32)
-  nbytes = (W + 7) // 8
-  if len(runs) == 1:  # the common case: one holder set for the whole held prefix
-    blocks, mask = runs[0]
-    bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), np.uint8), count=W, bitorder="little")
-    return np.multiply(bits, blocks, dtype=np.int32)
-  raw = np.frombuffer(b"".join(m.to_bytes(nbytes, "little") for _, m in runs), np.uint8)
-  bits = np.unpackbits(raw.reshape(len(runs), nbytes), axis=1, count=W, bitorder="little")
-  return np.fromiter((b for b, _ in runs), np.int32, len(runs)) @ bits.astype(np.int32)
+  return np.fromiter((b for b, _ in runs), np.int32, len(runs)) @ _holder_rows(runs, W).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +242,9 @@ class KVRouter:
     self._dead = np.zeros(0, np.float64)  # 0 for a live slot, inf otherwise (added to its cost)
     self.active_blocks = np.zeros(0, np.float64)
     self.active_requests = np.zeros(0, np.float64)
+    # [W] the part of the cost that does not depend on the request: active_blocks + dead +
+    # request_weight * active_requests, kept in step slot by slot (one numpy call less per request).
+    self._load = np.zeros(0, np.float64)
     self._rng = np.random.default_rng(seed)
 
   def add_worker(self, worker: str) -> None:
@@ -250,11 +253,17 @@ class KVRouter:
       self._dead = np.append(self._dead, 0.0)
       self.active_blocks = np.append(self.active_blocks, 0.0)
       self.active_requests = np.append(self.active_requests, 0.0)
+      self._load = np.append(self._load, 0.0)
     self.active_blocks[slot] = self.active_requests[slot] = 0.0
     self._set_live(slot, True)
 
   def _set_live(self, slot: int, alive: bool) -> None:
     self._dead[slot] = 0.0 if alive else np.inf
+    self._update_load(slot)
+
+  def _update_load(self, s: int) -> None:
+    self._load[s] = (self.active_blocks[s] + self._dead[s]
+                     + self.config.request_weight * self.active_requests[s])
 
   def remove_worker(self, worker: str) -> None:
     """A dead or drained worker: forgotten by the index, never chosen."""
@@ -271,22 +280,27 @@ class KVRouter:
     """The live workers (derived from the slots' cost penalty: 0 when live)."""
     return [self.index.name(s) for s in np.flatnonzero(self._dead == 0)]
 
+  def _cost(self, block_hashes: Sequence[int], num_blocks: int | None) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """([W] cost, the request's held runs). Each run takes its blocks off the cost of its
+    holders in one masked subtract: no [W] overlap array is built on the way to the argmin."""
+    w = self.config.overlap_weight
+    runs = self.index.runs(block_hashes)
+    n = len(block_hashes) if num_blocks is None else num_blocks
+    cost = self._load + w * n  # +inf for dead slots
+    if runs and w:
+      W = len(cost)
+      for blocks, holders in zip((b for b, _ in runs), _holder_rows(runs, W)):
+        np.subtract(cost, w * blocks, out=cost, where=holders)
+    return cost, runs
+
   def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([W] cost, [W] overlap) for a request whose prompt has these full-block
     hashes (`num_blocks`: its block count including a partial last one)."""
-    c = self.config
-    overlap = self.index.overlap(block_hashes)
-    n = len(block_hashes) if num_blocks is None else num_blocks
-    # In place after the first sum: at 512 workers each numpy call costs more than its arithmetic.
-    cost = self.active_blocks + self._dead  # +inf for dead slots
-    if c.request_weight:
-      cost += c.request_weight * self.active_requests
-    cost += c.overlap_weight * n
-    cost -= overlap if c.overlap_weight == 1 else c.overlap_weight * overlap
-    return cost, overlap
+    cost, runs = self._cost(block_hashes, num_blocks)
+    return cost, _weighted_bits(runs, len(cost))
 
   def select(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> Choice:
-    cost, overlap = self.costs(block_hashes, num_blocks)
+    cost, runs = self._cost(block_hashes, num_blocks)
     slot = int(cost.argmin())
     best_cost = float(cost[slot])
     if best_cost == np.inf:
@@ -304,14 +318,17 @@ class KVRouter:
       logits = np.where(live, -(cost - cost[live].min()) / (spread * self.config.temperature), -np.inf)
       p = np.exp(logits - logits.max())
       slot = int(self._rng.choice(len(p), p=p / p.sum()))
-    return Choice(self.index.name(slot), slot, int(overlap[slot]), cost)
+    overlap = sum(blocks for blocks, holders in runs if holders >> slot & 1)
+    return Choice(self.index.name(slot), slot, overlap, cost)
 
   def started(self, worker: str, blocks: float) -> None:
     s = self.index.slot(worker)
     self.active_blocks[s] += blocks
     self.active_requests[s] += 1
+    self._update_load(s)
 
   def finished(self, worker: str, blocks: float) -> None:
     s = self.index.slot(worker)
     self.active_blocks[s] = max(0.0, self.active_blocks[s] - blocks)
     self.active_requests[s] = max(0.0, self.active_requests[s] - 1)
+    self._update_load(s)
