@@ -124,9 +124,9 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     n = math.prod(mesh.shape[ax] for ax in mesh_axes)
     if size % n:
       split = " x ".join(f"{ax}={mesh.shape[ax]}" for ax in mesh_axes)
-      raise ShardingError(f"{name}: its {logical!r} dimension of size {size} does not divide over mesh "
-                          f"axes {mesh_axes} ({split} = {n} shards); use a mesh whose {mesh_axes} "
-                          f'divide {size}, or replicate it on purpose with sharding_rules={{"{logical}": None}}')
+      raise ShardingError(f"{name}: its {logical!r} dimension (size {size}) is not divisible by mesh "
+                          f"axes {mesh_axes} ({split} = {n} shards); choose mesh sizes that divide {size}, "
+                          f'or replicate it on purpose with sharding_rules={{"{logical}": None}}')
     out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
   return PartitionSpec(*out)
 

@@ -13,7 +13,7 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.params import abstract_params, init_params, is_spec, param_specs
 from jaxinfer.quant import (QuantizedWeight, dequantize, int8_matmul, int8_matmul_reference, is_quantized,
                             linear, quantize_int8)
-from jaxinfer.sharding import make_mesh, param_shardings
+from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -131,14 +131,15 @@ def test_quantized_specs_abstract_and_init_agree():
 def test_quantized_shardings_follow_the_logical_axes():
   cfg = _cfg()
   mesh = make_mesh(model=2)
-  sh = param_shardings(cfg, mesh, "int8")["layers"][0]
+  rules = make_rules({"kv_heads": None})  # tiny llama3 has 1 KV head
+  sh = param_shardings(cfg, mesh, "int8", rules)["layers"][0]
   P = jax.sharding.PartitionSpec
   assert sh["w_gate"].values.spec == P(None, "model") and sh["w_gate"].scales.spec == P(None, "model")
   assert sh["w_down"].values.spec == P("model", None) and sh["w_down"].scales.spec == P(None, None)
   assert sh["wq"].values.spec == P(None, "model", None) and sh["wq"].scales.spec == P(None, "model", None)
   # Every quantized leaf of the spec tree got a sharding.
   n_specs = len(jax.tree.leaves(param_specs(cfg, "int8"), is_leaf=is_spec))
-  assert len(jax.tree.leaves(param_shardings(cfg, mesh, "int8"))) == n_specs
+  assert len(jax.tree.leaves(param_shardings(cfg, mesh, "int8", rules))) == n_specs
 
 
 def test_unknown_quantization_is_a_clear_error():
@@ -183,7 +184,7 @@ def test_int8_sharded_over_a_mesh_matches_one_device(int8_llms):
   # like its outputs); a tensor-parallel int8 model computes the same int32 sums.
   mesh = make_mesh(model=2)
   sharded = LLM(tiny_dir("smollm2"), max_model_len=256, max_num_seqs=8, warmup=False, quantization="int8",
-                mesh=mesh)
+                mesh=mesh, sharding_rules={"kv_heads": None})  # 1 KV head: replicated on purpose
   w = sharded.runner.params["layers"][0]["w_gate"]
   assert w.values.sharding.spec == jax.sharding.PartitionSpec(None, "model")
   ids = golden("smollm2")["token_ids"].tolist()

@@ -91,13 +91,13 @@ def test_kv_heads_that_do_not_divide_are_an_error_at_load_suggesting_the_overrid
     LLM(tiny_dir("qwen3"), mesh=make_mesh(model=4), **ENGINE)
   msg = str(e.value)
   assert "model.layers.0.self_attn.k_proj.weight" in msg and "['layers'][0]['wk']" in msg
-  assert "'kv_heads' dimension of size 2" in msg and "('model',)" in msg and "model=4" in msg
+  assert "'kv_heads' dimension (size 2) is not divisible" in msg and "('model',)" in msg and "model=4" in msg
   assert 'sharding_rules={"kv_heads": None}' in msg
 
 
 def test_heads_that_do_not_divide_are_an_error():
   cfg = qwen3_config()
-  with pytest.raises(ShardingError, match=r"o_proj.weight \(params\['layers'\]\[0\]\['wo'\]\): its 'heads' dimension of size 4 "
+  with pytest.raises(ShardingError, match=r"o_proj.weight \(params\['layers'\]\[0\]\['wo'\]\): its 'heads' dimension \(size 4\) "
                                           r".*model=8"):
     param_shardings(cfg, make_mesh(model=8), rules=make_rules({"kv_heads": None}))
 
@@ -105,8 +105,8 @@ def test_heads_that_do_not_divide_are_an_error():
 def test_a_tuple_rule_whose_product_does_not_divide_is_an_error():
   cfg = qwen3_config()
   mesh = make_mesh(data=2, model=4)
-  with pytest.raises(ShardingError, match=r"o_proj.weight.*'heads' dimension of size 4 does not divide "
-                                          r"over mesh axes \('data', 'model'\) \(data=2 x model=4 = 8 shards\)"):
+  with pytest.raises(ShardingError, match=r"o_proj.weight.*'heads' dimension \(size 4\) is not divisible "
+                                          r"by mesh axes \('data', 'model'\) \(data=2 x model=4 = 8 shards\)"):
     param_shardings(cfg, mesh, rules=make_rules({"heads": ("data", "model"), "kv_heads": None}))
 
 
@@ -119,7 +119,7 @@ def test_two_dims_of_one_tensor_on_one_mesh_axis_are_an_error():
 def test_kv_pages_that_do_not_divide_are_an_error_naming_the_cache():
   from jaxinfer.models.cache import CacheSpec
   spec = CacheSpec.from_config(qwen3_config(), np.float32)
-  with pytest.raises(ShardingError, match=r"KV cache layer 0 'k'.*'kv_heads' dimension of size 2"):
+  with pytest.raises(ShardingError, match=r"KV cache layer 0 'k'.*'kv_heads' dimension \(size 2\)"):
     spec.shardings(make_mesh(model=4), 8, 16)
 
 

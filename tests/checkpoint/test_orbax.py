@@ -49,7 +49,7 @@ def test_restore_bfloat16(converted):
 
 def test_restore_sharded_over_a_mesh(converted):
   mesh = make_mesh(model=4)
-  llm = LLM(converted, max_model_len=64, mesh=mesh, warmup=False)
+  llm = LLM(converted, max_model_len=64, mesh=mesh, sharding_rules={"kv_heads": None}, warmup=False)
   wq = llm.runner.params["layers"][0]["wq"]
   assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
   g = golden("llama3")

@@ -16,7 +16,7 @@ from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
 from jaxinfer.quant import QuantizedWeight, dequantize, is_quantized, num_in_axes
-from jaxinfer.sharding import make_mesh, param_shardings
+from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 Q = gguf.GGMLQuantizationType
 
@@ -55,7 +55,8 @@ def test_converted_int8_generates_like_quantizing_at_load(converted):
 
 def test_converted_int8_restores_sharded_over_a_mesh(converted):
   mesh = make_mesh(model=2)
-  params = load_model(converted, shardings_fn=lambda cfg, q=None: param_shardings(cfg, mesh, q)).params
+  rules = make_rules({"kv_heads": None})  # tiny llama3 has 1 KV head
+  params = load_model(converted, shardings_fn=lambda cfg, q=None: param_shardings(cfg, mesh, q, rules)).params
   P = jax.sharding.PartitionSpec
   w = params["layers"][0]["w_up"]
   assert w.values.sharding.spec == P(None, "model") and w.scales.sharding.spec == P(None, "model")
