@@ -23,6 +23,8 @@ from pallas_kernels import (
   flash_attention,
   ragged_paged_attention,
 )
+from pallas_kernels.ragged_paged_mla import BlockSizes as MlaBlockSizes
+from pallas_kernels.ragged_paged_mla import ragged_paged_mla
 
 
 def lower_for_cuda(fn, *avals):
@@ -69,3 +71,19 @@ def test_flash_attention_lowers(B, T, S, Hq, Hkv, D, dtype, options):
   avals = (jax.ShapeDtypeStruct((B, T, Hq, D), dtype), jax.ShapeDtypeStruct((B, S, Hkv, D), dtype),
            jax.ShapeDtypeStruct((B, S, Hkv, D), dtype))
   lower_for_cuda(functools.partial(flash_attention, **options), *avals)
+
+
+@pytest.mark.parametrize("T,S,page_size,H,R,E,dtype,options", [
+    (64, 64, 16, 128, 512, 64, jnp.bfloat16, {}),  # DeepSeek-V3 decode batch: L = 576
+    (300, 4, 16, 16, 512, 64, jnp.bfloat16, {}),   # prefill chunks
+    (40, 4, 16, 6, 32, 16, jnp.float32, {}),       # H = 6 in a head block of 8, IEEE f32 dots
+    (50, 6, 16, 16, 64, 16, jnp.float16,
+     {"block_sizes": MlaBlockSizes(block_q=2, block_h=8, pages_per_block=1)}),
+])
+def test_ragged_paged_mla_lowers(T, S, page_size, H, R, E, dtype, options):
+  i32 = jnp.int32
+  avals = (jax.ShapeDtypeStruct((T, H, R), dtype), jax.ShapeDtypeStruct((T, H, E), dtype),
+           jax.ShapeDtypeStruct((80, page_size, R + E), dtype), jax.ShapeDtypeStruct((S,), i32),
+           jax.ShapeDtypeStruct((S, 9), i32), jax.ShapeDtypeStruct((S + 1,), i32),
+           jax.ShapeDtypeStruct((), i32))
+  lower_for_cuda(functools.partial(ragged_paged_mla, sm_scale=0.1, **options), *avals)
