@@ -89,6 +89,34 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return out if v_head_dim is None else out[..., :v_head_dim]
 
 
+
+def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, kv_lens: jax.Array,
+                     page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                     sm_scale: float, impl: str = "auto", decode_q_len: int = 1) -> jax.Array:
+  """Causal absorbed multi-head latent attention (DeepSeek-V2 sec. 2.1.2) over a paged latent cache.
+
+  q_latent [T, H, R] (each head's no-rope query times W_UK^T), q_rope [T, H, E];
+  latent_pages [N, p, R + E], each token's [c_KV, k_R] (new ones already
+  written); the ragged batch as in `ragged_paged_attention`. Head h of a token
+  scores key j as (q_latent . c_j + q_rope . kR_j) * sm_scale and returns the
+  softmax-weighted sum of the c_j: [T, H, R]. This is MQA with one KV head of
+  width R + E whose values are the first R columns, which is how the XLA path
+  computes it; the Pallas kernel (pallas_kernels/ragged_paged_mla.py) splits
+  the score into its two dots, so R + E need not be a power of two (R and E
+  must: DeepSeek-V3's 512 and 64 are).
+  """
+  impl = resolve_attention_impl(impl)
+  if impl == "xla":
+    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], -1)  # [T, H, R + E]
+    pages = latent_pages[:, :, None, :]  # one KV head
+    return ragged_paged_attention_xla(q, pages, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                      sm_scale=sm_scale, decode_q_len=decode_q_len,
+                                      v_head_dim=q_latent.shape[-1])
+  import pallas_kernels
+  return pallas_kernels.ragged_paged_mla(q_latent, q_rope, latent_pages, kv_lens, page_indices,
+                                         cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                         interpret=impl == "pallas_interpret")
+
 def _check_v_head_dim(v_head_dim, v_pages):
   if v_head_dim is not None and not 1 <= v_head_dim <= v_pages.shape[-1]:
     raise ValueError(f"v_head_dim={v_head_dim} must be in [1, {v_pages.shape[-1]}] (v_pages' last dim)")

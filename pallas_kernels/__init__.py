@@ -5,12 +5,15 @@
   (`ragged_paged_attention.py`).
 - `flash_attention`: dense causal (or full) GQA attention for long prefill
   (`flash_attention.py`).
+- `ragged_paged_mla`: absorbed multi-head latent attention (DeepSeek-V2/V3)
+  of ragged queries over the paged latent cache (`ragged_paged_mla.py`).
 
 Both are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
 run on CPU with `interpret=True`, which is how the tests check them against
-their references. The model reaches the ragged kernel only through
-`jaxinfer.ops.ragged_paged_attention` (attention_impl 'pallas', the default
-on GPU, or 'pallas_interpret'); flash_attention is not dispatched to yet.
+their references. The model reaches the ragged kernels only through
+`jaxinfer.ops.ragged_paged_attention` / `jaxinfer.ops.ragged_paged_mla`
+(attention_impl 'pallas', the default on GPU, or 'pallas_interpret');
+flash_attention is not dispatched to yet.
 """
 
 from pallas_kernels.flash_attention import BlockSizes as FlashBlockSizes
@@ -20,12 +23,17 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.ragged_paged_mla import BlockSizes as MlaBlockSizes
+from pallas_kernels.ragged_paged_mla import ragged_paged_mla, ragged_paged_mla_reference
 
 __all__ = [
     "FlashBlockSizes",
+    "MlaBlockSizes",
     "RaggedBlockSizes",
     "flash_attention",
     "flash_attention_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "ragged_paged_mla",
+    "ragged_paged_mla_reference",
 ]

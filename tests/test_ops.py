@@ -238,3 +238,28 @@ def test_v_head_dim_distinct_values_and_bad_width():
   for bad in (0, 17):
     with pytest.raises(ValueError, match="v_head_dim"):
       ops.ragged_paged_attention(*args, impl="xla", v_head_dim=bad)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_ragged_paged_mla_is_mqa_over_the_latent(impl):
+  """ops.ragged_paged_mla == naive MQA with q = [q_latent, q_rope] over the latent pages,
+  values their first R columns; R + E = 48 is no power of two."""
+  rng = np.random.default_rng(9)
+  page_size, H, R, E = 16, 8, 32, 16
+  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
+  P = 20
+  num_pages = len(q_lens) * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
+  T = int(cu[-1]) + 3
+  q_latent = rng.normal(size=(T, H, R)).astype(np.float32)
+  q_rope = rng.normal(size=(T, H, E)).astype(np.float32)
+  latent = rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  scale = 0.15
+  got = np.asarray(ops.ragged_paged_mla(q_latent, q_rope, latent, kv_full, page_indices, cu,
+                                        np.int32(len(q_lens)), sm_scale=scale, impl=impl))
+  q = np.concatenate([q_latent, q_rope], -1) * scale * np.sqrt(R + E)  # naive() divides by sqrt(d)
+  want = naive(q, latent[:, :, None], latent[:, :, None], kv_full, page_indices, cu, len(q_lens))
+  real = int(cu[len(q_lens)])
+  assert got.shape == (T, H, R)
+  np.testing.assert_allclose(got[:real], want[:real, :, :R], atol=2e-5, rtol=1e-4)

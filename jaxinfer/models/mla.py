@@ -145,16 +145,15 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   w_uk, w_uv = wkv_b[..., :C], wkv_b[..., C:]  # [R, H, C], [R, H, V]
   # Absorption (DeepSeek-V2 sec. 2.1.2): q_C . (c W_UK) = (q_C W_UK^T) . c, per head.
   q_latent = jnp.einsum("THC,RHC->THR", q_nope, w_uk.astype(q_nope.dtype))
-  q_full = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], -1)  # [T, H, L]
   # MQA over the latent cache: one KV head of width L = R + E, the same pages as keys and as
-  # values. Only the values' first R columns (the latent) are wanted: through `v_head_dim` the
-  # XLA path gathers each page once and multiplies just those R columns by the probabilities;
-  # the Pallas GQA kernel computes all L (the E rope columns ride along in V, E / R = 12.5% more
-  # PV work and accumulator for DeepSeek-V3's 64 / 512) and drops them after.
-  pages = latent[:, :, None, :]  # [N, p, 1, L]
-  o_latent = ops.ragged_paged_attention(
-      q_full, pages, pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-      sm_scale=softmax_scale(cfg), impl=attention_impl, decode_q_len=decode_q_len,
-      v_head_dim=R)  # [T, H, R]: each head's softmax-weighted sum of latents
+  # values, of which only the first R columns (the latent) are wanted. The XLA path runs it
+  # as the GQA op with K = 1 and v_head_dim = R: each page is gathered once and only R
+  # columns meet the probabilities (the E rope columns ride along in the gather alone). The
+  # Pallas GQA kernel would need L a power of two (DeepSeek-V3's 576 is not) and would carry
+  # the rope columns through V; the MLA kernel scores with two dots, latent and rope.
+  o_latent = ops.ragged_paged_mla(
+      q_latent, q_rope.astype(q_latent.dtype), latent, batch.kv_lens, batch.page_indices,
+      batch.cu_q_lens, batch.num_seqs, sm_scale=softmax_scale(cfg), impl=attention_impl,
+      decode_q_len=decode_q_len)  # [T, H, R]: each head's softmax-weighted sum of latents
   o = jnp.einsum("THR,RHV->THV", o_latent, w_uv.astype(o_latent.dtype))
   return linear("THV,HVD->TD", o, p["wo"]), {"latent": latent}

@@ -201,10 +201,10 @@ def random_params(cfg, key):
   return {k: init(k, s) for k, s in specs.items()}
 
 
-def test_pallas_interpret_matches_xla_when_the_latent_width_is_a_power_of_two():
-  """The GQA kernel serves MLA as K = 1 when R + E is a power of two >= 16 (here 24 + 8)."""
+def test_pallas_interpret_matches_xla():
+  """The MLA kernel takes R + E = 32 + 16 = 48, no power of two (as DeepSeek-V3's 576)."""
   meta = json.loads(str(golden("mla_qlora")["meta"]))
-  cfg = mla_config(meta, kv_lora_rank=24)
+  cfg = mla_config(meta, qk_rope_head_dim=16, head_dim=16)
   params = random_params(cfg, jax.random.key(0))
   x = np.asarray(jax.random.normal(jax.random.key(1), (15, cfg.hidden_size)))
   tables = {0: [9, 3, 14, 6], 1: [2, 11, 5, 8]}
@@ -214,10 +214,10 @@ def test_pallas_interpret_matches_xla_when_the_latent_width_is_a_power_of_two():
     np.testing.assert_allclose(got[seq], want[seq], atol=1e-5, rtol=0)
 
 
-def test_pallas_kernel_names_its_head_dim_limit():
-  """R + E = 40 (and DeepSeek-V3's 576) is no power of two: the Triton tiles refuse it, by name."""
+def test_pallas_kernel_names_its_width_limit():
+  """The golden's E = 8 is below the smallest Triton dot (16): refused by name, not run wrongly."""
   g, meta, cfg, params = load("mla_qlora")
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match=r"E \(qk_rope_head_dim\)=8 must be a power of two >= 16"):
     run_schedule(cfg, params, g["x"], [[(0, 0, 12)]], {0: [9, 3, 14, 6]}, impl="pallas_interpret")
 
 
