@@ -63,6 +63,9 @@ class KVIndex:
     except KeyError:
       raise KeyError(f"unknown worker {worker!r}") from None
 
+  def slot_or_none(self, worker: str) -> int | None:
+    return self._slots.get(worker)
+
   def name(self, slot: int) -> str:
     return self._names[slot]
 
@@ -280,7 +283,8 @@ class KVRouter:
     """The live workers (derived from the slots' cost penalty: 0 when live)."""
     return [self.index.name(s) for s in np.flatnonzero(self._dead == 0)]
 
-  def _cost(self, block_hashes: Sequence[int], num_blocks: int | None) -> tuple[np.ndarray, list[tuple[int, int]]]:
+  def _cost(self, block_hashes: Sequence[int], num_blocks: int | None,
+            exclude: Iterable[str]) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """([W] cost, the request's held runs). Each run takes its blocks off the cost of its
     holders in one masked subtract: no [W] overlap array is built on the way to the argmin."""
     w = self.config.overlap_weight
@@ -291,16 +295,24 @@ class KVRouter:
       W = len(cost)
       for blocks, holders in zip((b for b, _ in runs), _holder_rows(runs, W)):
         np.subtract(cost, w * blocks, out=cost, where=holders)
+    for worker in exclude:
+      slot = self.index.slot_or_none(worker)
+      if slot is not None:
+        cost[slot] = np.inf
     return cost, runs
 
-  def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None,
+            exclude: Iterable[str] = ()) -> tuple[np.ndarray, np.ndarray]:
     """([W] cost, [W] overlap) for a request whose prompt has these full-block
-    hashes (`num_blocks`: its block count including a partial last one)."""
-    cost, runs = self._cost(block_hashes, num_blocks)
+    hashes (`num_blocks`: its block count including a partial last one); the
+    workers in `exclude` (e.g. ones that refused this request) cost inf."""
+    cost, runs = self._cost(block_hashes, num_blocks, exclude)
     return cost, _weighted_bits(runs, len(cost))
 
-  def select(self, block_hashes: Sequence[int], num_blocks: int | None = None) -> Choice:
-    cost, runs = self._cost(block_hashes, num_blocks)
+  def select(self, block_hashes: Sequence[int], num_blocks: int | None = None,
+             exclude: Iterable[str] = ()) -> Choice:
+    """The cheapest live worker not in `exclude` (LookupError if there is none)."""
+    cost, runs = self._cost(block_hashes, num_blocks, exclude)
     slot = int(cost.argmin())
     best_cost = float(cost[slot])
     if best_cost == np.inf:

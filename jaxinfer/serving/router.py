@@ -25,6 +25,10 @@ and the field. Health is checked every `health_interval_s`; a worker that
 fails a check, or whose call fails with UNAVAILABLE, gets no new requests
 until a check says SERVING again. A request whose worker fails before its
 first token is retried on another; after it, the client gets UNAVAILABLE.
+Likewise a worker that answers RESOURCE_EXHAUSTED (its admission limits are
+full) before the first token: the request goes to another worker it has not
+tried (the busy one stays up for other requests); only when every worker
+has refused does the client get RESOURCE_EXHAUSTED.
 
 Disaggregated mode (`--prefill-workers P1,P2 --decode-workers D1,D2`, instead
 of `--workers`): the index follows the prefill workers' KV events, so step 2
@@ -37,6 +41,9 @@ from there. At start every decode worker must say (GetModelInfo: role,
 prefill_workers) that it is a decode worker whose --prefill-workers include
 every one of the router's, else start fails naming both. A prefill worker's
 load is charged until the request's first token (its part is done then).
+A prefill that fails before the first token (the decode worker answers
+UNAVAILABLE or RESOURCE_EXHAUSTED naming its prefill worker) is tried again
+on another prefill worker, through the same or another decode worker.
 
 Addresses may be `dns:HOST:PORT`: expanded once, at start, to every address
 HOST resolves to (`expand_addresses`; a Kubernetes headless Service names its
@@ -55,7 +62,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -290,14 +297,13 @@ class RouterGeneration:
     self._shutdown: Unavailable | None = None
     self._call = None
     self._route: _Route | None = None
-    self._attempts = 0
+    self._tried: set[str] = set()  # workers that failed or refused this request before its first token
 
   # ---- the worker call -------------------------------------------------------------
 
   def _dispatch(self) -> None:
     """Starts the call on the best live worker(s) (Unavailable if none is)."""
-    route = self._route = self._b.choose(self._request.token_ids.ids)
-    self._attempts += 1
+    route = self._route = self._b.choose(self._request.token_ids.ids, exclude=self._tried)
     metadata = ((PREFILL_WORKER_METADATA, route.prefill),) if route.prefill is not None else None
     self._call = self._b.workers[route.worker].stub.Generate(self._request, metadata=metadata)
 
@@ -338,21 +344,28 @@ class RouterGeneration:
   def _retry_or_raise(self, route: _Route, e: grpc.aio.AioRpcError) -> None:
     code, details = e.code(), e.details()
     gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # admission limits full: up, but not for this one
     worker = route.worker
-    # A decode worker whose prefill worker is gone answers UNAVAILABLE naming it (disagg.
-    # PrefillUnavailable): the prefill worker is the one to route around, the decode worker is fine.
-    if gone and route.prefill is not None and f"prefill worker {route.prefill} " in details:
+    # A decode worker whose prefill worker is gone or full answers UNAVAILABLE / RESOURCE_EXHAUSTED
+    # naming it (disagg.PrefillUnavailable, "prefill worker X is overloaded"): the prefill worker
+    # is the one to route around, the decode worker is fine.
+    if (gone or busy) and route.prefill is not None and f"prefill worker {route.prefill} " in details:
       worker = route.prefill
     if gone:
       self._b.mark_down(worker, f"{code.name}: {details}")
     self._release()
     self._call = None
-    if gone and self.first_token_at is None and self._attempts < len(self._b.workers):
-      self._b.metrics.retried_requests.labels(worker).inc()
-      log.warning("request %s: worker %s failed before its first token (%s); trying another",
-                  self.request_id, worker, details)
-      self._dispatch()  # raises Unavailable when no worker is left
-      return
+    if (gone or busy) and self.first_token_at is None:
+      self._tried.add(worker)
+      try:
+        self._dispatch()  # Unavailable when every worker is down or has been tried
+      except Unavailable:
+        pass  # the client gets this worker's status, below
+      else:
+        self._b.metrics.retried_requests.labels(worker).inc()
+        log.warning("request %s: worker %s failed before its first token (%s: %s); trying %s",
+                    self.request_id, worker, code.name, details, self._route.prefill or self._route.worker)
+        return
     self.close()
     if gone:
       raise Unavailable(f"request {self.request_id}: worker {worker} went away "
@@ -362,8 +375,9 @@ class RouterGeneration:
       raise InvalidRequestError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
       raise TokenizerError(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-      raise Overloaded(f"worker {worker}: {details}")
+    if busy:
+      raise Overloaded(f"worker {worker}: {details}" if len(self._tried) < 2 else
+                       f"every worker refused request {self.request_id}; the last, {worker}: {details}")
     raise RequestFailed(f"request {self.request_id} failed on worker {worker}: {code.name}: {details}")
 
   def _apply(self, route: _Route, r: pb.GenerateResponse) -> RequestOutput:
@@ -650,26 +664,29 @@ class RouterBackend(PromptMixin):
   def reject(self, e: BaseException) -> None:
     self.metrics.rejected_requests.labels(rejection_code(e)).inc()
 
-  def choose(self, ids: Sequence[int]) -> _Route:
-    """Where a request goes, charged to its worker(s); counts the decision."""
+  def choose(self, ids: Sequence[int], exclude: Collection[str] = ()) -> _Route:
+    """Where a request goes (never to a worker in `exclude`), charged to its worker(s);
+    counts the decision."""
     t = time.perf_counter()
     o = self.options
     ps = self.model_info.page_size
     num_blocks = -(-len(ids) // ps)
     r = self.router
     # Disaggregated, the decode worker is picked first: with none up there is nothing to charge.
-    decode = self._pick_decode() if o.disaggregated else None
+    decode = self._pick_decode(exclude) if o.disaggregated else None
     role, what = ("prefill", "prefill workers") if o.disaggregated else ("both", "workers")
     none_up = f"no worker is up ({what}: {', '.join(o.kv_workers)})"
+    if exclude:
+      none_up = f"no worker is up that has not failed or refused this request ({what}: {', '.join(o.kv_workers)})"
     if o.policy == "round_robin":
-      live = r.workers
+      live = [w for w in r.workers if w not in exclude]
       if not live:
         raise Unavailable(none_up)
       worker = live[next(self._round_robin) % len(live)]
       overlap = int(r.index.overlap(hash_blocks(ids, ps))[r.index.slot(worker)])
     else:
       try:
-        choice = r.select(hash_blocks(ids, ps), num_blocks)
+        choice = r.select(hash_blocks(ids, ps), num_blocks, exclude=exclude)
       except LookupError:
         raise Unavailable(none_up) from None
       worker, overlap = choice.worker, choice.overlap_blocks
@@ -689,11 +706,11 @@ class RouterBackend(PromptMixin):
     m.decision_time.observe(time.perf_counter() - t)
     return route
 
-  def _pick_decode(self) -> str:
+  def _pick_decode(self, exclude: Collection[str] = ()) -> str:
     """The live decode worker with the fewest requests, then prompt blocks, in flight
     through this router; ties in turn. Its KV comes from elsewhere, so overlap says nothing."""
     d = self.decode_router
-    live = d.workers
+    live = [w for w in d.workers if w not in exclude]
     if not live:
       raise Unavailable(f"no worker is up (decode workers: {', '.join(self.options.decode_workers)})")
     turn = next(self._round_robin)

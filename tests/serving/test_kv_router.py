@@ -135,6 +135,12 @@ def test_ties_spread_and_temperature_samples_by_cost():
   # costs 0, 10, 10 -> logits 0, -2, -2: P(a) = 1 / (1 + 2 e^-2) = 0.787
   assert 0.70 < counts["a"] / 400 < 0.87
   with pytest.raises(LookupError, match="no live worker"):
+    r.select([9], exclude=["a", "b", "c"])
+  r.index.apply("a", 1, [KVEvent("stored", 9)])
+  assert r.select([9, 10]).worker == "a"
+  excluded = r.select([9, 10], exclude=["a", "nobody"])  # a refused this request: the next best
+  assert excluded.worker in ("b", "c") and excluded.costs[0] == np.inf
+  with pytest.raises(LookupError, match="no live worker"):
     dead = KVRouter()
     dead.add_worker("x")
     dead.set_alive("x", False)

@@ -259,6 +259,38 @@ def test_a_request_whose_worker_fails_before_its_first_token_is_retried_elsewher
     fake.stop()
 
 
+def test_a_worker_that_refuses_before_the_first_token_is_retried_elsewhere(model_dir, workers):
+  """A worker whose admission limit (--max-waiting-tokens 1) refuses every prompt of more
+  than one token with RESOURCE_EXHAUSTED, next to a normal one: every request the router
+  gives it is served by the other instead, and it stays up (busy is not dead). Alone
+  behind a router, its refusal reaches the client as RESOURCE_EXHAUSTED."""
+  busy = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS,
+                         "--max-waiting-tokens", "1")
+  p = alone = None
+  try:
+    busy.wait()
+    p = route(model_dir, [workers[0].address, busy.address])
+    p.wait()
+    with Client(p.address, timeout=60) as c:
+      for i in range(12):  # idle workers, no shared full block: a coin flip each, 1/4096 never busy
+        assert len(c.generate([60 + i, 61, 62], max_tokens=2, ignore_eos=True).token_ids) == 2
+    text = p.metrics_text()
+    retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{busy.address}"}}')
+    routed_busy = total(text, f'jaxinfer_router_routed_requests_total{{role="both",worker="{busy.address}"}}')
+    assert retried == routed_busy >= 1
+    assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
+    alone = route(model_dir, [busy.address])
+    alone.wait()
+    with Client(alone.address, timeout=60) as c, pytest.raises(grpc.RpcError) as e:
+      c.generate([70, 71], max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "max_waiting_tokens=1" in e.value.details()
+  finally:
+    for proc in (p, alone, busy):
+      if proc is not None:
+        proc.stop()
+
+
 def test_killing_a_worker_mid_stream(rc, router, workers):
   """Last: it kills workers[1]. Its streams end UNAVAILABLE within seconds; the
   other worker's finish; later requests are routed around it."""
