@@ -208,24 +208,75 @@ def test_dns_entries_expand_to_the_resolved_addresses(model_dir, prefills, decod
     p.stop()
 
 
-def test_a_dead_prefill_worker_is_routed_around(router2, prefills):
+def test_a_prefill_worker_that_refuses_is_retried_on_another(model_dir, prefills):
+  """A prefill worker whose admission limit (--max-waiting-tokens 1) refuses every prompt
+  next to a normal one, behind a decode worker that takes KV from both: a request whose
+  prefill the router gives to the refusing one (the decode worker answers
+  RESOURCE_EXHAUSTED naming it) is prefilled by the other instead, and the refusing one
+  stays up."""
+  busy = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS,
+                         "--max-waiting-tokens", "1")
+  dec = p = None
+  try:
+    busy.wait()
+    dec = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
+                          "--prefill-workers", f"{prefills[0].address},{busy.address}", *WORKER_FLAGS)
+    dec.wait()
+    p = route(model_dir, [prefills[0].address, busy.address], [dec.address])
+    p.wait()
+    with Client(p.address, timeout=60) as c:
+      for i in range(12):  # idle prefill workers, no shared full block: a coin flip each
+        assert len(c.generate([80 + i, 81, 82], max_tokens=2, ignore_eos=True).token_ids) == 2
+    text = p.metrics_text()
+    retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{busy.address}"}}')
+    routed_busy = total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{busy.address}"}}')
+    assert retried == routed_busy >= 1
+    assert total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{prefills[0].address}"}}') == 12
+    assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
+  finally:
+    for proc in (p, dec, busy):
+      if proc is not None:
+        proc.stop()
+
+
+def test_a_dead_prefill_worker_is_routed_around(model_dir, router2, prefills, decode):
   """Last: it kills the prefill worker that holds a prefix. The next request with that
   prefix is routed there (the index still says so) or, once a health check saw it
-  dead, elsewhere; either way it is served, before its first token, by the other."""
+  dead, elsewhere; either way it is served, before its first token, by the other.
+  Through a router whose health checks are a minute apart the first such request
+  certainly goes to the dead holder: it must be retried, not failed."""
   def routed(text, w):
     return total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{w.address}"}}')
 
   prefix = list(range(150, 190))
-  with Client(router2.address, timeout=120) as c:
-    before = router2.metrics_text()
-    c.generate(prefix + [1], max_tokens=2, temperature=0)
-    after = router2.metrics_text()
-    holder = next(i for i, w in enumerate(prefills) if routed(after, w) > routed(before, w))
-    time.sleep(1.0)  # the holder's blocks reach the index: the next request would go there
-    prefills[holder].proc.kill()
-    prefills[holder].proc.wait(30)
-    for i in range(4):
-      assert len(c.generate(prefix + [3 + i], max_tokens=3, ignore_eos=True).token_ids) == 3
-  text = router2.metrics_text()
-  assert total(text, f'jaxinfer_router_worker_up{{worker="{prefills[holder].address}"}}') == 0
-  assert routed(text, prefills[1 - holder]) - routed(after, prefills[1 - holder]) == 4
+  blind = None
+  try:
+    with Client(router2.address, timeout=120) as c:
+      before = router2.metrics_text()
+      c.generate(prefix + [1], max_tokens=2, temperature=0)
+      after = router2.metrics_text()
+      holder = next(i for i, w in enumerate(prefills) if routed(after, w) > routed(before, w))
+      # A second router that health-checks once a minute: it cannot learn of the death below
+      # from a check, so its first request with the prefix goes to the dead holder.
+      blind = route(model_dir, [w.address for w in prefills], [decode.address], "--health-interval", "60")
+      blind.wait()
+      time.sleep(1.0)  # the holder's blocks reach both indexes: the next request would go there
+      prefills[holder].proc.kill()
+      prefills[holder].proc.wait(30)
+      for i in range(4):
+        assert len(c.generate(prefix + [3 + i], max_tokens=3, ignore_eos=True).token_ids) == 3
+    text = router2.metrics_text()
+    assert total(text, f'jaxinfer_router_worker_up{{worker="{prefills[holder].address}"}}') == 0
+    assert routed(text, prefills[1 - holder]) - routed(after, prefills[1 - holder]) == 4
+    with Client(blind.address, timeout=120) as c:
+      assert len(c.generate(prefix + [9], max_tokens=3, ignore_eos=True).token_ids) == 3
+    text = blind.metrics_text()
+    dead = prefills[holder].address
+    # Sent to the holder (the index's choice), failed UNAVAILABLE before its first token,
+    # prefilled by the other one.
+    assert routed(text, prefills[holder]) == 1 and routed(text, prefills[1 - holder]) == 1
+    assert total(text, f'jaxinfer_router_retried_requests_total{{worker="{dead}"}}') == 1
+    assert total(text, f'jaxinfer_router_worker_up{{worker="{dead}"}}') == 0
+  finally:
+    if blind is not None:
+      blind.stop()
