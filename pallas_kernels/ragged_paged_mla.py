@@ -36,8 +36,12 @@ the masking of ragged edges are those of ragged_paged_attention.py.
 
 Limits: R and E must be powers of two >= 16 (Triton dots), p a power of two;
 no sliding window or soft cap (DeepSeek uses neither). Tile sizes untuned
-(no GPU this session); scripts/check_triton_compile.py-style lowering is
-checked by tests/pallas_kernels/test_triton_lowering.py.
+and the kernel not yet run on a GPU (none this session). CI lowers it to
+Triton IR (tests/pallas_kernels/test_triton_lowering.py); compiled with the
+pip `triton` 3.9 to cubin for sm_80/86/90 (the scripts/check_triton_compile.py
+route), the default tiles at DeepSeek-V3 widths (R 512, E 64, bf16) take
+87 KiB of shared memory for a p16 decode batch of 128 heads, 84 KiB at p64,
+70 KiB for prefill chunks: within the 99 KiB of sm_86/89 blocks.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ from pallas_kernels.ragged_paged_attention import _schedule
 # is keys x L; 32 keys of 576 bf16 values is 36 KiB. Untuned.
 _DEFAULT_KEYS_16BIT = 32
 _DEFAULT_KEYS_32BIT = 16
+# Shared memory the default tiles aim to stay within (the ~99 KiB per block of sm_86/89).
+_SMEM_BUDGET = 96 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,31 +74,36 @@ class BlockSizes:
   block_h: heads per program (a power of two; heads past H are masked).
     None: min(next_pow2(H), 16).
   block_q: query tokens per program; block_q * block_h rows must be >= 16.
-    None: 16, 32 or 64 rows for mean q_len <= 2, <= 8, longer.
+    None: 16, 32 or 64 rows for mean q_len <= 2, <= 8, longer (32 when
+    R + E > 256: a 64 x 576 bf16 q tile alone is 72 KiB).
   pages_per_block: pages per KV iteration; pages_per_block * p >= 16.
   num_warps / num_stages: Triton launch settings (ignored in interpret mode).
+    num_stages None: 2 when two stages of the KV tile plus the q tile
+    (estimated) fit _SMEM_BUDGET, else 1; DeepSeek-V3's 576-wide rows make
+    the tiles large (scripts/check_triton_compile.py reports the real size).
   """
   block_q: int | None = None
   block_h: int | None = None
   pages_per_block: int | None = None
   num_warps: int | None = None
-  num_stages: int = 2
+  num_stages: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_h", "pages_per_block"):
       value = getattr(self, name)
       if value is not None and not is_pow2(value):
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
-    if (self.num_warps is not None and self.num_warps < 1) or self.num_stages < 1:
+    if (self.num_warps is not None and self.num_warps < 1) or (self.num_stages is not None
+                                                               and self.num_stages < 1):
       raise ValueError(f"{self.num_warps=} and {self.num_stages=} must be >= 1")
 
-  def resolve(self, *, T: int, S: int, H: int, page_size: int, R: int, itemsize: int) -> BlockSizes:
+  def resolve(self, *, T: int, S: int, H: int, page_size: int, R: int, E: int, itemsize: int) -> BlockSizes:
     """These sizes with every None filled in for a call's static shapes; checks the dot sizes."""
     block_h = self.block_h or min(next_pow2(H), 16)
     block_q = self.block_q
     if block_q is None:
       mean_q_len = T / max(S, 1)
-      rows = 16 if mean_q_len <= 2 else 32 if mean_q_len <= 8 else 64
+      rows = 16 if mean_q_len <= 2 else 32 if mean_q_len <= 8 or R + E > 256 else 64
       block_q = max(1, rows // block_h)
     if block_q * block_h < 16:
       raise ValueError(f"{block_q=} x {block_h=} rows must be >= 16 (the smallest Triton dot)")
@@ -104,8 +115,14 @@ class BlockSizes:
       raise ValueError(
           f"{pages_per_block=} x {page_size=} keys must be >= 16 (the smallest Triton dot)")
     num_warps = self.num_warps or (4 if block_q * block_h * R <= 64 * 64 else 8)
+    num_stages = self.num_stages
+    if num_stages is None:
+      row_bytes = (R + E) * itemsize
+      two_stages = 2 * pages_per_block * page_size * row_bytes + block_q * block_h * row_bytes
+      num_stages = 2 if two_stages <= _SMEM_BUDGET else 1
     return dataclasses.replace(self, block_q=block_q, block_h=block_h,
-                               pages_per_block=pages_per_block, num_warps=num_warps)
+                               pages_per_block=pages_per_block, num_warps=num_warps,
+                               num_stages=num_stages)
 
 
 def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
@@ -231,7 +248,7 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   if T == 0 or S == 0:
     return jnp.zeros_like(q_latent)
   bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, H=H, page_size=page_size, R=R,
-                                             itemsize=latent_pages.dtype.itemsize)
+                                             E=q_rope.shape[2], itemsize=latent_pages.dtype.itemsize)
   num_blocks = min(T, (T + S * (bs.block_q - 1)) // bs.block_q)
   block_seq, block_idx = _schedule(cu_q_lens, num_seqs.astype(jnp.int32), bs.block_q, num_blocks)
   precision = lax.Precision.HIGHEST if latent_pages.dtype == jnp.float32 else None
