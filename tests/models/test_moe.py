@@ -1,0 +1,250 @@
+"""Mixture of experts: Mixtral and Qwen3-MoE against transformers (logits and greedy ids through
+the engine), the routers against hand-worked and transformers' results, the ragged_dot grouped
+FFN against a per-token loop, and the errors bad MoE input gives."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import DATA, golden, tiny_dir
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.checkpoint import import_model
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.models import moe
+from jaxinfer.params import init_params, is_spec, moe_specs
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def batch_golden(name):
+  return json.loads((DATA / "golden" / f"batch_{name}.json").read_text())
+
+
+def greedy(n):
+  return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_engine(engine, prompts, params):
+  """Drives the engine step by step; the final outputs in order and the running count per step."""
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(f"r{i}", p, sp)
+  final, running = {}, []
+  while engine.has_unfinished():
+    for out in engine.step():
+      if out.finished:
+        final[out.request_id] = out
+    running.append(engine.stats()["running"])
+  return [final[f"r{i}"] for i in range(len(prompts))], running
+
+
+def config_of(family) -> ModelConfig:
+  return ModelConfig.from_hf(json.loads((tiny_dir(family) / "config.json").read_text()))
+
+
+# ---- the models against transformers ------------------------------------------------------------
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_logits_match_transformers_float32(family):
+  g = golden(family)
+  llm = LLM(tiny_dir(family), dtype="float32", max_model_len=64, warmup=False)
+  logits = llm.logits(g["token_ids"].tolist())
+  assert logits.shape == g["logits"].shape and logits.dtype == np.float32
+  np.testing.assert_allclose(logits, g["logits"], atol=1e-4, rtol=0)
+
+
+def test_the_tiny_models_exercise_what_they_should():
+  mixtral, qwen = config_of("mixtral"), config_of("qwen3_moe")
+  assert mixtral.num_heads == mixtral.num_kv_heads == 8 and mixtral.norm_topk_prob
+  assert qwen.num_kv_heads == 4 and not qwen.norm_topk_prob  # the plain (unrenormalized) top-k
+  assert [qwen.is_moe_layer(i) for i in range(qwen.num_layers)] == [True, False, True]  # mixed stack
+  for cfg in (mixtral, qwen):
+    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size) == (8, 2, 32)
+
+
+def test_continuous_batching_and_prefix_hits_match_transformers_greedy():
+  g = batch_golden("mixtral")
+  llm = LLM(tiny_dir("mixtral"), max_num_seqs=16, max_num_batched_tokens=64, warmup=False)
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  outs, running = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
+  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
+  assert max(running) >= 12  # most of the 16 ran at once, mixing prefills and decodes
+  # Again: every full 16-token block of each prompt comes from the prefix cache.
+  again = llm.generate(prompts, greedy(g["max_new_tokens"]))
+  assert [o.token_ids for o in again] == [r["greedy_ids"] for r in g["records"]]
+  assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+
+
+def test_preemption_and_prefix_hits_in_a_small_pool_change_nothing():
+  """Qwen3-MoE (a dense layer between two MoE ones), 17 usable pages of 16 tokens: one
+  full-length sequence fits, 16 requests do not, so some are preempted and recomputed."""
+  g = batch_golden("qwen3_moe")
+  llm = LLM(tiny_dir("qwen3_moe"), max_num_seqs=16, max_num_batched_tokens=64, num_pages=18,
+            page_size=16, warmup=False)
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  outs, running = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
+  assert llm.engine.stats()["preemptions"] > 0 and max(running) > 1
+  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
+  # Prompts 8..15 share a 40-token prefix: a rerun finds cached blocks even in this pool.
+  again = llm.generate(prompts, greedy(g["max_new_tokens"]))
+  assert [o.token_ids for o in again] == [r["greedy_ids"] for r in g["records"]]
+  assert sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_bfloat16_logits_stay_close():
+  g = golden("qwen3_moe")
+  logits = LLM(tiny_dir("qwen3_moe"), dtype="bfloat16", max_model_len=64, warmup=False).logits(
+      g["token_ids"].tolist())
+  assert np.abs(logits - g["logits"]).max() < 0.1
+  assert (logits.argmax(-1) == g["logits"].argmax(-1)).mean() >= 0.9
+
+
+# ---- routers ------------------------------------------------------------------------------------
+
+def test_softmax_topk_by_hand():
+  # softmax(log [1, 2, 3, 4]) = [.1, .2, .3, .4]: the top 2 are experts 3 and 2.
+  logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0], [4.0, 1.0, 3.0, 2.0]]))
+  w, ids = moe.route_softmax_topk(logits, 2, renormalize=False)
+  np.testing.assert_array_equal(ids, [[3, 2], [0, 2]])
+  np.testing.assert_allclose(w, [[0.4, 0.3], [0.4, 0.3]], rtol=1e-6)
+  w, ids = moe.route_softmax_topk(logits, 2, renormalize=True)  # Mixtral: the two sum to 1
+  np.testing.assert_allclose(w, [[4 / 7, 3 / 7], [4 / 7, 3 / 7]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["grouped", "ungrouped"])
+def test_deepseek_v3_router_matches_transformers(case):
+  g = np.load(DATA / "golden" / "moe_router.npz")
+  E, k, n_group, topk_group, norm, scaling = g[f"{case}_config"]
+  logits = moe.router_logits(jnp.asarray(g[f"{case}_x"]), jnp.asarray(g[f"{case}_weight"]))
+  w, ids = moe.route_deepseek_v3(logits, jnp.asarray(g[f"{case}_bias"]), int(k), int(n_group),
+                                 int(topk_group), float(scaling), bool(norm))
+  order = np.argsort(np.asarray(ids), axis=-1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, -1), g[f"{case}_ids"])
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, -1), g[f"{case}_weights"],
+                             atol=1e-6, rtol=1e-5)
+
+
+def test_group_limit_and_bias_change_the_choice_but_not_the_weights():
+  # 8 experts in 4 groups of 2; only the best group may be used (topk_group=1).
+  logits = jnp.array([[3.0, -3.0, 2.0, 2.0, 2.5, -9.0, 0.0, 0.0]])
+  w, ids = moe.route_deepseek_v3(logits, None, 2, 4, 1, 1.0, renormalize=False)
+  # Group sums of the top 2: g0 .95+.05, g1 .88+.88 (best), g2 .92+0, g3 .5+.5.
+  assert sorted(np.asarray(ids)[0].tolist()) == [2, 3]
+  # A bias on expert 6 moves the choice to group 3 but the weights stay the plain sigmoid scores.
+  bias = jnp.zeros(8).at[6].set(5.0)
+  w, ids = moe.route_deepseek_v3(logits, bias, 2, 4, 1, 2.0, renormalize=False)
+  assert sorted(np.asarray(ids)[0].tolist()) == [6, 7]
+  np.testing.assert_allclose(w, [[1.0, 1.0]], rtol=1e-6)  # 2.0 * sigmoid(0)
+
+
+# ---- the grouped expert matmul -------------------------------------------------------------------
+
+def random_moe_params(cfg: ModelConfig, dtype=jnp.float32, seed=1):
+  """Layer 0's MoE weights, random and non-zero (the router bias too), from its specs."""
+  rng = np.random.default_rng(seed)
+
+  def one(spec):
+    scale = 1 / np.sqrt(spec.fan_in) if spec.linear else 0.1
+    return jnp.asarray(rng.normal(size=spec.shape) * scale, dtype)
+
+  return jax.tree.map(one, moe_specs(cfg, 0), is_leaf=is_spec)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_shared", "qwen2_gated_shared"])
+def test_ragged_dot_grouped_ffn_equals_a_per_token_loop(variant):
+  cfg = config_of("mixtral")
+  if variant == "deepseek_shared":
+    cfg = ModelConfig(**(cfg.to_dict() | dict(
+        architecture="qwen3_moe", scoring_func="sigmoid", router_bias=True, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, num_shared_experts=2, shared_expert_intermediate_size=64)))
+  elif variant == "qwen2_gated_shared":
+    cfg = ModelConfig(**(cfg.to_dict() | dict(
+        architecture="qwen3_moe", norm_topk_prob=False, num_shared_experts=1,
+        shared_expert_intermediate_size=48, shared_expert_gate=True)))
+  p = random_moe_params(cfg)
+  x = jax.random.normal(jax.random.key(2), (13, cfg.hidden_size))
+  out, stats = jax.jit(moe.moe_ffn, static_argnums=1)(p, cfg, x)
+  ref = moe.reference_moe_ffn(p, cfg, x)
+  assert np.abs(ref).min() > 0
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  _, ids = moe.route(p, cfg, x)
+  np.testing.assert_array_equal(stats.tokens_per_expert, np.bincount(np.asarray(ids).ravel(), minlength=8))
+
+
+def test_grouped_ffn_in_bfloat16():
+  cfg = config_of("mixtral")
+  p = random_moe_params(cfg, jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(2), (9, cfg.hidden_size), jnp.bfloat16)
+  out, _ = moe.moe_ffn(p, cfg, x)
+  assert out.dtype == jnp.bfloat16
+  ref = moe.reference_moe_ffn(p, cfg, x)  # same routing, float64 experts
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=0.05, rtol=0.05)
+
+
+def test_router_stats_count_real_tokens_only():
+  from jaxinfer.models.cache import init_cache
+  from jaxinfer.models.transformer import PagedBatch, forward
+  cfg = config_of("qwen3_moe")
+  params = init_params(cfg, jax.random.key(0))
+  T, n, page = 16, 11, 16  # 11 real tokens, 5 of bucket padding
+  cache = init_cache(cfg, 3, page)
+  pos = jnp.arange(T, dtype=jnp.int32)
+  batch = PagedBatch(jnp.where(pos < n, pos + page, 0), jnp.array([n], jnp.int32),
+                     jnp.array([[1, 2]], jnp.int32), jnp.array([0, n], jnp.int32), jnp.int32(1))
+  tokens = jnp.arange(1, T + 1, dtype=jnp.int32)
+  run = jax.jit(forward, static_argnums=1, static_argnames="return_router_stats")
+  hidden, _, stats = run(params, cfg, tokens, pos, cache, batch, return_router_stats=True)
+  assert hidden.shape == (T, cfg.hidden_size)
+  assert stats.tokens_per_expert.shape == (2, 8)  # layers 0 and 2 are MoE
+  np.testing.assert_array_equal(stats.tokens_per_expert.sum(-1), [n * 2, n * 2])
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def copy_model(tmp_path, family):
+  dst = tmp_path / family
+  shutil.copytree(tiny_dir(family), dst)
+  return dst
+
+
+def test_checkpoint_missing_an_expert_names_the_tensor(tmp_path):
+  d = copy_model(tmp_path, "qwen3_moe")
+  tensors = load_file(d / "model.safetensors")
+  del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+  save_file(tensors, d / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"tensor 'model.layers.2.mlp.experts.5.up_proj.weight' is missing"):
+    import_model(d)
+
+
+def test_expert_with_a_wrong_shape_names_the_tensor(tmp_path):
+  d = copy_model(tmp_path, "mixtral")
+  tensors = load_file(d / "model.safetensors")
+  tensors["model.layers.1.block_sparse_moe.experts.7.w2.weight"] = np.zeros((64, 31), np.float32)
+  save_file(tensors, d / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.block_sparse_moe.experts.7.w2.weight' "
+                                            r"has shape \(64, 31\), expected \(64, 32\)"):
+    import_model(d)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts_per_tok=9), r"num_experts_per_token=9 must be between 1 and num_experts=8"),
+    (dict(shared_expert_intermediate_size=16), r"qwen3_moe with shared experts is not supported"),
+    (dict(moe_intermediate_size=None), r"config.json lacks the field 'moe_intermediate_size'"),
+])
+def test_unsupported_moe_settings_are_named(tmp_path, change, message):
+  d = copy_model(tmp_path, "qwen3_moe")
+  cfg = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps(cfg | change))
+  with pytest.raises(UnsupportedModelError, match=message):
+    LLM(d, warmup=False)
+
+
+def test_int8_quantization_of_experts_is_refused_by_name():
+  with pytest.raises(UnsupportedModelError, match=r"quantization='int8' is not supported for "
+                                                  r"mixture-of-experts weights \(layers/0/moe/w_down"):
+    LLM(tiny_dir("mixtral"), quantization="int8", warmup=False)
