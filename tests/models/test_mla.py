@@ -273,3 +273,16 @@ def test_int8_weights_run_the_absorbed_form():
   outs, _ = run_schedule(cfg, qparams, g["x"], sched, {0: [9, 3, 14, 6]})
   err = np.abs(outs[0] - g["out"]).max()
   assert 0 < err < 0.05, err
+
+
+def test_bfloat16_stays_close():
+  """bf16 weights and cache: the same code path, outputs near transformers' float32 ones."""
+  g, meta, cfg, params = load("mla_qlora")
+  bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  h = rms_norm(jnp.asarray(g["x"], jnp.bfloat16), bf["attn_norm"], cfg.rms_norm_eps)
+  cache = {"latent": jnp.zeros((NUM_PAGES, PAGE_SIZE, 40), jnp.bfloat16)}
+  batch = batch_for([(0, 0, 15)], {0: [9, 3, 14, 6]}, pad_tokens=0)
+  out, cache = mla.mla_attention_block(bf, cfg, h, jnp.arange(15, dtype=jnp.int32), cache, batch,
+                                       attention_impl="xla")
+  assert out.dtype == jnp.bfloat16 and cache["latent"].dtype == jnp.bfloat16
+  assert np.abs(np.asarray(out, np.float32) - g["out"]).max() < 0.05  # 0.017 measured
