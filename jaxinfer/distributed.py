@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MIRRORED = ("warmup", "set_history", "export_pages", "import_pages", "reset_state", "logits")
 _MIN_BYTES = 4096  # the smallest message bucket: a decode step's call fits
 _CLOSE = "__close__"
+_KEEPALIVE = "__keepalive__"
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *,
@@ -127,6 +128,10 @@ class LeaderRunner:
     self._call("warmup")  # the progress bar is the leader's own
     self._runner.warmup(progress)
 
+  def keepalive(self) -> None:
+    """An empty call: followers wait in a collective, which must not sit idle for too long."""
+    self._call(_KEEPALIVE)
+
   def close(self) -> None:
     """Lets the followers' `follow` return (the leader is done with the devices)."""
     if not self._closed:
@@ -163,6 +168,8 @@ def follow(runner: Any, channel: Channel | None = None, on_call: Callable[[str],
     name, args, kwargs = channel.receive()
     if name == _CLOSE:
       return calls
+    if name == _KEEPALIVE:
+      continue
     if name != "run_batch" and name not in MIRRORED:
       raise JaxinferError(f"the leader sent an unknown runner call {name!r}: are both on one version?")
     try:

@@ -16,6 +16,7 @@ from conftest import DATA, tiny_dir
 from jaxinfer.cli import main
 
 FAMILY = "llama3"  # TODO(mixtral): 8 query and kv heads, 8 experts: every axis splits over 8 devices
+MESH = "8,1,1"
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ def test_two_processes_give_transformers_greedy_ids(tmp_path):
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
   procs = [subprocess.Popen(
       [sys.executable, "-m", "jaxinfer", "generate", "--model", str(tiny_dir(FAMILY)),
-       "--mesh", "8,1,1", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
+       "--mesh", MESH, "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
        "--input", str(src), "--output", str(out), "--quiet", "--no-chat-template",
        "--max-tokens", str(n), "--ignore-eos", "--max-model-len", "128",
        "--max-num-seqs", "4", "--max-num-batched-tokens", "32"],
@@ -64,6 +65,36 @@ def test_two_processes_give_transformers_greedy_ids(tmp_path):
   assert sorted(results) == [f"r{i}" for i in range(len(records))]
   for i, r in enumerate(records):
     assert results[f"r{i}"]["token_ids"] == r["greedy_ids"][:n], i
+
+
+def test_a_two_process_server_serves_and_its_follower_leaves_on_drain(tmp_path):
+  """`serve` on two hosts: the leader warms both up through the broadcast (the
+  server warms up after start), answers, and on SIGTERM releases the follower."""
+  from jaxinfer.serving.client import Client
+  from jaxinfer.serving.process import JaxinferProcess
+  g = json.loads((DATA / "golden" / f"batch_{FAMILY}.json").read_text())
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  flags = ["serve", "--model", str(tiny_dir(FAMILY)), "--mesh", MESH, "--coordinator",
+           f"127.0.0.1:{free_port()}", "--num-processes", "2", "--max-model-len", "128",
+           "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+  log = tmp_path / "follower.log"
+  follower = subprocess.Popen([sys.executable, "-m", "jaxinfer", *flags, "--process-id", "1"], env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+  leader = JaxinferProcess(*flags, "--process-id", "0", "--port", "0", env=env)
+  try:
+    leader.wait()
+    with Client(leader.address, timeout=300) as c:
+      for r in g["records"][:2]:
+        out = c.generate(r["prompt_ids"], max_tokens=8, ignore_eos=True, temperature=0)
+        assert out.token_ids == r["greedy_ids"][:8]
+    leader.stop()
+    assert leader.proc.returncode == 0, leader.tail()
+    assert follower.wait(60) == 0, log.read_text()[-3000:]
+  finally:
+    leader.stop()
+    follower.kill()
+  followed = re.search(r"process 1 ran (\d+) device calls from the leader", log.read_text())
+  assert followed and int(followed.group(1)) >= 16, log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -38,6 +38,9 @@ from jaxinfer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+# Seconds an idle multi-host leader waits before pinging its followers (jaxinfer.distributed).
+KEEPALIVE_S = 20.0
+
 
 class Sink:
   """Where a request's outputs go. Called on the engine thread: must not block.
@@ -183,7 +186,15 @@ class EngineLoop:
       self._publish_kv_events()
 
   def _take_commands(self, block: bool) -> list[tuple]:
-    commands = [self._commands.get()] if block else []
+    commands = []
+    keepalive = getattr(self.engine.runner, "keepalive", None)  # a multi-host leader's
+    while block and not commands:
+      try:
+        commands.append(self._commands.get(timeout=KEEPALIVE_S if keepalive else None))
+      except queue.Empty:
+        # Followers wait for the next call inside a collective, which may time out
+        # if the leader stays idle too long: an empty call now and then resets it.
+        keepalive()
     while True:
       try:
         commands.append(self._commands.get_nowait())

@@ -31,10 +31,10 @@ _PORTS = {
 class JaxinferProcess:
   """`python -m jaxinfer ARGS...`; its stderr is kept in `log` (a list of lines)."""
 
-  def __init__(self, *args: str, cwd=None):
+  def __init__(self, *args: str, cwd=None, env=None):
     self.args = [str(a) for a in args]
     self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", *self.args], stderr=subprocess.PIPE,
-                                 text=True, cwd=cwd)
+                                 text=True, cwd=cwd, env=env)
     self.log: list[str] = []
     self.port: int | None = None
     self.metrics_port: int | None = None
