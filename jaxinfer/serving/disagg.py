@@ -66,6 +66,7 @@ from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.serving.backend import Overloaded, Unavailable
 from jaxinfer.serving.convert import sampling_from_proto, sampling_to_proto
 from jaxinfer.serving.engine_loop import LoopSink
+from jaxinfer.serving.metrics import Metrics
 from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import kv_transfer_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
@@ -184,6 +185,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
 
   async def Prefill(self, request_iterator, context):
     b = self.b
+    failed = b.metrics.kv_transfer_failures
     first = await context.read()
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "request":
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -205,6 +207,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       admission = b.admit(len(ids))
     except JaxinferError as e:
       b.reject(e)
+      failed.labels("sent", "refused").inc()
       await context.abort(status_of(e), f"Prefill {r.request_id}: {e}")
     key = f"kvx-{r.request_id}#{next(self._keys)}"
     sink = _FirstOutput(asyncio.get_running_loop())
@@ -215,6 +218,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       finally:
         admission.release()
       if out.finish_reason == "error" or not out.token_ids:
+        failed.labels("sent", "engine_error").inc()
         await context.abort(grpc.StatusCode.INTERNAL, f"Prefill {r.request_id} failed in the engine: {out.error}")
       try:
         # From here the pages are held for this call only: bounded by the timeout.
@@ -222,14 +226,21 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
           await self._send_pages(context, key, out, len(ids), r.skip_pages, num_pages)
           ack = await context.read()
       except TimeoutError:
+        failed.labels("sent", "ack_timeout").inc()
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"Prefill {r.request_id}: no Ack within --kv-transfer-timeout="
                             f"{self.timeout_s:g} s; its KV pages were freed")
       if ack is grpc.aio.EOF or ack.WhichOneof("kind") != "ack":
+        failed.labels("sent", "no_ack").inc()
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"Prefill {r.request_id}: the stream ended without an Ack; its KV pages were freed")
+      b.metrics.kv_transfers.labels("sent").inc()
     except JaxinferError as e:  # e.g. the engine refused the request (InvalidRequestError)
+      failed.labels("sent", "engine_error").inc()
       await context.abort(status_of(e), f"Prefill {r.request_id}: {e}")
+    except asyncio.CancelledError:  # the decode worker cancelled the call or went away
+      failed.labels("sent", "cancelled").inc()
+      raise
     finally:
       # Cancelled, timed out, failed or acknowledged: the pages go back (and the request,
       # if the decode worker gave up before its first token, is aborted).
@@ -241,6 +252,8 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
                                  num_prompt_tokens=num_tokens, first_page=skip, num_pages=num_pages - skip,
                                  cached_tokens=out.num_cached_tokens)
     await context.write(kv_pb.PrefillServerMessage(header=header))
+    m = self.b.metrics
+    t0 = time.perf_counter()
     sent = 0
     for lo in range(skip, num_pages, self.pages_per_chunk):
       n = min(self.pages_per_chunk, num_pages - lo)
@@ -250,7 +263,10 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       data = pack_pages(arrays, self.layout)
       sent += len(data)
       await context.write(kv_pb.PrefillServerMessage(chunk=kv_pb.KVChunk(first_page=lo, num_pages=n, data=data)))
+      m.kv_transfer_pages.labels("sent").inc(n)
+      m.kv_transfer_bytes.labels("sent").inc(len(data))
     await context.write(kv_pb.PrefillServerMessage(done=kv_pb.PrefillDone(num_bytes=sent)))
+    m.kv_transfer_duration.labels("sent").observe(time.perf_counter() - t0)
 
 
 # ---- consumer: the decode worker's connector ---------------------------------------------
@@ -280,7 +296,8 @@ class DecodeConnector(KVConnector):
   Hooks run on the engine thread; the transfer runs on `loop`.
   """
 
-  def __init__(self, prefill_workers: Sequence[str], *, timeout_s: float, pick: PickWorker | None = None):
+  def __init__(self, prefill_workers: Sequence[str], *, timeout_s: float, pick: PickWorker | None = None,
+               metrics: Metrics | None = None):
     if not prefill_workers:
       raise InvalidRequestError("a decode worker needs at least one prefill worker address")
     self.workers = tuple(prefill_workers)
@@ -294,6 +311,7 @@ class DecodeConnector(KVConnector):
     self._loop: asyncio.AbstractEventLoop | None = None
     self._engine_loop = None
     self.layout: KVLayout | None = None
+    self.metrics = metrics if metrics is not None else Metrics()  # the server's, so /metrics shows them
 
   def bind(self, loop: asyncio.AbstractEventLoop, engine_loop) -> None:
     """Where transfers run (the server's loop) and whom they feed (its engine thread)."""
@@ -380,6 +398,8 @@ class DecodeConnector(KVConnector):
     except asyncio.CancelledError:
       if call is not None:
         call.cancel()
+      if not imported:  # the request was aborted (cancel, deadline) before its pages were all in
+        self.metrics.kv_transfer_failures.labels("received", "cancelled").inc()
       raise
     except Exception as e:  # every failure ends the request with a status; none leaves pages behind
       if call is not None:
@@ -388,6 +408,7 @@ class DecodeConnector(KVConnector):
         log.warning("request %s: Ack to prefill worker %s failed (it frees the pages on its timeout): %s",
                     rid, addr, e)
         return
+      self.metrics.kv_transfer_failures.labels("received", _failure_reason(e)).inc()
       self._engine_loop.fail(rid, self._error(e, addr))
     finally:
       if addr is not None:
@@ -423,6 +444,8 @@ class DecodeConnector(KVConnector):
       await self._call(lambda e, p=page, a=arrays: e.import_kv(rid, p, a))
       page += c.num_pages
       received += len(c.data)
+      self.metrics.kv_transfer_pages.labels("received").inc(c.num_pages)
+      self.metrics.kv_transfer_bytes.labels("received").inc(len(c.data))
     if page != total or msg.done.num_bytes != received:
       raise KVTransferError(f"truncated transfer from prefill worker {addr}: {page - skip} of {total - skip} "
                             f"pages, {received} of {msg.done.num_bytes} bytes")
@@ -437,6 +460,8 @@ class DecodeConnector(KVConnector):
   def _record(self, r: TransferRecord) -> None:
     self.records.append(r)
     del self.records[:-1000]
+    self.metrics.kv_transfers.labels("received").inc()
+    self.metrics.kv_transfer_duration.labels("received").observe(r.transfer_s)
 
   def _error(self, e: BaseException, addr: str | None) -> JaxinferError:
     """The status the client sees for a failed transfer."""
@@ -465,6 +490,19 @@ class DecodeConnector(KVConnector):
     self._channels.clear()
 
 
+def _failure_reason(e: BaseException) -> str:
+  """The `reason` label of jaxinfer_kv_transfer_failures_total{direction="received"}."""
+  if isinstance(e, (TimeoutError, KVTransferTimeout)):
+    return "timeout"
+  if isinstance(e, grpc.aio.AioRpcError):
+    return {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "unavailable",
+            grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+            grpc.StatusCode.INVALID_ARGUMENT: "refused"}.get(e.code(), "prefill_error")
+  if isinstance(e, KVTransferError):
+    return "invalid_transfer"  # layout, page count or bytes that do not match, a truncated stream
+  return "error"
+
+
 # ---- wiring --------------------------------------------------------------------------
 
 def attach(role: str, backend, grpc_server: grpc.aio.Server, *, prefill_workers: Sequence[str] = (),
@@ -477,7 +515,7 @@ def attach(role: str, backend, grpc_server: grpc.aio.Server, *, prefill_workers:
     kv_grpc.add_KVTransferServicer_to_server(KVTransferServicer(backend, timeout_s), grpc_server)
     return None
   if role == "decode":
-    connector = DecodeConnector(prefill_workers, timeout_s=timeout_s, pick=pick)
+    connector = DecodeConnector(prefill_workers, timeout_s=timeout_s, pick=pick, metrics=backend.metrics)
     connector.bind(asyncio.get_running_loop(), backend.engine_loop)
     backend.llm.engine.set_kv_connector(connector)
     return connector

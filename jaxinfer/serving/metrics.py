@@ -60,6 +60,26 @@ class Metrics:
         "jaxinfer_spec_decode_mean_acceptance_length",
         "Tokens committed per verifying sequence-step (accepted drafts + 1).", registry=r)
 
+    # Disaggregation: KV pages moved between a prefill worker (direction="sent") and a decode
+    # worker (direction="received"), counted per chunk as it goes out / is imported, so a
+    # transfer that fails half way counts the pages that did move.
+    self.kv_transfer_pages = Counter("jaxinfer_kv_transfer_pages", "KV cache pages transferred.",
+                                     ["direction"], registry=r)
+    self.kv_transfer_bytes = Counter("jaxinfer_kv_transfer_bytes", "Bytes of KV cache pages transferred.",
+                                     ["direction"], registry=r)
+    self.kv_transfers = Counter(
+        "jaxinfer_kv_transfers", "Completed KV transfers (sent: acknowledged by the decode worker; "
+        "received: every page imported).", ["direction"], registry=r)
+    self.kv_transfer_duration = Histogram(
+        "jaxinfer_kv_transfer_duration_seconds", "First page to last page of a completed transfer "
+        "(sent: exported and written; received: the header to the last page imported).", ["direction"],
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+        registry=r)
+    self.kv_transfer_failures = Counter(
+        "jaxinfer_kv_transfer_failures", "KV transfers that did not complete, by reason (sent: refused, "
+        "engine_error, cancelled, ack_timeout, no_ack; received: timeout, unavailable, overloaded, "
+        "refused, invalid_transfer, prefill_error, cancelled, error).", ["direction", "reason"], registry=r)
+
   def set_engine_stats(self, stats: dict[str, float]) -> None:
     self.waiting_requests.set(stats["waiting"])
     self.running_requests.set(stats["running"])

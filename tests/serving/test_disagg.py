@@ -43,6 +43,13 @@ def kv_usage(w: JaxinferProcess) -> float:
   return w.metric("jaxinfer_kv_cache_usage_ratio")
 
 
+def sample(text: str, name: str, **labels: str) -> float:
+  """One labelled sample of a Prometheus scrape (0 when it is not there yet)."""
+  want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+  m = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+  return float(m.group(1)) if m else 0.0
+
+
 def wait_for(predicate, timeout=15.0, what="condition", logs=()):
   end = time.monotonic() + timeout
   while not predicate():
@@ -139,6 +146,9 @@ def test_decode_worker_outputs_equal_one_worker(pair, reference):
 
 def test_cancel_during_transfer_frees_both_pools(pair):
   prefill, decode = pair
+  cancelled = lambda w, d: sample(w.metrics_text(), "jaxinfer_kv_transfer_failures_total", direction=d,
+                                  reason="cancelled")
+  before = cancelled(prefill, "sent"), cancelled(decode, "received")
   with grpc.insecure_channel(decode.address) as ch:
     request = build_request(LONG_PROMPT, stream=True, temperature=0, max_tokens=50)
     call = pb_grpc.InferenceStub(ch).Generate(request)
@@ -150,6 +160,9 @@ def test_cancel_during_transfer_frees_both_pools(pair):
     assert e.value.code() == grpc.StatusCode.CANCELLED
   wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
   wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
+  # Counted as cancelled transfers on both sides (the prefill worker's call is cancelled by the decode worker's).
+  wait_for(lambda: (cancelled(prefill, "sent"), cancelled(decode, "received")) == (before[0] + 1, before[1] + 1),
+           what="both sides to count the cancelled transfer")
   # A deadline far shorter than the request: DEADLINE_EXCEEDED, both pools empty again.
   # A fresh prompt (the first one's blocks are cached on both sides now) and 2000 new
   # tokens, so the request outlives 0.5 s however fast this machine is (the deadline
@@ -161,6 +174,29 @@ def test_cancel_during_transfer_frees_both_pools(pair):
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
   wait_for(lambda: kv_usage(decode) == 0.0, what="the decode pool to empty", logs=pair)
   wait_for(lambda: kv_usage(prefill) == 0.0, what="the prefill pool to empty", logs=pair)
+
+
+def test_transfer_metrics_count_the_pages_and_bytes_of_a_known_transfer(pair):
+  """A 99-token prompt neither worker has seen crosses as 7 pages of 16 tokens, 4096
+  bytes each (2 layers x k, v x 16 positions x 1 head x 16 dims x 4 bytes): the prefill
+  worker's "sent" and the decode worker's "received" counters move by exactly that, one
+  completed transfer and one duration each, and no failure."""
+  prefill, decode = pair
+  prompt = [(13 * i) % 290 + 5 for i in range(99)]
+  names = ("jaxinfer_kv_transfer_pages_total", "jaxinfer_kv_transfer_bytes_total", "jaxinfer_kv_transfers_total",
+           "jaxinfer_kv_transfer_duration_seconds_count")
+  sides = ((prefill, "sent"), (decode, "received"))
+  before = {d: w.metrics_text() for w, d in sides}
+  with Client(decode.address, timeout=120) as c:
+    assert len(c.generate(prompt, temperature=0, max_tokens=2, ignore_eos=True).token_ids) == 2
+  for w, d in sides:  # the prefill worker counts the transfer once the Ack is in: poll
+    wait_for(lambda: sample(w.metrics_text(), "jaxinfer_kv_transfers_total", direction=d) ==
+             sample(before[d], "jaxinfer_kv_transfers_total", direction=d) + 1, what=f"the {d} transfer")
+    after = w.metrics_text()
+    moved = [sample(after, n, direction=d) - sample(before[d], n, direction=d) for n in names]
+    assert moved == [7, 7 * 4096, 1, 1], (d, moved)
+    failures = lambda text: re.findall(r"^jaxinfer_kv_transfer_failures_total\{.*$", text, re.M)
+    assert failures(after) == failures(before[d])  # earlier tests' failures, none added
 
 
 def prefill_message(prompt, request_id="t", skip_pages=0, **sampling):
@@ -273,15 +309,20 @@ def pool_is_full(server):
   return server.call_engine(lambda e: e.kv.num_free_pages) == e.kv.num_pages - 1
 
 
-@pytest.mark.parametrize("how, code, message", [
-    ("hang", grpc.StatusCode.DEADLINE_EXCEEDED, "did not complete within --kv-transfer-timeout=2 s"),
+@pytest.mark.parametrize("how, code, message, reason", [
+    ("hang", grpc.StatusCode.DEADLINE_EXCEEDED, "did not complete within --kv-transfer-timeout=2 s", "timeout"),
     ("layout", grpc.StatusCode.INTERNAL, "KV layout mismatch with prefill worker 127.0.0.1:\\d+: page_size: "
-                                         "ours 16, prefill worker 127.0.0.1:\\d+'s 32; dtype: ours 'float32'"),
-    ("truncate", grpc.StatusCode.INTERNAL, "truncated transfer from prefill worker .*: 0 of 1 pages"),
-    ("short", grpc.StatusCode.INTERNAL, "a chunk of 1 pages carries 4095 bytes, expected 4096"),
+                                         "ours 16, prefill worker 127.0.0.1:\\d+'s 32; dtype: ours 'float32'",
+     "invalid_transfer"),
+    ("truncate", grpc.StatusCode.INTERNAL, "truncated transfer from prefill worker .*: 0 of 1 pages",
+     "invalid_transfer"),
+    ("short", grpc.StatusCode.INTERNAL, "a chunk of 1 pages carries 4095 bytes, expected 4096", "invalid_transfer"),
 ])
-def test_failed_transfers_are_clear_errors_and_free_the_pages(fake_and_decode, how, code, message):
+def test_failed_transfers_are_clear_errors_and_free_the_pages(fake_and_decode, how, code, message, reason):
   decode = fake_and_decode
+  failures = lambda: sample(decode.metrics.exposition().decode(), "jaxinfer_kv_transfer_failures_total",
+                            direction="received", reason=reason)
+  before = failures()
   with Client(f"127.0.0.1:{decode.port}", timeout=30) as c:
     t = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
@@ -289,11 +330,15 @@ def test_failed_transfers_are_clear_errors_and_free_the_pages(fake_and_decode, h
     assert e.value.code() == code
     assert re.search(message, e.value.details()), e.value.details()
     assert time.monotonic() - t < 10
+  assert failures() == before + 1
   wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
 
 
 def test_an_unreachable_prefill_worker_is_unavailable_at_once(fake_and_decode):
   decode = fake_and_decode
+  failures = lambda: sample(decode.metrics.exposition().decode(), "jaxinfer_kv_transfer_failures_total",
+                            direction="received", reason="unavailable")
+  before = failures()
   assert decode.kv_connector.workers[1] == "127.0.0.1:1"  # nothing listens there
   with Client(f"127.0.0.1:{decode.port}", timeout=30) as c:
     t = time.monotonic()
@@ -302,6 +347,7 @@ def test_an_unreachable_prefill_worker_is_unavailable_at_once(fake_and_decode):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "prefill worker 127.0.0.1:1 is unavailable" in e.value.details()
     assert time.monotonic() - t < 5
+  assert failures() == before + 1
   wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
 
 
