@@ -3,8 +3,9 @@
 Each worker publishes the blocks that enter and leave its prefix cache
 (`KVEvent`s, numbered per worker). `KVIndex` folds them into one table,
 block hash -> the set of workers holding it (a bitmask over worker slots),
-so the cached prefix of a request on every worker at once is a walk down
-the request's chain of block hashes with one AND per block.
+so the cached prefix of a request on every worker at once is found by
+bisecting the request's chain of block hashes for where its holder set
+changes (`KVIndex.runs`): a few dict probes per request, not one per block.
 
 `KVRouter` scores each live worker with Dynamo's cost
 
@@ -154,9 +155,15 @@ class KVIndex:
     equal holders all along it. The walk bisects for the few places where the
     set changes, one dict probe per split, skipping every stretch whose ends
     agree: O(runs x log N) probes instead of N. At 512 workers the index holds
-    ~2M hashes and every probe is a cache miss (~0.5 us), so this, not the
-    Python around it, is what a request costs: 85 blocks took ~40 us probed
-    one by one (map + Counter), ~10 us bisected.
+    up to ~2M hashes and a probe is mostly cache misses (~0.5 us on a random
+    key), so probing every block was the decision's main cost: ~40 us p50
+    for a prompt of ~85 blocks (map + Counter over them), against ~1.5 runs
+    per request in scripts/simulate_router.py's trace.
+
+    A worker that held a block without its parent (KVManager, and an LRU
+    cache that touches a chain tail first, never do) could be counted or
+    missed by the bisection: the overlap is a prediction, and the worker's
+    own lookup decides what it reuses.
     """
     n = len(block_hashes)
     if n == 0:
