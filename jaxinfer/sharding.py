@@ -65,12 +65,13 @@ def make_rules(overrides: Mapping[str, Rule] | None = None) -> dict[str, Rule]:
   for name, rule in (overrides or {}).items():
     if not isinstance(name, str):
       raise ShardingError(f"sharding rule keys are logical axis names (str), got {name!r}")
-    _mesh_axes(name, rule)
+    mesh_axes(name, rule)
     rules[name] = tuple(rule) if isinstance(rule, list) else rule
   return rules
 
 
-def _mesh_axes(name: str, rule: Any) -> tuple[str, ...]:
+def mesh_axes(name: str, rule: Any) -> tuple[str, ...]:
+  """The mesh axes a rule names (() for None), or ShardingError for a malformed rule."""
   if rule is None:
     return ()
   if isinstance(rule, str):
@@ -112,8 +113,8 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     if logical not in rules:
       raise ShardingError(f"{name}: logical axis {logical!r} has no sharding rule; add one to "
                           f'sharding_rules, e.g. {{"{logical}": None}} to replicate it')
-    mesh_axes = _mesh_axes(logical, rules[logical])
-    for ax in mesh_axes:
+    axes_ = mesh_axes(logical, rules[logical])
+    for ax in axes_:
       if ax not in mesh.shape:
         raise ShardingError(f"{name}: the rule {logical!r} -> {rules[logical]!r} names mesh axis "
                             f"{ax!r}, not in this mesh's axes {tuple(mesh.axis_names)}")
@@ -121,13 +122,13 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
         raise ShardingError(f"{name}: logical axes {used[ax]!r} and {logical!r} both map to mesh axis "
                             f"{ax!r}; one tensor can use a mesh axis once (change one of their rules)")
       used[ax] = logical
-    n = math.prod(mesh.shape[ax] for ax in mesh_axes)
+    n = math.prod(mesh.shape[ax] for ax in axes_)
     if size % n:
-      split = " x ".join(f"{ax}={mesh.shape[ax]}" for ax in mesh_axes)
+      split = " x ".join(f"{ax}={mesh.shape[ax]}" for ax in axes_)
       raise ShardingError(f"{name}: its {logical!r} dimension (size {size}) is not divisible by mesh "
-                          f"axes {mesh_axes} ({split} = {n} shards); choose mesh sizes that divide {size}, "
+                          f"axes {axes_} ({split} = {n} shards); choose mesh sizes that divide {size}, "
                           f'or replicate it on purpose with sharding_rules={{"{logical}": None}}')
-    out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    out.append(None if not axes_ else axes_[0] if len(axes_) == 1 else axes_)
   return PartitionSpec(*out)
 
 

@@ -136,3 +136,19 @@ def test_bad_meshes_and_rules_are_errors():
     make_rules({"heads": 3})
   with pytest.raises(ShardingError, match=r"sharding_rules need a mesh"):
     LLM(tiny_dir("qwen3"), sharding_rules={"kv_heads": None}, **ENGINE)
+
+
+def test_kv_pool_split_along_pages_by_data():
+  """sharding_rules={"pages": "data"}: each data shard holds its own block of pages (and the
+  model axis its KV head); the pool is sized to a multiple of the shards; same logits."""
+  mesh = make_mesh(data=2, model=2)
+  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, **ENGINE)
+  N = llm.runner.num_pages
+  assert N % 2 == 0
+  k = llm.runner.cache[0]["k"]
+  assert shard_shape(k) == (N // 2, 16, 1, 32)
+  g = golden("qwen3")
+  np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+  prompts = [[5, 17, 200, 3], list(range(1, 40))]
+  want = LLM(tiny_dir("qwen3"), **ENGINE).generate(prompts, _greedy())
+  assert [o.token_ids for o in llm.generate(prompts, _greedy())] == [o.token_ids for o in want]

@@ -46,6 +46,7 @@ from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.cache import CacheSpec
+from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
@@ -169,6 +170,9 @@ class LLMEngine:
     if ec.num_pages is None:
       num_pages = cache_spec.num_pages_for(ec.kv_cache_bytes, ec.page_size,
                                            cap=ec.max_num_seqs * pages_per_seq + 1)
+      # A pool split along 'pages' (sharding_rules={"pages": "data"}) needs equal shards.
+      shards = cache_spec.page_shards(mesh, make_rules(sharding_rules))
+      num_pages -= num_pages % shards
     else:
       num_pages = ec.num_pages
     if num_pages - 1 < pages_per_seq:
@@ -225,7 +229,7 @@ class LLMEngine:
     A model the mesh cannot split as the rules ask is a ShardingError naming the tensor.
     quantization='int8': linear weights int8 (see jaxinfer.quant)."""
     from jaxinfer.checkpoint import load_model
-    from jaxinfer.sharding import make_rules, param_shardings
+    from jaxinfer.sharding import param_shardings
     if model is None:
       from jaxinfer.default_model import default_checkpoint
       model = default_checkpoint()

@@ -1,7 +1,8 @@
 """Host-side KV page pool with reference counts and a prefix cache.
 
-The device cache is `[num_pages, page_size, K, d]` per layer; this class
-decides which page ids each request owns. A request's token i lives in page
+The device cache (jaxinfer.models.cache) holds `num_pages` pages of
+`page_size` tokens per layer; this class decides which page ids each
+request owns. A request's token i lives in page
 `pages[i // page_size]` at offset `i % page_size`:
 
     tokens   | 0 .. 15 | 16 .. 31 | 32 .. 40 ------|

@@ -238,8 +238,9 @@ class ModelRunner:
     self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
-    self._logits = jax.jit(functools.partial(_all_logits, cfg, self.attention_impl, page_size,
-                                             self.cache_spec, self._cache_shardings if mesh else None))
+    self._logits = jax.jit(functools.partial(
+        _all_logits, cfg, self.attention_impl, page_size, self.cache_spec,
+        self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules)))
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
     self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
     self._gather = jax.jit(gather_pages)
@@ -489,9 +490,10 @@ def _set_history_row(history, row, ids, prompt_len, total_len):
           "prompt": history["prompt"].at[row].set(prompt)}
 
 
-def _all_logits(cfg, attention_impl, page_size, cache_spec: CacheSpec, cache_shardings, params, tokens, length):
+def _all_logits(cfg, attention_impl, page_size, cache_spec: CacheSpec, cache_shardings, page_shards,
+                params, tokens, length):
   L = tokens.shape[0]
-  num_pages = L // page_size + 2
+  num_pages = -(-(L // page_size + 2) // page_shards) * page_shards  # equal shards of pages
   cache = cache_spec.zeros(num_pages, page_size)
   if cache_shardings is not None:  # on a mesh: split the scratch pages like the step's
     cache = jax.lax.with_sharding_constraint(cache, cache_shardings(num_pages))

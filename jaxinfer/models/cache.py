@@ -147,6 +147,16 @@ class CacheSpec:
       return fill()
     return jax.jit(fill, out_shardings=shardings)()
 
+  def page_shards(self, mesh, rules: Mapping | None = None) -> int:
+    """Into how many shards the rules split the 'pages' axis on `mesh` (1 without a mesh):
+    pool sizes are rounded to a multiple of it (attention data parallelism maps 'pages' to
+    'data', so each data shard owns a contiguous block of pages)."""
+    if mesh is None:
+      return 1
+    from jaxinfer.sharding import RULES, mesh_axes
+    rule = (RULES if rules is None else rules).get("pages")
+    return math.prod(mesh.shape[ax] for ax in mesh_axes("pages", rule) if ax in mesh.shape)
+
   def shardings(self, mesh, num_pages: int, page_size: int, rules: Mapping | None = None):
     """NamedShardings of the pool from its logical axes and the weights' rule table (so the
     pages' kv_heads dim is split like wk's). ShardingError when an axis does not divide."""
