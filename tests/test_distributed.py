@@ -15,8 +15,8 @@ import pytest
 from conftest import DATA, tiny_dir
 from jaxinfer.cli import main
 
-FAMILY = "llama3"  # TODO(mixtral): 8 query and kv heads, 8 experts: every axis splits over 8 devices
-MESH = "8,1,1"
+FAMILY = "mixtral"  # 8 query and 8 kv heads, 8 experts: heads, kv heads and experts all split over 8 devices
+MESH = "1,1,8"  # the model axis spans both processes: every layer runs collectives across them
 
 
 def free_port() -> int:
