@@ -15,7 +15,7 @@ import pytest
 from conftest import DATA, tiny_dir
 from jaxinfer.cli import main
 
-FAMILY = "mixtral"  # 8 query and 8 kv heads, 8 experts: heads, kv heads and experts all split over 8 devices
+FAMILY = "mixtral"  # 8 query and 8 kv heads, expert width 32: heads, kv heads and expert FFNs split over 8 devices
 MESH = "1,1,8"  # the model axis spans both processes: every layer runs collectives across them
 
 
