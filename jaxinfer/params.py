@@ -40,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import UnsupportedModelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +148,17 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
   """Decoder layer i: norms, attention, and the FFN its config asks for (dense or MoE)."""
-  if cfg.kv_lora_rank:
-    raise UnsupportedModelError(f"{cfg.name or cfg.architecture}: MLA attention is not wired into "
-                                "the decoder yet")
   D = cfg.hidden_size
   hf, gg = f"model.layers.{i}.", f"blk.{i}."
+  if cfg.kv_lora_rank:  # DeepSeek-V2/V3 multi-head latent attention (its specs hold attn_norm too)
+    from jaxinfer.models.mla import mla_specs  # mla imports this module
+    attention = mla_specs(cfg, i)
+  else:
+    attention = {"attn_norm": WeightSpec((D,), ("embed",), "ones", hf + "input_layernorm.weight",
+                                         gg + "attn_norm.weight"),
+                 **attention_specs(cfg, i)}
   spec: dict[str, Any] = {
-      "attn_norm": WeightSpec((D,), ("embed",), "ones", hf + "input_layernorm.weight",
-                              gg + "attn_norm.weight"),
-      **attention_specs(cfg, i),
+      **attention,
       "mlp_norm": WeightSpec((D,), ("embed",), "ones", hf + "post_attention_layernorm.weight",
                              gg + "ffn_norm.weight"),
   }

@@ -14,7 +14,7 @@ logits (tests/data/golden/smollm2-135m.npz + .json). For the engine's
 continuous-batching tests: greedy ids of 16 prompts of mixed lengths, each
 generated alone, for the tiny llama3 / mistral models and for SmolLM2
 (tests/data/golden/batch_<name>.json). Mixture-of-experts families
-(mixtral, qwen3_moe) get the same tiny dir + logits + batch golden, and
+(mixtral, qwen3_moe, deepseek_v3) get the same tiny dir + logits + batch golden, and
 moe_router.npz holds transformers' DeepSeek-V3 router on random inputs.
 `--only NAME...` regenerates just those fixtures, leaving the rest
 byte-identical. torch/transformers are never imported by jaxinfer itself.
@@ -85,6 +85,19 @@ MOE_FAMILIES = {
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
         norm_topk_prob=False, use_sliding_window=False)),
+    # MLA with q LoRA and yarn rope (interleaved rope dims), layer 0 dense (first_k_dense_replace),
+    # 8 experts in 4 groups (2 groups kept), a shared expert, a random e_score_correction_bias.
+    "deepseek_v3": (transformers.DeepseekV3Config, base(
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8, intermediate_size=64,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        rope_interleave=True, attention_bias=False, max_position_embeddings=256,
+        # DeepSeek-V3's own eps: transformers' q_a / kv_a norms always use 1e-6, whatever the config.
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=0.707))),
 }
 MOE_SEED = 200
 
@@ -157,7 +170,7 @@ def tokenizer_goldens(directory: Path) -> dict:
   )
 
 
-def make_family(name: str, cls, kwargs: dict, seed: int) -> None:
+def make_family(name: str, cls, kwargs: dict, seed: int, post=None) -> None:
   out = DATA / "tiny" / name
   shutil.rmtree(out, ignore_errors=True)
   torch.manual_seed(seed)
@@ -165,6 +178,8 @@ def make_family(name: str, cls, kwargs: dict, seed: int) -> None:
   cfg._attn_implementation = "eager"
   model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
   randomize(model, seed)
+  if post is not None:
+    post(model, seed)
   # llama2 is written sharded to exercise model.safetensors.index.json.
   model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if name == "llama2" else "50MB")
   (out / "generation_config.json").unlink(missing_ok=True)
@@ -374,10 +389,19 @@ def make_moe_router() -> None:
   print("moe_router: DeepSeek-V3 router cases", list(cases))
 
 
+def randomize_router_bias(model: torch.nn.Module, seed: int) -> None:
+  """DeepSeek-V3's e_score_correction_bias is a buffer (zeros at init): random, so it matters."""
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
 def make_moe(wanted) -> None:
   for i, (name, (cls, kwargs)) in enumerate(MOE_FAMILIES.items()):
     if wanted(name):
-      make_family(name, cls, kwargs, MOE_SEED + i)
+      make_family(name, cls, kwargs, MOE_SEED + i, post=randomize_router_bias)
     if wanted(f"batch_{name}"):
       make_batch_tiny(name)
   if wanted("moe_router"):

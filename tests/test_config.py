@@ -28,7 +28,7 @@ def test_llama3_8b_parameter_count_without_allocating():
   assert shapes["layers"][0]["wk"].shape == (4096, 8, 128)
 
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 # deepseek-ai/DeepSeek-V3's config.json (the fields we read).
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,

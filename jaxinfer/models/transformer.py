@@ -1,11 +1,12 @@
-"""The decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Mixtral, Qwen3-MoE) as pure functions.
+"""The decoder as pure functions: Llama 2/3, Mistral, Qwen2/3, SmolLM2, Mixtral, Qwen3-MoE, DeepSeek-V3.
 
 Families differ only in config flags: q/k/v biases (Qwen2), q/k RMSNorm
 (Qwen3), a sliding window (Mistral), tied embeddings (SmolLM2), RoPE scaling
 (Llama 3.1), mixture-of-experts FFNs (Mixtral, Qwen3-MoE; see
 jaxinfer.models.moe). The layer takes its FFN as a function of (params, x),
 so MoE layers reuse everything else, and `cfg.is_moe_layer(i)` picks it per
-layer (Qwen3-MoE's mlp_only_layers mix both in one stack).
+layer (Qwen3-MoE's mlp_only_layers and DeepSeek's first dense layers mix both
+in one stack). DeepSeek-V3 swaps the attention for MLA (jaxinfer.models.mla).
 
 Legend: T new tokens (of many sequences, packed), S sequences, N pages,
 p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
@@ -77,9 +78,13 @@ def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, batch: PagedBatch, ffn=dense_ffn, *,
                   attention_impl: str = "auto", decode_q_len: int = 1):
-  h, layer_cache = attention_block(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
-                                   positions, layer_cache, batch, attention_impl=attention_impl,
-                                   decode_q_len=decode_q_len)
+  if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention over the latent cache
+    from jaxinfer.models.mla import mla_attention_block as attend  # mla imports this module
+  else:
+    attend = attention_block
+  h, layer_cache = attend(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
+                          positions, layer_cache, batch, attention_impl=attention_impl,
+                          decode_q_len=decode_q_len)
   x = x + h
   x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
   return x, layer_cache

@@ -49,7 +49,7 @@ def config_of(family) -> ModelConfig:
 
 # ---- the models against transformers ------------------------------------------------------------
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + ("deepseek_v3",))
 def test_logits_match_transformers_float32(family):
   g = golden(family)
   llm = LLM(tiny_dir(family), dtype="float32", max_model_len=64, warmup=False)
@@ -59,11 +59,17 @@ def test_logits_match_transformers_float32(family):
 
 
 def test_the_tiny_models_exercise_what_they_should():
-  mixtral, qwen = config_of("mixtral"), config_of("qwen3_moe")
+  mixtral, qwen, deepseek = config_of("mixtral"), config_of("qwen3_moe"), config_of("deepseek_v3")
   assert mixtral.num_heads == mixtral.num_kv_heads == 8 and mixtral.norm_topk_prob
   assert qwen.num_kv_heads == 4 and not qwen.norm_topk_prob  # the plain (unrenormalized) top-k
   assert [qwen.is_moe_layer(i) for i in range(qwen.num_layers)] == [True, False, True]  # mixed stack
-  for cfg in (mixtral, qwen):
+  # DeepSeek-V3: MLA (q LoRA, yarn), layer 0 dense, 2 of 4 expert groups, a shared expert, a bias.
+  assert deepseek.kv_lora_rank and deepseek.q_lora_rank and deepseek.rope_scaling.kind == "yarn"
+  assert deepseek.mlp_only_layers == (0,) and (deepseek.n_group, deepseek.topk_group) == (4, 2)
+  assert deepseek.num_shared_experts == 1 and deepseek.router_bias and deepseek.routed_scaling_factor == 2.5
+  bias = load_file(tiny_dir("deepseek_v3") / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+  assert np.abs(bias).min() > 0
+  for cfg in (mixtral, qwen, deepseek):
     assert (cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size) == (8, 2, 32)
 
 
