@@ -244,7 +244,8 @@ class ModelRunner:
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
     self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
     self._gather = jax.jit(gather_pages)
-    self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,))
+    # The imported pool keeps the pool's sharding (not whatever the scatter would propagate).
+    self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,), out_shardings=self._cache_shardings(num_pages))
     self._programs: set[tuple] = set()
 
   def reset_state(self) -> None:
