@@ -31,6 +31,12 @@ class InvalidRequestError(JaxinferError, ValueError):
   """A prompt or sampling value is invalid; the message names the field."""
 
 
+class KVTransferError(JaxinferError):
+  """A KV transfer cannot be used: layouts differ, pages are missing or the bytes are short.
+  (Here rather than in engine/kv_connector.py, which re-exports it, so that the cache spec
+  in jaxinfer.models can raise it without importing the engine.)"""
+
+
 class ShardingError(JaxinferError):
   """A model cannot be split over a mesh as asked: an axis does not divide, two dimensions of
   one tensor claim the same mesh axis, a rule is malformed, or the mesh needs more devices

@@ -375,6 +375,7 @@ class LLMEngine:
     worker of any page size) into the request's pages. Only its remote tokens may be written."""
     req = self._waiting_for_kv(request_id)
     first, last = req.num_computed, req.num_computed + req.num_remote_tokens
+    runs = self.runner.cache_spec.check_transfer(runs, page_major=False)  # KVTransferError if malformed
     T = self.runner.cache_spec.num_transfer_tokens(runs, page_major=False)
     if not first <= start <= start + T <= last:
       raise KVTransferError(f"request {request_id!r}: tokens [{start}, {start + T}) are not among "

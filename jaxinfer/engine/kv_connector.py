@@ -25,15 +25,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import KVTransferError
 
 if TYPE_CHECKING:
   from jaxinfer.engine.scheduler import Request
   from jaxinfer.models.cache import CacheSpec
 
 
-class KVTransferError(JaxinferError):
-  """A KV transfer cannot be used: layouts differ, pages are missing or the bytes are short."""
+__all__ = ["KVConnector", "KVLayout", "KVTransferError", "KVTransferTimeout"]
 
 
 class KVTransferTimeout(KVTransferError):

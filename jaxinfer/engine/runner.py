@@ -232,6 +232,9 @@ class ModelRunner:
     self.token_buckets = power_of_two_buckets(1, max_num_batched_tokens)
     self.len_buckets = power_of_two_buckets(min(64, max_model_len), max_model_len)
     self.mesh = mesh
+    if sharding_rules and mesh is None:
+      from jaxinfer.errors import ShardingError
+      raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     self.sharding_rules = make_rules(sharding_rules)
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()

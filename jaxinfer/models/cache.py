@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.errors import KVTransferError
+
 # Per layer: {name: [N, p, *token_shape]}, e.g. {'k': [N, p, K, d], 'v': [N, p, K, d]}.
 Cache = list[dict[str, jax.Array]]
 
@@ -190,7 +192,6 @@ class CacheSpec:
     tokens, so they are flattened, and re-chunked into our pages by whoever writes
     them. A token shape of [1, F] is accepted for an [F] array (the wire layout of a
     headless MLA latent is one 'kv head')."""
-    from jaxinfer.engine.kv_connector import KVTransferError
     if len(arrays) != len(self.layers):
       raise KVTransferError(f"num_layers: the transfer has {len(arrays)} layers, this model has {len(self.layers)}")
     lead = ("pages", "page_size") if page_major else ("tokens",)
