@@ -102,6 +102,21 @@ def test_preemption_and_prefix_hits_in_a_small_pool_change_nothing():
   assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.slow
+def test_deepseek_v3_greedy_with_preemption_and_prefix_hits_matches_transformers():
+  """MLA's latent cache and DeepSeek's router through the engine: the same small pool."""
+  g = batch_golden("deepseek_v3")
+  llm = LLM(tiny_dir("deepseek_v3"), max_num_seqs=16, max_num_batched_tokens=64, num_pages=18,
+            page_size=16, warmup=False)
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  outs, _ = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
+  assert llm.engine.stats()["preemptions"] > 0
+  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
+  again = llm.generate(prompts, greedy(g["max_new_tokens"]))
+  assert [o.token_ids for o in again] == [r["greedy_ids"] for r in g["records"]]
+  assert sum(o.num_cached_tokens for o in again) > 0
+
+
 def test_bfloat16_logits_stay_close():
   g = golden("qwen3_moe")
   logits = LLM(tiny_dir("qwen3_moe"), dtype="bfloat16", max_model_len=64, warmup=False).logits(
