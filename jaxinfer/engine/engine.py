@@ -167,20 +167,26 @@ class LLMEngine:
     cache_spec = CacheSpec.from_config(cfg, dtype)
     per_page = cache_spec.page_bytes(ec.page_size)
     pages_per_seq = -(-self.max_model_len // ec.page_size)
+    # A pool split along 'pages' (attention data parallelism: sharding_rules={"pages": "data"})
+    # is `shards` equal pools, each with its own reserved padding page.
+    shards = cache_spec.page_shards(mesh, make_rules(sharding_rules))
     if ec.num_pages is None:
       num_pages = cache_spec.num_pages_for(ec.kv_cache_bytes, ec.page_size,
-                                           cap=ec.max_num_seqs * pages_per_seq + 1)
-      # A pool split along 'pages' (sharding_rules={"pages": "data"}) needs equal shards.
-      shards = cache_spec.page_shards(mesh, make_rules(sharding_rules))
+                                           cap=ec.max_num_seqs * pages_per_seq + shards)
       num_pages -= num_pages % shards
     else:
       num_pages = ec.num_pages
-    if num_pages - 1 < pages_per_seq:
+      if num_pages % shards:
+        from jaxinfer.errors import ShardingError
+        raise ShardingError(f"num_pages={num_pages} does not split into the {shards} shards the "
+                            f"sharding rules give the KV pool's 'pages' axis")
+    if num_pages // shards - 1 < pages_per_seq:
+      where = f"{num_pages // shards} per shard, " if shards > 1 else ""
       raise InvalidRequestError(
-          f"the KV pool ({num_pages} pages of {ec.page_size} tokens, page 0 reserved) cannot hold "
+          f"the KV pool ({num_pages} pages of {ec.page_size} tokens, {where}page 0 reserved) cannot hold "
           f"one sequence of max_model_len={self.max_model_len}: give more kv_cache_bytes / "
           f"num_pages or a smaller max_model_len")
-    self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching)
+    self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching, num_shards=shards)
     self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens)
     self.spec = ec.speculative
     self.drafter = make_drafter(self.spec) if self.spec is not None else None

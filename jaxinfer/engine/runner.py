@@ -348,6 +348,11 @@ class ModelRunner:
     if bad.size:
       raise KVTransferError(f"page ids {bad.tolist()} are outside [1, {self.num_pages}) "
                             f"(page {NULL_PAGE} is reserved for padding)")
+    shards = self.cache_spec.page_shards(self.mesh, self.sharding_rules)
+    bad = ids[ids % (self.num_pages // shards) == 0]
+    if bad.size:
+      raise KVTransferError(f"page ids {bad.tolist()} are padding pages (the first of each of the "
+                            f"pool's {shards} data shards)")
     return ids.astype(np.int32)
 
   def export_pages(self, page_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:

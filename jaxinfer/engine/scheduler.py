@@ -15,6 +15,12 @@ Passes, in order, each small:
   2. waiting requests, FCFS, while sequences, budget and pages allow
      (skipped in a step that preempted: the pool is tight).
 
+Attention data parallelism (a KVManager with num_shards > 1): a new
+request goes to the shard with its longest prefix hit, else to the one with
+the fewest running tokens (`shard_loads`); its pages all come from there,
+and when that shard's pages run dry the newest request *on that shard* is
+preempted (freeing another shard's pages would not help).
+
 Disaggregation (engine/kv_connector.py): when a connector says a new
 request's prompt KV comes from another worker, pass 2 allocates its pages
 and parks it in `waiting_for_kv` (it holds a sequence slot and its pages,
@@ -128,6 +134,31 @@ class Scheduler:
       self._schedule_waiting(out, budget)
     return out
 
+  def shard_loads(self) -> list[int]:
+    """Running tokens (prompt + output so far) of the sequences on each KV shard."""
+    loads = [0] * self.kv.num_shards
+    for req in self.running + list(self.waiting_for_kv.values()):
+      shard = self.kv.request_shard(req.request_id)
+      if shard is not None:
+        loads[shard] += len(req.token_ids)
+    return loads
+
+  def _place(self, req: Request) -> tuple[int, list[int]]:
+    """(shard, prefix-hit pages there) for a request about to be admitted: of the shards
+    ranked by `KVManager.rank_shards`, the first whose pool can take its first chunk."""
+    # Prompt logprobs need every prompt token computed, so such requests skip the cache.
+    use_cache = req.params.prompt_logprobs is None
+    if self.kv.num_shards == 1:
+      return 0, self.kv.lookup(req.token_ids) if use_cache else []
+    ranked = self.kv.rank_shards(req.token_ids, self.shard_loads(), use_cache)
+    fits = ranked[0]
+    for shard in ranked:
+      cached = self.kv.lookup(req.token_ids, shard, record=False) if use_cache else []
+      if self.kv.can_allocate(req.request_id, (len(cached) + 1) * self.kv.page_size, cached, shard):
+        fits = shard
+        break
+    return fits, self.kv.lookup(req.token_ids, fits) if use_cache else []
+
   def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
     i = 0
     while i < len(self.running) and budget > 0:
@@ -138,7 +169,8 @@ class Scheduler:
       req.spec_token_ids = spec
       n += len(spec)
       while not self.kv.can_allocate(req.request_id, req.num_computed + n):
-        victim = self.running[-1]
+        shard = self.kv.request_shard(req.request_id)
+        victim = next(r for r in reversed(self.running) if self.kv.request_shard(r.request_id) == shard)
         self._preempt(victim)
         out.preempted.append(victim)
         if victim is req:
@@ -154,21 +186,20 @@ class Scheduler:
   def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
     while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
       req = self.waiting[0]
-      # Prompt logprobs need every prompt token computed, so such requests skip the cache.
-      cached = [] if req.params.prompt_logprobs is not None else self.kv.lookup(req.token_ids)
+      shard, cached = self._place(req)
       computed = len(cached) * self.kv.page_size
       # Only a fresh request's KV may come from elsewhere; once it has output (a remote
       # request after its import, then preempted) it is recomputed here like any other.
       remote = (self.connector.get_num_new_matched_tokens(req, computed)
                 if self.connector is not None and not req.output_token_ids else 0)
       if remote:
-        if not self._admit_remote(req, cached, computed, remote):
+        if not self._admit_remote(req, cached, computed, remote, shard):
           break
         continue
       n = min(len(req.token_ids) - computed, budget)
-      if not self.kv.can_allocate(req.request_id, computed + n, cached):
+      if not self.kv.can_allocate(req.request_id, computed + n, cached, shard):
         break
-      self.kv.allocate(req.request_id, computed + n, cached)
+      self.kv.allocate(req.request_id, computed + n, cached, shard)
       self.waiting.popleft()
       req.num_computed = req.num_cached_tokens = computed
       req.status = Status.RUNNING
@@ -178,14 +209,14 @@ class Scheduler:
       out.scheduled.append((req, n))
       budget -= n
 
-  def _admit_remote(self, req: Request, cached: list[int], computed: int, remote: int) -> bool:
+  def _admit_remote(self, req: Request, cached: list[int], computed: int, remote: int, shard: int = 0) -> bool:
     """Pages for the cached and the remote tokens; the request waits for its KV (no budget)."""
     if computed + remote > len(req.token_ids):
       raise ValueError(f"the connector claims {remote} remote tokens for {req.request_id!r} after "
                        f"{computed} cached ones, but it has only {len(req.token_ids)} tokens")
-    if not self.kv.can_allocate(req.request_id, computed + remote, cached):
+    if not self.kv.can_allocate(req.request_id, computed + remote, cached, shard):
       return False
-    pages = self.kv.allocate(req.request_id, computed + remote, cached)
+    pages = self.kv.allocate(req.request_id, computed + remote, cached, shard)
     self.waiting.popleft()
     req.num_computed = req.num_cached_tokens = computed
     req.num_remote_tokens = remote

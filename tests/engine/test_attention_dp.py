@@ -1,0 +1,98 @@
+"""Attention data parallelism, host side: the KV pool split into data shards, each request on
+one shard (prefix hit first, then the fewest running tokens), preemption within a shard; and
+an engine on a (data=2, model=2) mesh whose requests' pages stay on their shard's devices."""
+
+import numpy as np
+import pytest
+
+from conftest import tiny_dir
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.kv_manager import KVManager
+from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.sharding import make_mesh
+
+
+def test_shards_own_contiguous_pages_and_allocate_only_there():
+  kv = KVManager(num_pages=8, page_size=4, num_shards=2)  # shard 0: pages 1-3, shard 1: pages 5-7
+  assert [kv.num_free_pages_in(s) for s in (0, 1)] == [3, 3] and kv.num_free_pages == 6
+  assert kv.is_padding_page(0) and kv.is_padding_page(4) and not kv.is_padding_page(5)
+  assert kv.allocate("a", 6, shard=1) == [5, 6] and kv.request_shard("a") == 1
+  assert kv.allocate("b", 3, shard=0) == [1]
+  assert kv.allocate("a", 9) == [5, 6, 7]  # later allocations stay on the request's shard
+  assert not kv.can_allocate("a", 13) and kv.num_free_pages_in(0) == 2  # shard 0's pages do not help
+  with pytest.raises(RuntimeError, match="need 1, have 0 on shard 1"):
+    kv.allocate("a", 13)
+  kv.free("a")
+  assert kv.request_shard("a") is None and kv.allocate("c", 4, shard=1) == [7]  # tail pages freed first
+  assert kv.usage == pytest.approx(1 - 4 / 6)
+
+
+def test_prefix_hits_only_on_the_request_shard():
+  kv = KVManager(num_pages=8, page_size=4, num_shards=2)
+  tokens = list(range(1, 10))  # 2 full blocks + 1
+  kv.allocate("a", 9, shard=1)
+  kv.cache_blocks("a", tokens, 9)
+  assert kv.lookup(tokens, shard=0) == [] and kv.lookup(tokens, shard=1) == [5, 6]
+  # The longest hit outranks the load; with no hit anywhere, the least loaded shard first.
+  assert kv.rank_shards(tokens, loads=[0, 100]) == [1, 0]
+  assert kv.rank_shards([9, 9, 9, 9, 9], loads=[5, 2]) == [1, 0]
+  assert kv.rank_shards(tokens, loads=[0, 100], use_cache=False) == [0, 1]
+  with pytest.raises(ValueError, match=r"not all on 'b''s shard 0"):
+    kv.allocate("b", 9, cached=[5, 6], shard=0)
+  # A request on shard 0 computes the same blocks again; its copies are not published.
+  kv.allocate("b", 9, shard=0)
+  kv.cache_blocks("b", tokens, 9)
+  assert [e.kind for e in kv.drain_events()] == ["stored", "stored"]
+  assert kv.lookup(tokens, shard=0) == []
+
+
+def _req(rid, n):
+  return Request(rid, list(range(100 + n, 100 + 2 * n)), SamplingParams(max_tokens=4), seed=0)
+
+
+def test_scheduler_balances_running_tokens_and_preempts_within_a_shard():
+  kv = KVManager(num_pages=12, page_size=4, num_shards=2, enable_prefix_caching=False)  # 5 pages a shard
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+  reqs = [_req("r10", 10), _req("r3", 3), _req("r5", 5), _req("r4", 4)]
+  for r in reqs:
+    s.add(r)
+  s.schedule()
+  # r10 -> 0 (tie: lowest); r3 -> 1 (loads 10, 0); r5 -> 1 (10, 3); r4 -> 1 (10, 8).
+  assert [kv.request_shard(r.request_id) for r in reqs] == [0, 1, 1, 1]
+  assert s.shard_loads() == [10, 12]
+  assert kv.pages("r10") == [1, 2, 3] and kv.pages("r3") == [7] and kv.pages("r5") == [8, 9]
+  assert kv.pages("r4") == [10]
+  # Shard 1 has one page left (11); r3, r5 and r4 each grow into a new page: r4, the newest
+  # on shard 1, is preempted (r10 on shard 0 is not touched, though shard 0 has pages).
+  for r in reqs:
+    r.num_computed = len(r.token_ids)
+    r.token_ids += [1] * (4 - len(r.token_ids) % 4 + 1)  # one token into a new page (r4: two)
+  r4 = reqs[3]
+  out = s.schedule()
+  assert out.preempted == [r4] and kv.pages("r4") == []
+  assert kv.pages("r3") == [7, 11] and kv.pages("r5") == [8, 9, 10]  # r4's page went to r5
+  assert kv.pages("r10") == [1, 2, 3, 4]
+
+
+def test_engine_places_each_request_on_one_data_shard():
+  mesh = make_mesh(data=2, model=2)
+  opts = dict(max_model_len=64, max_num_seqs=4, warmup=False)
+  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, **opts)
+  eng = llm.engine
+  assert eng.kv.num_shards == 2 and eng.kv.shard_pages * 2 == eng.runner.num_pages
+  prompts = [list(range(1, 30)), [5, 17, 200, 3], list(range(40, 52)), [7, 8, 9]]
+  sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+  for i, p in enumerate(prompts):
+    eng.add_request(f"q{i}", p, sp)
+  eng.step()
+  shards = [eng.kv.request_shard(f"q{i}") for i in range(4)]
+  assert shards == [0, 1, 1, 1]  # 29 tokens on shard 0 outweigh 4 + 12 + 3 on shard 1
+  for i, shard in enumerate(shards):
+    assert {eng.kv.shard_of(p) for p in eng.kv.pages(f"q{i}")} == {shard}
+  outs = {}
+  while eng.has_unfinished():
+    outs.update({o.request_id: o for o in eng.step() if o.finished})
+  want = LLM(tiny_dir("qwen3"), **opts).generate(prompts, sp)
+  assert [outs[f"q{i}"].token_ids for i in range(4)] == [w.token_ids for w in want]
+  with pytest.raises(Exception, match=r"padding pages"):
+    eng.runner.export_pages([eng.kv.shard_pages])
