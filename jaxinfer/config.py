@@ -296,11 +296,17 @@ class ModelConfig:
 
   @classmethod
   def from_gguf(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
-    """Builds a config from GGUF key/value metadata (already decoded to Python values)."""
+    """Builds a config from GGUF key/value metadata (already decoded to Python values).
+
+    Mixtral is llama.cpp's 'llama' with `llama.expert_count`; Qwen3-MoE is
+    'qwen3moe'. Their routers renormalize the top-k unless
+    `<arch>.expert_weights_norm` says false (llama.cpp's default for both);
+    a layer without `blk.N.ffn_gate_inp.weight` has a dense FFN.
+    """
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe"):
       raise UnsupportedModelError(
-          f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)")
+          f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3, qwen3moe)")
     if "rope_freqs.weight" in tensor_names:
       raise UnsupportedModelError("GGUF files with a rope_freqs tensor (llama3 rope) are not supported")
 
@@ -319,12 +325,26 @@ class ModelConfig:
     if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
       scaling = RopeScaling(kind=meta[f"{arch}.rope.scaling.type"],
                             factor=float(get("rope.scaling.factor")))
+    num_layers = int(get("block_count"))
+    moe: dict[str, Any] = {}
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if experts or arch == "qwen3moe":
+      if arch not in ("llama", "qwen3moe"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
+      moe = dict(
+          num_experts=int(get("expert_count")), num_experts_per_token=int(get("expert_used_count")),
+          moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                    or get("feed_forward_length")),
+          norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+          mlp_only_layers=tuple(i for i in range(num_layers)
+                                if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
+    architecture = {"qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama"}.get(arch, arch)
     return cls(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
@@ -336,6 +356,7 @@ class ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         name=str(meta.get("general.name") or arch),
+        **moe,
     )
 
 

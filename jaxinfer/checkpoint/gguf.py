@@ -8,7 +8,10 @@ made and the numbers are exactly llama.cpp's. Other quantized types are
 dequantized and requantized per channel (logged once per type). llama.cpp's
 converter permutes the rows of attn_q / attn_k of 'llama' models into its
 interleaved RoPE layout; we undo it to get back Hugging Face's half-split
-layout, which our RoPE uses.
+layout, which our RoPE uses. Mixture-of-experts files (Mixtral as 'llama'
+with an expert count, 'qwen3moe') hold each layer's experts stacked in one
+tensor per projection (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]
+in numpy order), read as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jaxinfer.checkpoint.common import ImportedModel, assemble
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.params import is_spec, param_specs
-from jaxinfer.quant import Q8_0_GROUP, QuantizedWeight, parse_quantization, quantizable
+from jaxinfer.quant import Q8_0_GROUP, QuantizedWeight, check_quantizable, parse_quantization, quantizable
 from jaxinfer.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -85,9 +88,10 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   meta = read_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig.from_gguf(meta, set(tensors))
-  permuted = meta.get("general.architecture") == "llama"
+  permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
   keep_q8_0 = set()
   if quantization == "int8":
+    check_quantizable(param_specs(cfg), quantization)
     keep_q8_0 = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if quantizable(s)}
   requantized: set[str] = set()
 
@@ -100,7 +104,7 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
       raise UnsupportedModelError(
           f"{path}: tensor {name!r} has quantization type {qtype.name}, which is not supported "
           f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([E, out, in])
     if shape != expected:
       raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {expected} for this config")
     try:

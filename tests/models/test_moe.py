@@ -225,6 +225,69 @@ def test_router_stats_count_real_tokens_only():
   np.testing.assert_array_equal(stats.tokens_per_expert.sum(-1), [n * 2, n * 2])
 
 
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+def to_checkpoint(spec, w: np.ndarray) -> np.ndarray:
+  """Our layout -> HF/GGUF's ([out, in] linears, experts stacked first): from_checkpoint reversed."""
+  if spec.num_experts:
+    return np.stack([to_checkpoint(spec.one_expert(), w[e]) for e in range(spec.num_experts)])
+  return np.ascontiguousarray(w.reshape(spec.fan_in, -1).T) if spec.linear else w
+
+
+def write_moe_gguf(family: str, out, arch: str):
+  """A GGUF of a tiny HF MoE dir as llama.cpp lays one out (Mixtral: 'llama' + expert count,
+  its q/k rows permuted; Qwen3-MoE: 'qwen3moe'), from the weights our HF importer reads."""
+  import gguf
+  from helpers import permute_rope_rows
+  from jaxinfer.params import param_specs
+  model = import_model(tiny_dir(family))
+  cfg = model.config
+  w = gguf.GGUFWriter(str(out), arch)
+  w.add_block_count(cfg.num_layers)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  w.add_vocab_size(cfg.vocab_size)
+  w.add_expert_count(cfg.num_experts)
+  w.add_expert_used_count(cfg.num_experts_per_token)
+  w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+  w.add_expert_weights_norm(cfg.norm_topk_prob)
+  w.add_name(f"tiny-{family}")
+  specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+  # Our GGUF names are llama.cpp's names for this architecture (as gguf-py lists them); a dense
+  # layer in a qwen3moe file (llama.cpp has none) is named as in a qwen3 one.
+  kinds = gguf.MODEL_TENSORS[{"llama": gguf.MODEL_ARCH.LLAMA, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}[arch]]
+  kinds = kinds + gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3] * (arch == "qwen3moe")
+  known = {gguf.TENSOR_NAMES[k].format(bid=i) for k in kinds for i in range(cfg.num_layers)}
+  assert {s.gguf.rsplit(".", 1)[0] for s in specs} <= known
+  for spec, a in zip(specs, jax.tree.leaves(model.weights)):
+    t = to_checkpoint(spec, np.asarray(a, np.float32))
+    if arch == "llama" and spec.gguf.endswith(("attn_q.weight", "attn_k.weight")):
+      t = permute_rope_rows(t, cfg.num_heads if "attn_q" in spec.gguf else cfg.num_kv_heads)
+    w.add_tensor(spec.gguf, t)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return out
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_gguf_moe_import_matches_transformers(tmp_path, family, arch):
+  path = write_moe_gguf(family, tmp_path / f"{family}.gguf", arch)
+  hf_cfg = config_of(family)
+  g = golden(family)
+  llm = LLM(path, dtype="float32", max_model_len=64, warmup=False)
+  cfg = llm.config
+  assert cfg.architecture == family and cfg.num_experts == 8 and cfg.num_experts_per_token == 2
+  assert cfg.norm_topk_prob == hf_cfg.norm_topk_prob and cfg.mlp_only_layers == hf_cfg.mlp_only_layers
+  np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 def copy_model(tmp_path, family):
