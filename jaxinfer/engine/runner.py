@@ -29,7 +29,15 @@ per-step [S, V] array crosses to the device.
 
 The KV cache's layout (what a page holds per layer, its shardings, bytes
 per token) is `self.cache_spec` (jaxinfer.models.cache); this module never
-spells it. KV pages move between workers (prefill/decode disaggregation)
+spells it.
+
+Attention data parallelism (sharding rules that split the pool's 'pages'
+over 'data'): each data shard owns a contiguous block of pages and every
+sequence lives on one shard (KVManager / Scheduler). `pack_shards` lays the
+step out as one T-token block per shard with shard-local page ids, and the
+model runs under shard_map over 'data' (`_forward`): each shard attends to
+its own sequences in its own pages, no KV crosses shards; sampling runs on
+the concatenated logits rows, and results go back to scheduled order. KV pages move between workers (prefill/decode disaggregation)
 through `export_pages` / `export_tokens` (a gather of a power-of-two bucket of
 pages, at most MAX_TRANSFER_PAGES per program) and `import_pages` /
 `import_tokens` (a token-granular scatter of a power-of-two bucket of tokens,
@@ -236,9 +244,19 @@ class ModelRunner:
       from jaxinfer.errors import ShardingError
       raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     self.sharding_rules = make_rules(sharding_rules)
+    # Attention data parallelism: the rules split the pool's pages over mesh axes ('data'),
+    # each shard owning a contiguous block; each sequence lives on one shard (the KVManager
+    # and scheduler see to that) and the step runs the model per shard (see `_step`).
+    self.page_shards = self.cache_spec.page_shards(mesh, self.sharding_rules)
+    self.shard_pages = num_pages // self.page_shards
+    dp = None
+    if self.page_shards > 1:
+      from jaxinfer.sharding import mesh_axes
+      dp = (mesh, mesh_axes("pages", self.sharding_rules["pages"]))
+    self._result_order = None  # set by pack_step for run_batch under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens),
+    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(functools.partial(
@@ -312,12 +330,25 @@ class ModelRunner:
     return self.run_batch(*self.pack_step(seqs))
 
   def pack_step(self, seqs: list[ScheduledSeq], T: int | None = None) -> tuple[int, bool, StepBatch]:
-    """The step's inputs as host arrays: (token bucket, prompt logprobs wanted, batch)."""
+    """The step's inputs as host arrays: (token bucket, prompt logprobs wanted, batch).
+
+    Under attention DP, T is the bucket of the busiest shard's tokens, and the batch is
+    one T-token block per shard (`pack_shards`)."""
+    lp = any(s.want_prompt_logprobs for s in seqs)
+    if self.page_shards == 1:
+      if T is None:
+        T = bucket(sum(s.num_new for s in seqs), self.token_buckets)
+      return T, lp, pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
+                         self.page_size, self.scratch_row, self.cfg.vocab_size)
+    shards = [s.pages[0] // self.shard_pages for s in seqs]
     if T is None:
-      T = bucket(sum(s.num_new for s in seqs), self.token_buckets)
-    batch = pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
-                 self.page_size, self.scratch_row, self.cfg.vocab_size)
-    return T, any(s.want_prompt_logprobs for s in seqs), batch
+      load = np.bincount(shards, [s.num_new for s in seqs], self.page_shards) if seqs else [0]
+      T = bucket(int(max(load)), self.token_buckets)
+    batch, self._result_order = pack_shards(
+        seqs, shards, self.page_shards, self.shard_pages, T, self.num_seqs_bucket(T),
+        self.num_speculative_tokens, self.pages_per_seq, self.page_size, self.scratch_row,
+        self.cfg.vocab_size)
+    return T, lp, batch
 
   def run_batch(self, T: int, prompt_lp: bool, batch: StepBatch) -> StepResult:
     """Runs one packed step on the devices and returns host results (multi-host
@@ -326,7 +357,12 @@ class ModelRunner:
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
                                                prompt_logprobs=prompt_lp)
     out = jax.device_get(out)
-    return StepResult(*out[:5], prompt=out[5] if prompt_lp else None)
+    result = StepResult(*out[:5], prompt=out[5] if prompt_lp else None)
+    if self._result_order is not None:  # attention DP: back from shard blocks to scheduled order
+      (seq_rows, token_rows), self._result_order = self._result_order, None
+      result = StepResult(*(a[seq_rows] for a in out[:5]),
+                          prompt=tuple(a[token_rows] for a in out[5]) if prompt_lp else None)
+    return result
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
     """Loads a request's prompt and output so far into its sampler row (for penalties)."""
@@ -460,10 +496,59 @@ class ModelRunner:
     return np.asarray(out)[:len(token_ids)]
 
 
-def _step(cfg, attention_impl, decode_q_len, params, cache, history, batch: StepBatch, *,
+def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards: int, shard_pages: int,
+                T: int, S: int, k: int, pages_per_seq: int, page_size: int, scratch_row: int,
+                vocab_size: int) -> tuple[StepBatch, tuple[np.ndarray, np.ndarray]]:
+  """Attention DP: one `pack` per data shard, of that shard's sequences with their page ids
+  made shard-local (local page 0 is the shard's padding page), concatenated: T tokens,
+  S sequences and S * (k + 1) logits rows per shard, in shard order. Also returns where each
+  scheduled sequence's result row and each of its tokens landed, to undo the grouping."""
+  groups = [[i for i, d in enumerate(shards) if d == shard] for shard in range(num_shards)]
+  parts = []
+  for d, group in enumerate(groups):
+    local = [dataclasses.replace(seqs[i], pages=[p - d * shard_pages for p in seqs[i].pages]) for i in group]
+    b = pack(local, T, S, k, pages_per_seq, page_size, scratch_row, vocab_size)
+    # Shard d's hidden rows follow the d * T rows of the shards before it.
+    parts.append(b._replace(logits_indices=b.logits_indices + d * T,
+                            paged=b.paged._replace(num_seqs=np.atleast_1d(b.paged.num_seqs))))
+  batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+  seq_rows = np.zeros(len(seqs), np.int64)
+  token_start = np.zeros(len(seqs), np.int64)
+  for d, group in enumerate(groups):
+    t = d * T
+    for j, i in enumerate(group):
+      seq_rows[i], token_start[i] = d * S + j, t
+      t += seqs[i].num_new
+  token_rows = np.concatenate([np.arange(token_start[i], token_start[i] + s.num_new) for i, s in enumerate(seqs)]
+                              + [np.zeros(0, np.int64)])
+  return batch, (seq_rows, token_rows)
+
+
+def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, cache, paged):
+  """forward() on one device group, or under attention DP once per data shard: shard_map
+  over the DP mesh axes only (manual), so each shard attends to its own sequences in its
+  own pages with no cross-shard traffic; inside, the 'model'/'expert' axes stay automatic
+  (the weights keep their tensor-parallel sharding) and weights are replicated over 'data'."""
+  run = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, decode_q_len=decode_q_len)
+  if dp is None:
+    return run(params, tokens=tokens, positions=positions, cache=cache, batch=paged)
+  mesh, axes = dp
+  split = jax.sharding.PartitionSpec(axes)  # leading dim: one block per shard
+
+  def shard(params, tokens, positions, cache, paged):
+    return run(params, tokens=tokens, positions=positions, cache=cache,
+               batch=paged._replace(num_seqs=paged.num_seqs[0]))
+  # check_vma=False: nothing inside communicates over the DP axes, and the attention ops'
+  # loops start from fresh (unvarying) carries that the checker would ask to pcast.
+  return jax.shard_map(shard, mesh=mesh, axis_names=set(axes), check_vma=False,
+                       in_specs=(jax.sharding.PartitionSpec(), split, split, split, split),
+                       out_specs=(split, split))(params, tokens, positions, cache, paged)
+
+
+def _step(cfg, attention_impl, decode_q_len, dp, params, cache, history, batch: StepBatch, *,
           prompt_logprobs: bool):
-  hidden, cache = forward(params, cfg, batch.tokens, batch.positions, cache, batch.paged,
-                          attention_impl=attention_impl, decode_q_len=decode_q_len)  # [T, D]
+  hidden, cache = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens, batch.positions,
+                           cache, batch.paged)  # [T, D] (under attention DP: [shards * T, D])
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
                                     batch.rows, batch.allowed)

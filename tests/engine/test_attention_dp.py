@@ -92,7 +92,36 @@ def test_engine_places_each_request_on_one_data_shard():
   outs = {}
   while eng.has_unfinished():
     outs.update({o.request_id: o for o in eng.step() if o.finished})
-  want = LLM(tiny_dir("qwen3"), **opts).generate(prompts, sp)
+  ref = LLM(tiny_dir("qwen3"), **opts)
+  want = ref.generate(prompts, sp)
   assert [outs[f"q{i}"].token_ids for i in range(4)] == [w.token_ids for w in want]
+  # Prompt logprobs come back per token in scheduled order from both shards' blocks.
+  lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, logprobs=1)
+  got, exp = llm.generate(prompts[:2], lp), ref.generate(prompts[:2], lp)
+  for g, e in zip(got, exp):
+    assert g.token_ids == e.token_ids and len(g.prompt_logprobs) == len(e.prompt_logprobs)
+    for a, b in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
+      assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
   with pytest.raises(Exception, match=r"padding pages"):
     eng.runner.export_pages([eng.kv.shard_pages])
+
+
+def test_pack_shards_puts_each_shard_in_its_own_block_with_local_pages():
+  from jaxinfer.engine.runner import ScheduledSeq, pack_shards
+  sp = SamplingParams(temperature=0)
+  # Shard pages = 10: pages 11, 12 are shard 1's local pages 1, 2; page 3 is shard 0's.
+  seqs = [ScheduledSeq(0, [7, 8, 9], 0, 3, [11], sp, 0),          # shard 1: 3 prefill tokens
+          ScheduledSeq(1, [5] * 6, 5, 1, [3, 4], sp, 0),         # shard 0: a decode at position 5
+          ScheduledSeq(2, [1] * 17, 16, 1, [11, 12], sp, 0)]     # shard 1 again (shares page 11: fine here)
+  batch, (seq_rows, token_rows) = pack_shards(seqs, [1, 0, 1], 2, 10, T=4, S=2, k=0, pages_per_seq=3,
+                                              page_size=16, scratch_row=9, vocab_size=32)
+  np.testing.assert_array_equal(batch.tokens, [5, 0, 0, 0, 7, 8, 9, 1])
+  np.testing.assert_array_equal(batch.positions, [5, 0, 0, 0, 0, 1, 2, 16])
+  # Slots are shard-local: shard 0's decode at page 3 offset 5; shard 1's at local pages 1, 2.
+  np.testing.assert_array_equal(batch.paged.slot_mapping, [3 * 16 + 5, 0, 0, 0, 16, 17, 18, 2 * 16])
+  np.testing.assert_array_equal(batch.paged.page_indices, [[3, 4, 0], [0, 0, 0], [1, 0, 0], [1, 2, 0]])
+  np.testing.assert_array_equal(batch.paged.cu_q_lens, [0, 1, 1, 0, 3, 4])
+  np.testing.assert_array_equal(batch.paged.num_seqs, [1, 2])
+  np.testing.assert_array_equal(batch.logits_indices, [0, 0, 4 + 2, 4 + 3])  # global hidden rows
+  np.testing.assert_array_equal(seq_rows, [2, 0, 3])  # result rows back in scheduled order
+  np.testing.assert_array_equal(token_rows, [4, 5, 6, 0, 7])
