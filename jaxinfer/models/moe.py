@@ -23,8 +23,12 @@ are chosen but not their weights; node-limited routing, here the
 scaled by `routed_scaling_factor`).
 
 On XLA CPU `ragged_dot` is lowered to a dense masked product over all
-groups (what jax's fallback does); on GPU/TPU it is a grouped matmul. The
-sorted layout is also what an expert-parallel all-to-all dispatches.
+groups (jax's fallback: as costly as running every expert on every copy,
+measured 135 ms vs 116 ms for all-experts einsums at T=64, D=1024, F=512,
+E=8); on GPU/TPU it is a grouped matmul. Steps with fewer copies than
+experts (decode) gather each copy's expert weights instead
+(`_per_copy_swiglu`). The sorted layout is also what an expert-parallel
+all-to-all dispatches.
 """
 
 from __future__ import annotations
@@ -107,7 +111,16 @@ def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
   w_gate, w_up [E, D, F], w_down [E, F, D]. The R = T * A token copies are
   sorted by expert so `ragged_dot` computes each copy with its own expert
   only; the result is unsorted and combined in float32, then cast to x's dtype.
+  Fewer copies than experts (R < E, decode) take `_per_copy_swiglu` instead.
   """
+  T, A = ids.shape
+  E = w_gate.shape[0]
+  if T * A < E:  # static: small decode buckets
+    return _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down)
+  return _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down)
+
+
+def _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
   T, A = ids.shape
   E = w_gate.shape[0]
   flat = ids.reshape(-1)  # [R]: copy r = t * A + a
@@ -118,6 +131,22 @@ def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
   up = jax.lax.ragged_dot(xs, w_up, group_sizes)
   ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [R, D]
   y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(T, A, -1)  # [T, A, D]
+  out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
+  return out.astype(x.dtype)
+
+
+def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
+  """grouped_swiglu for fewer token copies than experts (small decode steps): each copy reads
+  its own expert's weights, R < E expert weights in all.
+
+  XLA CPU lowers ragged_dot to a masked product over every group (as much work as running all
+  E experts on every copy); here a decode step of one token reads 2 of 8 experts. Measured on
+  the shared 2-core machine (D=1024, F=512, E=8, A=2, medians of 15 interleaved runs):
+  T=1 64 ms -> 7 ms, T=2 64 -> 22 ms, T=3 67 -> 55 ms; from R = E on, ragged_dot is ahead.
+  """
+  g = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_gate, ids, axis=0))  # [T, A, F]
+  u = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_up, ids, axis=0))
+  y = jnp.einsum("TAF,TAFD->TAD", jax.nn.silu(g) * u, jnp.take(w_down, ids, axis=0))
   out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
   return out.astype(x.dtype)
 

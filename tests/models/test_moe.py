@@ -176,8 +176,10 @@ def random_moe_params(cfg: ModelConfig, dtype=jnp.float32, seed=1):
   return jax.tree.map(one, moe_specs(cfg, 0), is_leaf=is_spec)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "deepseek_shared", "qwen2_gated_shared"])
-def test_ragged_dot_grouped_ffn_equals_a_per_token_loop(variant):
+@pytest.mark.parametrize("variant,T", [("mixtral", 13), ("mixtral", 3), ("deepseek_shared", 13),
+                                       ("qwen2_gated_shared", 13)])
+def test_ragged_dot_grouped_ffn_equals_a_per_token_loop(variant, T):
+  """T=13: 26 copies through ragged_dot; T=3: 6 copies < 8 experts take the per-copy gather."""
   cfg = config_of("mixtral")
   if variant == "deepseek_shared":
     cfg = ModelConfig(**(cfg.to_dict() | dict(
@@ -188,7 +190,7 @@ def test_ragged_dot_grouped_ffn_equals_a_per_token_loop(variant):
         architecture="qwen3_moe", norm_topk_prob=False, num_shared_experts=1,
         shared_expert_intermediate_size=48, shared_expert_gate=True)))
   p = random_moe_params(cfg)
-  x = jax.random.normal(jax.random.key(2), (13, cfg.hidden_size))
+  x = jax.random.normal(jax.random.key(2), (T, cfg.hidden_size))
   out, stats = jax.jit(moe.moe_ffn, static_argnums=1)(p, cfg, x)
   ref = moe.reference_moe_ffn(p, cfg, x)
   assert np.abs(ref).min() > 0
