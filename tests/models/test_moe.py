@@ -227,6 +227,15 @@ def test_router_stats_count_real_tokens_only():
   np.testing.assert_array_equal(stats.tokens_per_expert.sum(-1), [n * 2, n * 2])
 
 
+def test_converted_checkpoint_restores_the_stacked_experts(tmp_path):
+  from jaxinfer.checkpoint import convert
+  dst = convert(tiny_dir("qwen3_moe"), tmp_path / "ckpt")
+  g = golden("qwen3_moe")
+  llm = LLM(dst, dtype="float32", max_model_len=64, warmup=False)
+  assert llm.runner.params["layers"][0]["moe"]["w_down"].shape == (8, 32, 64)
+  np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+
+
 # ---- GGUF ---------------------------------------------------------------------------------------
 
 def to_checkpoint(spec, w: np.ndarray) -> np.ndarray:
