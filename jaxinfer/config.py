@@ -38,12 +38,6 @@ ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
-def mla_implemented() -> bool:
-  """Whether MLA attention (jaxinfer/models/mla.py, being written) is there to run DeepSeek models."""
-  import importlib.util
-  return importlib.util.find_spec("jaxinfer.models.mla") is not None
-
-
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """RoPE frequency scaling: `kind` is 'linear', 'llama3' (Llama 3.1 style) or 'yarn'.
@@ -145,10 +139,6 @@ class ModelConfig:
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise UnsupportedModelError(f"sliding_window must be > 0, got {self.sliding_window}")
     self._check_moe()
-    if self.kv_lora_rank and not mla_implemented():
-      raise UnsupportedModelError(
-          f"{self.name or self.architecture}: MLA attention (kv_lora_rank={self.kv_lora_rank}) "
-          "is not implemented yet")
     if self.num_mtp_layers:
       raise UnsupportedModelError(
           f"{self.name or self.architecture}: multi-token prediction layers are not implemented yet")
