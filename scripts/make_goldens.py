@@ -311,7 +311,9 @@ def make_mla(name: str, q_lora_rank: int | None, seed: int, prefill: int = 12, d
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora_rank, kv_lora_rank=32,
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=16384,
-        rms_norm_eps=1e-6, rope_parameters=dict(rope), rope_interleave=True, attention_bias=False)
+        # far from 1e-6: the latent norms keep DeepSeek's own 1e-6 whatever the config says, and
+        # with a config eps this large a model that used it there would be visibly off
+        rms_norm_eps=0.05, rope_parameters=dict(rope), rope_interleave=True, attention_bias=False)
     cfg._attn_implementation = "eager"
     return cfg
 

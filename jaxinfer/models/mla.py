@@ -40,6 +40,11 @@ from jaxinfer.models.transformer import PagedBatch, _write
 from jaxinfer.params import WeightSpec
 from jaxinfer.quant import is_quantized, linear
 
+# The q and kv latent norms use DeepSeek's fixed epsilon, not the config's
+# rms_norm_eps (DeepSeek's reference code and transformers build them with the
+# RMSNorm default); the config's value is for the layer norms only.
+LATENT_NORM_EPS = 1e-6
+
 
 def mla_specs(cfg: ModelConfig, i: int) -> dict[str, WeightSpec]:
   """Layer i's attention weights (and its input norm) for MLA, in our [in, out] layout.
@@ -128,14 +133,14 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   """
   R, C = cfg.kv_lora_rank, cfg.qk_nope_head_dim
   if "wq_a" in p:  # q LoRA (DeepSeek-V2 eq. 12): a low-rank bottleneck with its own norm
-    q = linear("TQ,QHF->THF", rms_norm(linear("TD,DQ->TQ", x, p["wq_a"]), p["q_a_norm"], cfg.rms_norm_eps),
+    q = linear("TQ,QHF->THF", rms_norm(linear("TD,DQ->TQ", x, p["wq_a"]), p["q_a_norm"], LATENT_NORM_EPS),
                p["wq_b"])
   else:
     q = linear("TD,DHF->THF", x, p["wq"])
   q_nope, q_rope = q[..., :C], _rope(q[..., C:], positions, cfg)  # [T, H, C], [T, H, E]
 
   kv = linear("TD,DL->TL", x, p["wkv_a"])
-  c_kv = rms_norm(kv[:, :R], p["kv_a_norm"], cfg.rms_norm_eps)  # [T, R]
+  c_kv = rms_norm(kv[:, :R], p["kv_a_norm"], LATENT_NORM_EPS)  # [T, R]
   k_rope = _rope(kv[:, None, R:], positions, cfg)[:, 0]  # [T, E]: one rope key for all heads
   # Write first, then attend: a query sees its own token through the cache.
   latent = _write(layer_cache["latent"], jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], -1),

@@ -182,7 +182,7 @@ def test_cache_holds_the_latent_and_rope_key_only():
   slots = [table[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in range(13)]
   # The first R floats of a token are its normed latent c_KV (what W_UK / W_UV expand).
   h = rms_norm(jnp.asarray(g["x"][:13]), params["attn_norm"], cfg.rms_norm_eps)
-  c_kv = rms_norm((h @ params["wkv_a"])[:, :R], params["kv_a_norm"], cfg.rms_norm_eps)
+  c_kv = rms_norm((h @ params["wkv_a"])[:, :R], params["kv_a_norm"], mla.LATENT_NORM_EPS)
   np.testing.assert_allclose(latent[slots, :R], c_kv, atol=1e-5)
   assert np.abs(latent[slots, R:]).min() > 0  # the rope key is there too
   assert not np.delete(latent, slots, axis=0).any()  # nothing else written (padding dropped)
