@@ -46,11 +46,9 @@ RULES: Mapping[str, Rule] = {
     "kv_heads": "model",
     "head_dim": None,
     "mlp": "model",
-    "experts": "expert",
-    "expert_mlp": "model",
-    "q_lora": None,
+    "experts": "expert",  # wide expert parallelism: ("data", "expert")
+    "q_lora": None,  # MLA's low-rank q / kv bottlenecks (DeepSeek): small, replicated
     "kv_lora": None,
-    "rope_dim": None,
     # The KV cache (jaxinfer.models.cache): pages are whole on every device that holds
     # the layer's heads; an MLA latent has no head axis and is replicated.
     "pages": None,

@@ -125,3 +125,24 @@ def test_pack_shards_puts_each_shard_in_its_own_block_with_local_pages():
   np.testing.assert_array_equal(batch.logits_indices, [0, 0, 4 + 2, 4 + 3])  # global hidden rows
   np.testing.assert_array_equal(seq_rows, [2, 0, 3])  # result rows back in scheduled order
   np.testing.assert_array_equal(token_rows, [4, 5, 6, 0, 7])
+
+
+def test_deepseek_mla_latent_pages_split_by_data_with_wide_expert_parallelism():
+  """DeepSeek-V3 (MLA: one latent per token, no head axis) on (data=2, expert=2, model=2):
+  latent pages split over data, experts over (data, expert); golden logits, one-device greedy."""
+  from conftest import golden
+  mesh = make_mesh(data=2, expert=2, model=2)
+  opts = dict(max_model_len=64, max_num_seqs=4, warmup=False)
+  llm = LLM(tiny_dir("deepseek_v3"), mesh=mesh, sharding_rules={"pages": "data", "experts": ("data", "expert")},
+            **opts)
+  latent = llm.runner.cache[0]["latent"]
+  cfg = llm.config
+  N = llm.runner.num_pages
+  assert latent.shape == (N, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  assert latent.addressable_shards[0].data.shape == (N // 2, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  g = golden("deepseek_v3")
+  np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+  prompts = [[5, 17, 200, 3], list(range(1, 30))]
+  sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+  want = LLM(tiny_dir("deepseek_v3"), **opts).generate(prompts, sp)
+  assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in want]
