@@ -19,9 +19,23 @@ the router that `scoring_func` names:
            weights are the unbiased scores, renormalized when `norm_topk_prob`,
            times `routed_scaling_factor`.
 
+  topk_softmax  GPT-OSS: the top-k of the expert logits (with the router's
+           own bias, `router_logit_bias`), softmaxed among themselves. (The
+           same weights as softmax + renormalized top-k, computed as GPT-OSS does.)
+
 Shared experts (DeepSeek-V3, Qwen2-MoE) are one dense FFN of width
 `shared_expert_intermediate_size` that every token also goes through, scaled
 by sigmoid(x . w) when `shared_expert_gate` (Qwen2-MoE).
+
+GPT-OSS adds: biases on every projection of the experts (`expert_bias`) and
+on the attention output (`attention_out_bias`); a clamped SwiGLU in the
+experts when `swiglu_limit` is set (gate clamped above and up on both sides
+at the limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate));
+attention sinks (`attention_sinks`: a learned logit per head that joins each
+softmax's denominator and has no value); and per-layer attention kinds
+(`layer_types`: 'sliding_attention' layers see `sliding_window` keys,
+'full_attention' layers all of them; empty: every layer is as
+`sliding_window` says).
 """
 
 from __future__ import annotations
@@ -33,9 +47,10 @@ from jaxinfer.errors import UnsupportedModelError
 
 # HF model_type / GGUF general.architecture values we implement.
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +112,9 @@ class ModelConfig:
   attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
   qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
   sliding_window: int | None = None  # each query sees at most this many keys (Mistral)
+  layer_types: tuple[str, ...] = ()  # per layer 'full_attention' / 'sliding_attention' (GPT-OSS)
+  attention_out_bias: bool = False  # the output projection carries a bias (GPT-OSS)
+  attention_sinks: bool = False  # a learned softmax sink logit per query head (GPT-OSS)
   # Mixture of experts (see the module doc); num_experts=0: a dense model.
   num_experts: int = 0
   num_experts_per_token: int = 0
@@ -111,6 +129,10 @@ class ModelConfig:
   num_shared_experts: int = 0
   shared_expert_intermediate_size: int = 0
   shared_expert_gate: bool = False
+  router_logit_bias: bool = False  # GPT-OSS: a bias added to the router logits (choice and weights)
+  expert_bias: bool = False  # GPT-OSS: biases on the experts' gate, up and down projections
+  swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU in the experts (see the module doc)
+  swiglu_alpha: float = 1.702
   # Multi-head latent attention (DeepSeek-V3): a later issue.
   kv_lora_rank: int = 0
   q_lora_rank: int = 0
@@ -138,10 +160,31 @@ class ModelConfig:
       raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise UnsupportedModelError(f"sliding_window must be > 0, got {self.sliding_window}")
+    self._check_layer_types()
     self._check_moe()
     if self.num_mtp_layers:
       raise UnsupportedModelError(
           f"{self.name or self.architecture}: multi-token prediction layers are not implemented yet")
+
+  def _check_layer_types(self) -> None:
+    who = self.name or self.architecture
+    if not self.layer_types:
+      return
+    if len(self.layer_types) != self.num_layers:
+      raise UnsupportedModelError(f"{who}: layer_types has {len(self.layer_types)} entries for "
+                                  f"{self.num_layers} layers")
+    for i, kind in enumerate(self.layer_types):
+      if kind not in LAYER_TYPES:
+        raise UnsupportedModelError(f"{who}: layer_types[{i}]={kind!r} is not supported "
+                                    f"(supported: {', '.join(LAYER_TYPES)})")
+    if "sliding_attention" in self.layer_types and self.sliding_window is None:
+      raise UnsupportedModelError(f"{who}: layer_types has sliding_attention layers but no sliding_window")
+
+  def layer_sliding_window(self, i: int) -> int | None:
+    """The window of layer i's attention (None: it sees every earlier key)."""
+    if self.layer_types and self.layer_types[i] == "full_attention":
+      return None
+    return self.sliding_window
 
   def _check_moe(self) -> None:
     who = self.name or self.architecture
@@ -167,7 +210,7 @@ class ModelConfig:
     if self.scoring_func not in SCORING_FUNCS:
       raise UnsupportedModelError(f"{who}: router scoring_func {self.scoring_func!r} is not "
                                   f"supported (supported: {', '.join(SCORING_FUNCS)})")
-    if self.scoring_func == "softmax" and (self.n_group > 1 or self.router_bias):
+    if self.scoring_func != "sigmoid" and (self.n_group > 1 or self.router_bias):
       # DeepSeek-V2's group_limited_greedy (softmax + max-per-group) is another router.
       raise UnsupportedModelError(f"{who}: group-limited routing (n_group={self.n_group}) and a "
                                   "router bias are only supported with scoring_func='sigmoid'")
@@ -182,6 +225,8 @@ class ModelConfig:
     if TG * (E // G) < A:
       raise UnsupportedModelError(f"{who}: topk_group={TG} groups of {E // G} experts hold fewer "
                                   f"than num_experts_per_token={A}")
+    if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+      raise UnsupportedModelError(f"{who}: swiglu_limit must be > 0, got {self.swiglu_limit}")
     if not self.routed_scaling_factor > 0:
       raise UnsupportedModelError(
           f"{who}: routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
@@ -212,8 +257,9 @@ class ModelConfig:
       raise UnsupportedModelError(f"unknown ModelConfig fields {sorted(unknown)}")
     if d.get("rope_scaling"):
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    if "mlp_only_layers" in d:  # JSON has lists; the config must stay hashable
-      d["mlp_only_layers"] = tuple(d["mlp_only_layers"])
+    for key in ("mlp_only_layers", "layer_types"):  # JSON has lists; the config must stay hashable
+      if key in d:
+        d[key] = tuple(d[key])
     return cls(**d)
 
   # ---- Hugging Face config.json -------------------------------------------
@@ -271,6 +317,9 @@ class ModelConfig:
       )
     if model_type == "qwen2":
       cfg["attention_bias"] = True  # Qwen2 always has q/k/v biases
+    elif model_type == "gpt_oss":
+      bias = bool(hf.get("attention_bias", True))
+      cfg["attention_bias"] = cfg["attention_out_bias"] = bias
     else:
       cfg["attention_bias"] = bool(hf.get("attention_bias", False))
     cfg["qk_norm"] = model_type in ("qwen3", "qwen3_moe")
@@ -278,6 +327,13 @@ class ModelConfig:
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
       window = None
     cfg["sliding_window"] = int(window) if window else None
+    if model_type == "gpt_oss":
+      # Other families' configs may list layer_types too, but their windows follow their own
+      # flags (use_sliding_window, max_window_layers); GPT-OSS's default alternates, sliding first.
+      types = hf.get("layer_types")
+      if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_layers"])]
+      cfg["layer_types"] = tuple(str(t) for t in types)
     if model_type in MOE_ARCHITECTURES:
       cfg.update(_moe_from_hf(model_type, hf, cfg["num_layers"]))
     return cls(**cfg)
@@ -407,4 +463,12 @@ def _moe_from_hf(model_type: str, hf: Mapping[str, Any], num_layers: int) -> dic
                qk_rope_head_dim=int(num("qk_rope_head_dim")),
                qk_nope_head_dim=int(num("qk_nope_head_dim")), v_head_dim=int(num("v_head_dim")))
     # The MTP module's weights (layers past num_hidden_layers) are not read, as in transformers.
+  elif model_type == "gpt_oss":
+    # intermediate_size is the experts' width; every layer is MoE; every layer has sinks.
+    limit = hf.get("swiglu_limit", 7.0)
+    out.update(num_experts=int(num("num_local_experts", "num_experts")),
+               moe_intermediate_size=int(hf["intermediate_size"]), scoring_func="topk_softmax",
+               norm_topk_prob=True, router_logit_bias=True, expert_bias=True, attention_sinks=True,
+               swiglu_limit=None if limit is None else float(limit),
+               swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
   return out

@@ -51,8 +51,9 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
-                           soft_cap: float | None = None, impl: str = "auto",
-                           decode_q_len: int = 1, v_head_dim: int | None = None) -> jax.Array:
+                           soft_cap: float | None = None, sinks: jax.Array | None = None,
+                           impl: str = "auto", decode_q_len: int = 1,
+                           v_head_dim: int | None = None) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -62,7 +63,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   tokens including the new ones (already written). Query i of a sequence with
   q_len queries sits at position kv_len - q_len + i and sees positions up to
   its own (and, with a window W, after position - W). `soft_cap` c squashes
-  the scaled scores to c * tanh(s / c) (Gemma 2 style). One call serves decode
+  the scaled scores to c * tanh(s / c) (Gemma 2 style). `sinks` [H] (GPT-OSS's
+  attention sinks): head h's softmax gets one more logit, sinks[h] (not scaled,
+  not capped), that has no value: row weights are exp(s_j) / (sum_j exp(s_j) +
+  exp(sinks[h])), so they sum to less than 1. One call serves decode
   (q_len 1), chunked prefill and speculative verification (q_len 1 + k).
   Returns [T, H, d]; rows past cu_q_lens[num_seqs] are unspecified.
   `v_head_dim` dv: the values are only the first dv columns of v_pages and the
@@ -75,11 +79,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   decodes: those with at most this many queries (1 + the drafts verified per
   step); the Pallas kernel needs no such hint.
   """
+  if sinks is not None:
+    if sinks.shape != (q.shape[1],):
+      raise ValueError(f"sinks must be [H]={q.shape[1]}, got {sinks.shape}")
+    if impl in ("pallas", "pallas_interpret"):
+      raise InvalidRequestError(f"attention_impl={impl!r}: the Pallas ragged paged attention kernel "
+                                "does not implement attention sinks (GPT-OSS); use 'xla' or 'auto'")
+    impl = "xla" if impl == "auto" else impl
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                       num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, decode_q_len=decode_q_len,
+                                      soft_cap=soft_cap, sinks=sinks, decode_q_len=decode_q_len,
                                       v_head_dim=v_head_dim)
   import pallas_kernels
   _check_v_head_dim(v_head_dim, v_pages)
@@ -123,8 +134,8 @@ def _check_v_head_dim(v_head_dim, v_pages):
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale=None, sliding_window=None, soft_cap=None, decode_q_len=1,
-                               v_head_dim=None):
+                               sm_scale=None, sliding_window=None, soft_cap=None, sinks=None,
+                               decode_q_len=1, v_head_dim=None):
   """The XLA path: each sequence's pages are read once per block of its queries.
 
   The batch is split by kind inside one program, as the TPU ragged kernel
@@ -160,8 +171,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   real = jnp.arange(S) < num_seqs
+  sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(K, H // K)
   attend = functools.partial(_attend, k_pages, k_pages if same_kv else v_pages, dv=dv,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink)
   out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T + _BLOCK_Q, K, G, dv]
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
@@ -210,7 +222,7 @@ def _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_multi, w
 
 
 def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, sliding_window,
-            soft_cap):
+            soft_cap, sinks=None):
   """Online softmax of queries qb [B, R, K, G, d] (at positions q_pos [B, R]) over
   keys lo .. hi - 1 of each item's pages ([B, P] page ids), C keys at a time,
   against the first dv columns of the values.
@@ -218,7 +230,11 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
   Returns float32 [B, R, K, G, dv]; a row that sees no key gets zeros. Inside
   the loop the kv head leads (Q = R * G rows per head), so each chunk's
   dots are plain batched matmuls and only the gathered K/V tile is
-  transposed, never the queries or the accumulator.
+  transposed, never the queries or the accumulator. Attention sinks [K, G] start
+  each row's online softmax as a key already seen: m = sink, l = exp(sink - m) = 1,
+  no value (the accumulator starts at 0), so later rescaling keeps them in the
+  denominator exactly (the softmax with one more logit, Xiao et al. 2023 "Efficient
+  Streaming Language Models with Attention Sinks", here learned as in GPT-OSS).
   """
   B, R, K, G, d = qb.shape
   p = k_pages.shape[1]
@@ -255,8 +271,12 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     return m_new, l, acc
 
   Q = R * G
-  init = (jnp.full((B, K, Q), -jnp.inf, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
-          jnp.zeros((B, K, Q, dv), jnp.float32))
+  if sinks is None:
+    m0, l0 = jnp.full((B, K, Q), -jnp.inf, jnp.float32), jnp.zeros((B, K, Q), jnp.float32)
+  else:  # row r * G + g of kv head k is query head k * G + g
+    m0 = jnp.broadcast_to(jnp.tile(sinks, (1, R)), (B, K, Q))
+    l0 = jnp.ones((B, K, Q), jnp.float32)
+  init = (m0, l0, jnp.zeros((B, K, Q, dv), jnp.float32))
   c_lo = jnp.maximum(lo, 0) // C
   c_hi = jnp.minimum(-(-hi // C), n_max)
   _, l, acc = jax.lax.fori_loop(c_lo, c_hi, chunk, init)

@@ -18,8 +18,10 @@ dense SwiGLU (w_gate, w_up, w_down) or, in an MoE layer, a `moe` subtree:
   router     [D, E]     logical ('embed', None): every device needs all E
                         logits of a token to pick its top-k, so it is not split
   router_bias [E]       DeepSeek-V3's e_score_correction_bias
+  router_logit_bias [E] GPT-OSS's router bias
   w_gate/w_up [E, D, F] ('experts', 'embed', 'mlp')
   w_down     [E, F, D]  ('experts', 'mlp', 'embed')
+  b_gate/b_up [E, F], b_down [E, D]  GPT-OSS's expert biases
   shared     {w_gate, w_up, w_down[, gate]}  a dense SwiGLU every token takes
 
 Experts are stacked along a leading 'experts' axis (what `ragged_dot` and an
@@ -27,6 +29,9 @@ expert-parallel split want). Hugging Face checkpoints, Hub ones and what
 transformers 5.23 `save_pretrained` writes alike, hold one [out, in] tensor
 per expert (`...experts.{e}.gate_proj.weight`): a spec whose `hf` name has
 '{e}' is stacked from those; GGUF's `ffn_*_exps` tensors are already stacked.
+GPT-OSS keeps all experts in one tensor, [in, out] and with gate and up
+fused: `gate_up_proj` [E, D, 2F] holds gate in the even columns and up in the
+odd ones (`WeightSpec.interleave`), its bias [E, 2F] alike.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class WeightSpec:
   gguf: str
   linear: bool = False
   dtype: str | None = None  # None: the model dtype; quantized leaves say 'int8' / 'float32'
+  # (i, n): the checkpoint tensor's last dim interleaves n weights and this one is
+  # columns i, i + n, ... (GPT-OSS's gate_up_proj: gate even, up odd).
+  interleave: tuple[int, int] | None = None
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -90,9 +98,13 @@ class WeightSpec:
       one = self.one_expert().checkpoint_shape()
       return one if per_expert else (self.num_experts,) + one
     if not self.linear:  # per-head biases are stored flat: [H * Dh]
-      return (int(np.prod(self.shape)),) if self.axes[0] in ("heads", "kv_heads") else self.shape
-    fan_in = self.fan_in
-    return (int(np.prod(self.shape)) // fan_in, fan_in)
+      shape = (int(np.prod(self.shape)),) if self.axes[0] in ("heads", "kv_heads") else self.shape
+    else:
+      fan_in = self.fan_in
+      shape = (int(np.prod(self.shape)) // fan_in, fan_in)
+    if self.interleave:
+      shape = shape[:-1] + (shape[-1] * self.interleave[1],)
+    return tuple(shape)
 
   @property
   def fan_in(self) -> int:
@@ -112,6 +124,9 @@ class WeightSpec:
     if self.num_experts:
       one = self.one_expert()
       return np.stack([one.from_checkpoint(np.asarray(a)) for a in array])
+    if self.interleave:
+      i, n = self.interleave
+      array = array[..., i::n]
     if self.linear:
       array = array.T
     return array.reshape(self.shape)
@@ -187,6 +202,10 @@ def attention_specs(cfg: ModelConfig, i: int) -> dict[str, WeightSpec]:
     spec["bq"] = WeightSpec((H, Dh), ("heads", "head_dim"), "zeros", hf + "q_proj.bias", gg + "attn_q.bias")
     spec["bk"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros", hf + "k_proj.bias", gg + "attn_k.bias")
     spec["bv"] = WeightSpec((K, Dh), ("kv_heads", "head_dim"), "zeros", hf + "v_proj.bias", gg + "attn_v.bias")
+  if cfg.attention_out_bias:
+    spec["bo"] = WeightSpec((D,), ("embed",), "zeros", hf + "o_proj.bias", gg + "attn_output.bias")
+  if cfg.attention_sinks:
+    spec["sinks"] = WeightSpec((H,), ("heads",), "zeros", hf + "sinks", gg + "attn_sinks.weight")
   if cfg.qk_norm:
     spec["q_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "q_norm.weight", gg + "attn_q_norm.weight")
     spec["k_norm"] = WeightSpec((Dh,), ("head_dim",), "ones", hf + "k_norm.weight", gg + "attn_k_norm.weight")
@@ -217,6 +236,8 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
   """Router, stacked routed experts and optional shared experts of MoE layer i."""
   D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   gg = f"blk.{i}."
+  if cfg.architecture == "gpt_oss":
+    return gpt_oss_moe_specs(cfg, i)
   if cfg.architecture == "mixtral":
     hf, names = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
   else:
@@ -240,6 +261,33 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
                                           hf + "shared_expert_gate.weight",
                                           gg + "ffn_gate_inp_shexp.weight", linear=True)
   return spec
+
+
+def gpt_oss_moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
+  """GPT-OSS: a router with a bias, experts with biases, stacked [in, out] in the checkpoint with
+  gate and up interleaved in one `gate_up_proj` [E, D, 2F] (what transformers 5.23 writes; Hub
+  checkpoints' MXFP4 `*_blocks` / `*_scales` are dequantized into that by the HF reader)."""
+  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  hf, gg = f"model.layers.{i}.mlp.", f"blk.{i}."
+  ex = hf + "experts."
+
+  def w(shape, axes, name, gguf, **kw):
+    return WeightSpec((E,) + shape, ("experts",) + axes, "normal", ex + name, gg + gguf, **kw)
+
+  def b(shape, axes, name, gguf, **kw):
+    return WeightSpec((E,) + shape, ("experts",) + axes, "zeros", ex + name, gg + gguf, **kw)
+
+  return {
+      "router": WeightSpec((D, E), ("embed", None), "normal", hf + "router.weight",
+                           gg + "ffn_gate_inp.weight", linear=True),
+      "router_logit_bias": WeightSpec((E,), (None,), "zeros", hf + "router.bias", gg + "ffn_gate_inp.bias"),
+      "w_gate": w((D, F), ("embed", "mlp"), "gate_up_proj", "ffn_gate_exps.weight", interleave=(0, 2)),
+      "w_up": w((D, F), ("embed", "mlp"), "gate_up_proj", "ffn_up_exps.weight", interleave=(1, 2)),
+      "w_down": w((F, D), ("mlp", "embed"), "down_proj", "ffn_down_exps.weight"),
+      "b_gate": b((F,), ("mlp",), "gate_up_proj_bias", "ffn_gate_exps.bias", interleave=(0, 2)),
+      "b_up": b((F,), ("mlp",), "gate_up_proj_bias", "ffn_up_exps.bias", interleave=(1, 2)),
+      "b_down": b((D,), ("embed",), "down_proj_bias", "ffn_down_exps.bias"),
+  }
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None,
@@ -276,7 +324,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
       return jnp.ones(spec.shape, dtype)
     if spec.init == "zeros":
       return jnp.zeros(spec.shape, dtype)
-    fan_in = spec.fan_in if spec.linear else spec.shape[-1]
+    fan_in = spec.fan_in if spec.linear or spec.num_experts else spec.shape[-1]
     return (jax.random.normal(k, spec.shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
   return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(leaves, keys)])

@@ -14,7 +14,8 @@ logits (tests/data/golden/smollm2-135m.npz + .json). For the engine's
 continuous-batching tests: greedy ids of 16 prompts of mixed lengths, each
 generated alone, for the tiny llama3 / mistral models and for SmolLM2
 (tests/data/golden/batch_<name>.json). Mixture-of-experts families
-(mixtral, qwen3_moe, deepseek_v3) get the same tiny dir + logits + batch golden, and
+(mixtral, qwen3_moe, deepseek_v3) and GPT-OSS (gpt_oss) get the same tiny dir + logits +
+batch golden, and
 moe_router.npz holds transformers' DeepSeek-V3 router on random inputs.
 `--only NAME...` regenerates just those fixtures, leaving the rest
 byte-identical. torch/transformers are never imported by jaxinfer itself.
@@ -100,6 +101,20 @@ MOE_FAMILIES = {
                              mscale=1.0, mscale_all_dim=0.707))),
 }
 MOE_SEED = 200
+
+# GPT-OSS: head_dim 16 with 8 query heads (128 wide, hidden 64), 4 kv heads, sliding (window 8) and
+# full layers alternating, yarn rope (truncate off, as GPT-OSS), biases everywhere, attention sinks,
+# 8 experts top-2 of width 32 with the clamped SwiGLU; the limit lowered from 7 to 1.5 so that
+# random weights reach it.
+GPT_OSS_FAMILIES = {
+    "gpt_oss": (transformers.GptOssConfig, base(
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=1.5, attention_bias=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False, original_max_position_embeddings=64))),
+}
+GPT_OSS_SEED = 300
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -410,9 +425,27 @@ def make_moe(wanted) -> None:
     make_moe_router()
 
 
+def randomize_sinks(model: torch.nn.Module, seed: int) -> None:
+  """GPT-OSS's attention sinks at logit scale (N(0, 1), some above the scores), so they matter."""
+  g = torch.Generator().manual_seed(seed + 2)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("self_attn.sinks"):
+        p.copy_(torch.randn(p.shape, generator=g))
+
+
+def make_gpt_oss(wanted) -> None:
+  for i, (name, (cls, kwargs)) in enumerate(GPT_OSS_FAMILIES.items()):
+    if wanted(name):
+      make_family(name, cls, kwargs, GPT_OSS_SEED + i, post=randomize_sinks)
+    if wanted(f"batch_{name}"):
+      make_batch_tiny(name)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  moe_fixtures = [*MOE_FAMILIES, *(f"batch_{f}" for f in MOE_FAMILIES), "moe_router"]
+  moe_fixtures = [*MOE_FAMILIES, *(f"batch_{f}" for f in MOE_FAMILIES), "moe_router",
+                  *GPT_OSS_FAMILIES, *(f"batch_{f}" for f in GPT_OSS_FAMILIES)]
   parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "smollm2-real", "batch", "mla", *moe_fixtures],
                       help="regenerate only these fixtures (the others stay byte-identical)")
   args = parser.parse_args()
@@ -432,6 +465,7 @@ def main():
     make_batch_tiny("mistral")
     make_batch_smollm2()
   make_moe(wanted)
+  make_gpt_oss(wanted)
   if wanted("mla"):
     for seed, (name, q_lora_rank) in enumerate(MLA_CASES.items()):
       make_mla(name, q_lora_rank, 100 + seed)

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.errors import UnsupportedModelError
 from jaxinfer.quant import linear
 
 
@@ -42,12 +41,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   if s.kind == "linear":
     return _frozen((inv_freq / s.factor).astype(np.float32))
   if s.kind == "yarn":
-    if not cfg.kv_lora_rank and rope_attention_factor(cfg) != 1.0:
-      # The dense attention_block does not scale its rotated q/k yet: refuse
-      # rather than answer wrongly.
-      raise UnsupportedModelError(
-          f"{cfg.name or cfg.architecture}: yarn rope with attention factor "
-          f"{rope_attention_factor(cfg):.4f} is only implemented for MLA models")
     return _frozen(_yarn_inv_freq(inv_freq, dim, cfg.rope_theta, s))
   # llama3 (Llama 3.1 report, sec. 3.1 / Meta's reference code): long wavelengths are
   # slowed by `factor`, short ones kept, the band between interpolated smoothly.
@@ -107,14 +100,27 @@ def _frozen(a: np.ndarray) -> np.ndarray:
   return a
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates x [..., T, N, Dh] by positions [..., T], in the half-split (GPT-NeoX/HF) layout."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+  """Rotates x [..., T, N, Dh] by positions [..., T], in the half-split (GPT-NeoX/HF) layout.
+
+  `scale` multiplies cos and sin alike (yarn's attention factor, `rope_attention_factor`).
+  """
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, Dh/2]
   cos = jnp.cos(freqs)[..., None, :]
   sin = jnp.sin(freqs)[..., None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+  """GPT-OSS's expert activation: gate clamped above at `limit`, up to [-limit, limit], then
+  (up + 1) * gate * sigmoid(alpha * gate) (alpha = 1.702: the sigmoid approximation of GELU)."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
 
 
 def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:

@@ -14,7 +14,9 @@ One MoE FFN (`moe_ffn`):
   5. shared experts (DeepSeek-V3, Qwen2-MoE): a dense SwiGLU on every token, added.
 
 The routers follow the published models: Mixtral (softmax over all experts,
-top-k, renormalized), Qwen3-MoE (the same, renormalized iff norm_topk_prob)
+top-k, renormalized), Qwen3-MoE (the same, renormalized iff norm_topk_prob),
+GPT-OSS (logits + bias, top-k, softmax over the k; experts with biases and a
+clamped SwiGLU, `layers.clamped_swiglu`)
 and DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", sec.
 2.1.2: sigmoid affinities; the auxiliary-loss-free bias shifts which experts
 are chosen but not their weights; node-limited routing, here the
@@ -33,14 +35,15 @@ all-to-all dispatches.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import swiglu_mlp
+from jaxinfer.models.layers import clamped_swiglu, swiglu_mlp
 
 
 class RouterStats(NamedTuple):
@@ -95,20 +98,47 @@ def route_deepseek_v3(logits: jax.Array, bias: jax.Array | None, k: int, n_group
   return weights * scaling, ids.astype(jnp.int32)
 
 
+def route_topk_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """GPT-OSS: the top k logits, softmaxed among themselves.
+
+  logits [T, E] float32 (the router bias already added) -> (weights [T, A] float32, ids [T, A] int32).
+  """
+  top, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
+  return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+
+
 def route(p: dict[str, Any], cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The config's router on x [T, D] -> (weights [T, A] float32, ids [T, A] int32)."""
   logits = router_logits(x, p["router"])
+  if cfg.router_logit_bias:
+    logits = logits + p["router_logit_bias"].astype(jnp.float32)
+  if cfg.scoring_func == "topk_softmax":
+    return route_topk_softmax(logits, cfg.num_experts_per_token)
   if cfg.scoring_func == "sigmoid":
     return route_deepseek_v3(logits, p.get("router_bias"), cfg.num_experts_per_token, cfg.n_group,
                              cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
   return route_softmax_topk(logits, cfg.num_experts_per_token, cfg.norm_topk_prob)
 
 
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(gate) * up
+
+
+def expert_activation(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """act(gate, up) of the config's experts: SwiGLU, or GPT-OSS's clamped form."""
+  if cfg.swiglu_limit is None:
+    return silu_glu
+  return functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+
+
 def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                   w_up: jax.Array, w_down: jax.Array, biases: tuple | None = None,
+                   act: Callable[[jax.Array, jax.Array], jax.Array] = silu_glu) -> jax.Array:
   """sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) for x [T, D], ids / weights [T, A].
 
-  w_gate, w_up [E, D, F], w_down [E, F, D]. The R = T * A token copies are
+  w_gate, w_up [E, D, F], w_down [E, F, D]; `biases` (b_gate, b_up [E, F],
+  b_down [E, D]) are added to each expert's projections (GPT-OSS); `act(gate,
+  up)` is the gated activation. The R = T * A token copies are
   sorted by expert so `ragged_dot` computes each copy with its own expert
   only; the result is unsorted and combined in float32, then cast to x's dtype.
   Fewer copies than experts (R < E, decode) take `_per_copy_swiglu` instead.
@@ -116,11 +146,11 @@ def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
   T, A = ids.shape
   E = w_gate.shape[0]
   if T * A < E:  # static: small decode buckets
-    return _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down)
-  return _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down)
+    return _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down, biases, act)
+  return _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down, biases, act)
 
 
-def _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
+def _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down, biases=None, act=silu_glu) -> jax.Array:
   T, A = ids.shape
   E = w_gate.shape[0]
   flat = ids.reshape(-1)  # [R]: copy r = t * A + a
@@ -129,13 +159,19 @@ def _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
   xs = jnp.take(x, order // A, axis=0)  # [R, D]
   gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)  # [R, F]
   up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-  ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [R, D]
+  if biases is not None:
+    b_gate, b_up, b_down = biases
+    expert = flat[order]  # [R] each sorted copy's expert
+    gate, up = gate + b_gate[expert], up + b_up[expert]
+  ys = jax.lax.ragged_dot(act(gate, up).astype(x.dtype), w_down, group_sizes)  # [R, D]
+  if biases is not None:
+    ys = ys + b_down[expert]
   y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(T, A, -1)  # [T, A, D]
   out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
   return out.astype(x.dtype)
 
 
-def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
+def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down, biases=None, act=silu_glu) -> jax.Array:
   """grouped_swiglu for fewer token copies than experts (small decode steps): each copy reads
   its own expert's weights, R < E expert weights in all.
 
@@ -146,7 +182,12 @@ def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down) -> jax.Array:
   """
   g = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_gate, ids, axis=0))  # [T, A, F]
   u = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_up, ids, axis=0))
-  y = jnp.einsum("TAF,TAFD->TAD", jax.nn.silu(g) * u, jnp.take(w_down, ids, axis=0))
+  if biases is not None:
+    b_gate, b_up, b_down = biases
+    g, u = g + b_gate[ids], u + b_up[ids]
+  y = jnp.einsum("TAF,TAFD->TAD", act(g, u).astype(x.dtype), jnp.take(w_down, ids, axis=0))
+  if biases is not None:
+    y = y + b_down[ids]
   out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
   return out.astype(x.dtype)
 
@@ -159,7 +200,9 @@ def moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array 
   shapes are static, but not counted in the stats).
   """
   weights, ids = route(p, cfg, x)
-  out = grouped_swiglu(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"])
+  biases = (p["b_gate"], p["b_up"], p["b_down"]) if cfg.expert_bias else None
+  out = grouped_swiglu(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], biases,
+                       expert_activation(cfg))
   if "shared" in p:
     s = p["shared"]
     shared = swiglu_mlp(x, s["w_gate"], s["w_up"], s["w_down"])
@@ -182,11 +225,23 @@ def reference_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array) -> np.n
     g = h @ gate
     return (g / (1 + np.exp(-g)) * (h @ up)) @ down
 
+  def expert(h, e):
+    if not cfg.expert_bias and cfg.swiglu_limit is None:
+      return swiglu(h, w["w_gate"][e], w["w_up"][e], w["w_down"][e])
+    g = h @ w["w_gate"][e] + (w["b_gate"][e] if cfg.expert_bias else 0)
+    u = h @ w["w_up"][e] + (w["b_up"][e] if cfg.expert_bias else 0)
+    if cfg.swiglu_limit is None:
+      act = g / (1 + np.exp(-g)) * u
+    else:
+      lim, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+      g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+      act = (u + 1) * g / (1 + np.exp(-alpha * g))
+    return act @ w["w_down"][e] + (w["b_down"][e] if cfg.expert_bias else 0)
+
   out = np.zeros_like(x)
   for t in range(x.shape[0]):
     for a in range(ids.shape[1]):
-      e = ids[t, a]
-      out[t] += weights[t, a] * swiglu(x[t], w["w_gate"][e], w["w_up"][e], w["w_down"][e])
+      out[t] += weights[t, a] * expert(x[t], ids[t, a])
   if "shared" in p:
     s = {k: np.asarray(v, np.float64) for k, v in p["shared"].items()}
     shared = swiglu(x, s["w_gate"], s["w_up"], s["w_down"])

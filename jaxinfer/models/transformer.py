@@ -1,4 +1,5 @@
-"""The decoder as pure functions: Llama 2/3, Mistral, Qwen2/3, SmolLM2, Mixtral, Qwen3-MoE, DeepSeek-V3.
+"""The decoder as pure functions: Llama 2/3, Mistral, Qwen2/3, SmolLM2, Mixtral, Qwen3-MoE, DeepSeek-V3,
+GPT-OSS.
 
 Families differ only in config flags: q/k/v biases (Qwen2), q/k RMSNorm
 (Qwen3), a sliding window (Mistral), tied embeddings (SmolLM2), RoPE scaling
@@ -7,6 +8,8 @@ jaxinfer.models.moe). The layer takes its FFN as a function of (params, x),
 so MoE layers reuse everything else, and `cfg.is_moe_layer(i)` picks it per
 layer (Qwen3-MoE's mlp_only_layers and DeepSeek's first dense layers mix both
 in one stack). DeepSeek-V3 swaps the attention for MLA (jaxinfer.models.mla).
+GPT-OSS adds attention sinks, an output bias and per-layer windows
+(`cfg.layer_sliding_window(i)`: sliding and full layers alternate).
 
 Legend: T new tokens (of many sequences, packed), S sequences, N pages,
 p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.cache import Cache
-from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
 from jaxinfer.models.moe import RouterStats, moe_ffn
 from jaxinfer.quant import linear
 
@@ -49,8 +52,10 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
                     layer_cache: dict[str, jax.Array], batch: PagedBatch, *,
-                    attention_impl: str = "auto", decode_q_len: int = 1
+                    attention_impl: str = "auto", decode_q_len: int = 1, layer: int = 0
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """GQA attention of decoder layer number `layer` (which picks its window, see cfg.layer_types)."""
+  window = cfg.layer_sliding_window(layer)
   q = linear("TD,DHd->THd", x, p["wq"])
   k = linear("TD,DKd->TKd", x, p["wk"])
   v = linear("TD,DKd->TKd", x, p["wv"])
@@ -60,16 +65,21 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   inv_freq = rope_inv_freq(cfg)
-  q = apply_rope(q, positions, inv_freq)
-  k = apply_rope(k, positions, inv_freq)
+  # yarn scales cos and sin by its attention factor (1 otherwise), so q . k by its square.
+  q = apply_rope(q, positions, inv_freq, rope_attention_factor(cfg))
+  k = apply_rope(k, positions, inv_freq, rope_attention_factor(cfg))
   # Write first, then attend: a query sees its own token through the cache.
   new_cache = {"k": _write(layer_cache["k"], k, batch.slot_mapping),
                "v": _write(layer_cache["v"], v, batch.slot_mapping)}
   out = ops.ragged_paged_attention(q, new_cache["k"], new_cache["v"], batch.kv_lens,
                                    batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-                                   sliding_window=cfg.sliding_window, impl=attention_impl,
+                                   sliding_window=window, sinks=p["sinks"] if cfg.attention_sinks else None,
+                                   impl=attention_impl,
                                    decode_q_len=decode_q_len)
-  return linear("THd,HdD->TD", out, p["wo"]), new_cache
+  out = linear("THd,HdD->TD", out, p["wo"])
+  if cfg.attention_out_bias:
+    out = out + p["bo"]
+  return out, new_cache
 
 
 def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -77,14 +87,16 @@ def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 
 def decoder_layer(p, cfg: ModelConfig, x, positions, layer_cache, batch: PagedBatch, ffn=dense_ffn, *,
-                  attention_impl: str = "auto", decode_q_len: int = 1):
+                  attention_impl: str = "auto", decode_q_len: int = 1, layer: int = 0):
+  """Decoder layer number `layer` (which picks its attention window, see cfg.layer_types)."""
   if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention over the latent cache
     from jaxinfer.models.mla import mla_attention_block as attend  # mla imports this module
   else:
     attend = attention_block
+  kw = {} if cfg.kv_lora_rank else {"layer": layer}
   h, layer_cache = attend(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
                           positions, layer_cache, batch, attention_impl=attention_impl,
-                          decode_q_len=decode_q_len)
+                          decode_q_len=decode_q_len, **kw)
   x = x + h
   x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
   return x, layer_cache
@@ -116,7 +128,8 @@ def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arr
   for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
     x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch,
                                    ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
-                                   attention_impl=attention_impl, decode_q_len=decode_q_len)
+                                   attention_impl=attention_impl, decode_q_len=decode_q_len,
+                                   layer=i)
     new_cache.append(layer_cache)
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if not return_router_stats:
