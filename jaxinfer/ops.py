@@ -82,10 +82,6 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if sinks is not None:
     if sinks.shape != (q.shape[1],):
       raise ValueError(f"sinks must be [H]={q.shape[1]}, got {sinks.shape}")
-    if impl in ("pallas", "pallas_interpret"):
-      raise InvalidRequestError(f"attention_impl={impl!r}: the Pallas ragged paged attention kernel "
-                                "does not implement attention sinks (GPT-OSS); use 'xla' or 'auto'")
-    impl = "xla" if impl == "auto" else impl
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
@@ -96,7 +92,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   _check_v_head_dim(v_head_dim, v_pages)
   out = pallas_kernels.ragged_paged_attention(
       q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-      sliding_window=sliding_window, soft_cap=soft_cap, interpret=impl == "pallas_interpret")
+      sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+      interpret=impl == "pallas_interpret")
   return out if v_head_dim is None else out[..., :v_head_dim]
 
 

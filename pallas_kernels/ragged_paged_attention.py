@@ -13,6 +13,8 @@ Shapes (legend):
   page_indices  [S, P]  int32   page ids of each sequence, in position order
   cu_q_lens     [S + 1] int32   cumulative query lengths
   num_seqs      []      int32   how many of the S slots are real (may be traced)
+  sinks         [Hq]    float32 optional attention sinks (GPT-OSS): one more softmax
+                                logit per head, with no value
   out           [T, Hq, D]      rows past cu_q_lens[num_seqs] are unspecified
 
 Query i of a sequence with q_len queries sits at position kv_len - q_len + i
@@ -40,7 +42,10 @@ looking each page id up in page_indices and gathering the pages into a
 [pages_per_block * p, D] K tile and V tile, and keeps an online softmax
 (FlashAttention-2, Dao 2023, Algorithm 1: running row max m, row sum l,
 unnormalised accumulator rescaled by exp(m_old - m_new); one division at the
-end). The KV loop starts at the window start of the block's first query (0
+end). Attention sinks enter as a key already seen before the loop: each row
+starts at m = its head's sink, l = 1 and a zero accumulator, so the sink stays
+in the denominator through every rescaling and adds nothing to the values (no
+sinks: m = -inf, l = 0, as FlashAttention starts). The KV loop starts at the window start of the block's first query (0
 without a window) and stops at the causal limit of its last query, so decode
 reads exactly the sequence's pages and a prefill block reads only what its
 causal triangle needs. Output rows and heads are written with masks: rows
@@ -141,14 +146,15 @@ class BlockSizes:
 
 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
-                q_ref, k_pages_ref, v_pages_ref, o_ref, *, sm_scale: float,
+                sinks_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, *, sm_scale: float,
                 sliding_window: int | None, soft_cap: float | None, block_q: int,
                 pages_per_block: int, num_q_heads_per_kv_head: int, precision):
   """One q block (block_q tokens of one sequence) x one kv head.
 
   block_seq_ref, block_idx_ref [num_blocks]: the q block's sequence (-1: none)
-  and its index within the sequence. All refs are whole arrays in global
-  memory; the kernel reads scalars and tiles from them at dynamic offsets.
+  and its index within the sequence. sinks_ref [Hq] float32 (-inf: no sink).
+  All refs are whole arrays in global memory; the kernel reads scalars and
+  tiles from them at dynamic offsets.
   """
   T, _, D = q_ref.shape
   N, page_size, _, _ = k_pages_ref.shape
@@ -229,8 +235,11 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
       return m_new, l, acc
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, D), jnp.float32))
+    # The sinks of this kv head's G query heads, one per row (row r is head r % Gp).
+    sink = plgpu.load(sinks_ref.at[pl.ds(h * G, Gp)], mask=head_ok, other=-jnp.inf)  # [Gp]
+    m0 = jnp.broadcast_to(sink.astype(jnp.float32)[None, :], (block_q, Gp)).reshape(rows)
+    l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
+    init = (m0, l0, jnp.zeros((rows, D), jnp.float32))
     _, l, acc = lax.fori_loop(kv_begin // block_kv, pl.cdiv(kv_stop, block_kv), kv_block, init)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     plgpu.store(o_ref.at[io_slice], out.reshape(block_q, Gp, D).astype(o_ref.dtype),
@@ -254,7 +263,7 @@ def _schedule(cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num_block
 
 
 def _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sliding_window, soft_cap):
+                  sliding_window, soft_cap, sinks=None):
   if q.ndim != 3:
     raise ValueError(f"q must be [T, Hq, D], got {q.shape=}")
   if k_pages.ndim != 4:
@@ -280,6 +289,8 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seq
     raise ValueError(f"{sliding_window=} must be >= 1")
   if soft_cap is not None and not soft_cap > 0:
     raise ValueError(f"{soft_cap=} must be > 0")
+  if sinks is not None and (sinks.shape != (q.shape[1],) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+    raise ValueError(f"sinks must be float [Hq]=[{q.shape[1]}], got {sinks.shape=} {sinks.dtype=}")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
@@ -288,25 +299,28 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                            num_seqs: jax.Array | int, *, sm_scale: float | None = None,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           block_sizes: BlockSizes | None = None,
+                           sinks: jax.Array | None = None, block_sizes: BlockSizes | None = None,
                            interpret: bool = False) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache (Pallas Triton kernel).
 
   See the module docstring for shapes and semantics. sm_scale defaults to
   D ** -0.5; soft_cap applies soft_cap * tanh(s / soft_cap) to the scaled
-  logits; sliding_window W lets a query see only its last W positions. q may
+  logits; sliding_window W lets a query see only its last W positions;
+  sinks [Hq] adds exp(sinks[h]) to head h's softmax denominator. q may
   differ in dtype from the cache (it is cast to the cache dtype for the dots,
   which accumulate in float32); the result has q's dtype. Raises ValueError
   naming the offending arguments for inconsistent shapes or dtypes.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
+  sinks = None if sinks is None else jnp.asarray(sinks)
   _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                sliding_window, soft_cap)
+                sliding_window, soft_cap, sinks)
   T, Hq, D = q.shape
   _, page_size, Hkv, _ = k_pages.shape
   S = kv_lens.shape[0]
   G = Hq // Hkv
+  sinks = (jnp.full((Hq,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32))
   if T == 0 or S == 0:
     return jnp.zeros_like(q)
   bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, G=G, page_size=page_size, D=D,
@@ -332,7 +346,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_{block_q=}_{pages_per_block=}",
-  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, q, k_pages, v_pages)
+  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, sinks, q, k_pages, v_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
@@ -341,17 +355,20 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      cu_q_lens: jax.Array, num_seqs: jax.Array | int, *,
                                      sm_scale: float | None = None,
                                      sliding_window: int | None = None,
-                                     soft_cap: float | None = None) -> jax.Array:
+                                     soft_cap: float | None = None,
+                                     sinks: jax.Array | None = None) -> jax.Array:
   """Plain-jnp reference: each token gathers all its sequence's pages, dense softmax in float32.
 
   Deliberately naive (one token at a time, every page of the slot gathered,
   no online softmax, no blocking), so it shares no structure with the kernel.
+  Sinks are one more column of the scores, dropped after the softmax.
   Rows past cu_q_lens[num_seqs] are 0.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
+  sinks = None if sinks is None else jnp.asarray(sinks)
   _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                sliding_window, soft_cap)
+                sliding_window, soft_cap, sinks)
   T, Hq, D = q.shape
   _, page_size, Hkv, _ = k_pages.shape
   S, P = page_indices.shape
@@ -374,7 +391,12 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     visible = (j <= pos) & (j < kv_len)
     if sliding_window is not None:
       visible &= j > pos - sliding_window
-    w = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    s = jnp.where(visible, s, -jnp.inf)
+    if sinks is None:
+      w = jax.nn.softmax(s, axis=-1)
+    else:
+      sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, G, 1), (Hkv, G, 1))
+      w = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("KGL,LKD->KGD", w, v, precision=lax.Precision.HIGHEST).reshape(Hq, D)
     real = (t < cu_q_lens[jnp.minimum(num_seqs, S)]) & jnp.any(visible)
     return jnp.where(real, out, 0.0)

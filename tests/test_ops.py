@@ -8,8 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from jaxinfer import ops
 
 
-def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window=None, soft_cap=None):
-  """Dense causal softmax attention, one sequence at a time, float64."""
+def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window=None, soft_cap=None,
+          sinks=None):
+  """Dense causal softmax attention, one sequence at a time, float64. A sink (GPT-OSS) is one
+  more logit of the head's softmax whose weight is dropped: it only grows the denominator."""
   T, H, d = q.shape
   _, p, K, _ = k_pages.shape
   out = np.full((T, H, d), np.nan)
@@ -28,8 +30,11 @@ def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, windo
         j = np.arange(L)
         ok = j <= pos if window is None else (j <= pos) & (j > pos - window)
         scores = np.where(ok, scores, -np.inf)
+        if sinks is not None:
+          scores = np.append(scores, sinks[h])
         w = np.exp(scores - scores.max())
-        out[t, h] = (w / w.sum()) @ v[:, kh]
+        w = w / w.sum()
+        out[t, h] = w[:L] @ v[:, kh]
   return out
 
 
@@ -76,6 +81,43 @@ def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
   if impl == "xla":
     assert np.isfinite(got).all()  # padding rows are unspecified but never NaN
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("H,K,window,decode_q_len", [(8, 4, None, 1), (8, 2, 8, 1), (4, 4, 5, 3)])
+def test_attention_sinks_match_naive(H, K, window, decode_q_len, impl):
+  """GPT-OSS's sinks on mixed decode / verify / prefill rows, with and without a window; sinks
+  from far below to far above the scores (the last heads' rows keep little weight)."""
+  rng = np.random.default_rng(H + K + (window or 0))
+  q_lens = [1, 3, 1, 70, 2, 9, 1]
+  kv_extra = [0, 20, 150, 0, 61, 7, 40]
+  page_size, P = 16, 20
+  num_pages = 7 * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
+  T = int(cu[-1]) + 5
+  q = rng.normal(size=(T, H, 16)).astype(np.float32)
+  k_pages = rng.normal(size=(num_pages, page_size, K, 16)).astype(np.float32)
+  v_pages = rng.normal(size=(num_pages, page_size, K, 16)).astype(np.float32)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  sinks = np.linspace(-5.0, 8.0, H).astype(np.float32)
+  got = np.asarray(ops.ragged_paged_attention(q, k_pages, v_pages, kv_full, page_indices, cu,
+                                              np.int32(len(q_lens)), sliding_window=window, sinks=sinks,
+                                              impl=impl, decode_q_len=decode_q_len))
+  want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window, sinks=sinks)
+  real = int(cu[len(q_lens)])
+  np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
+  without = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window)
+  assert np.abs(want[:real] - without[:real]).max() > 0.1  # the sinks matter here
+
+
+def test_attention_sinks_of_the_wrong_shape_are_refused():
+  rng = np.random.default_rng(0)
+  kv_lens, page_indices, cu = layout(rng, [1], [3], 16, 3, 2)
+  q = rng.normal(size=(1, 4, 16)).astype(np.float32)
+  pages = rng.normal(size=(3, 16, 2, 16)).astype(np.float32)
+  with pytest.raises(ValueError, match=r"sinks must be \[H\]=4"):
+    ops.ragged_paged_attention(q, pages, pages, kv_lens, page_indices[:1], cu[:2], np.int32(1),
+                               sinks=np.zeros(2, np.float32))
 
 
 def test_auto_is_xla_on_cpu_and_pallas_on_gpu():

@@ -144,6 +144,29 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, block_sizes):
         block_sizes=block_sizes)
 
 
+@pytest.mark.parametrize("Hq,Hkv,sliding_window,block_sizes,dtype", [
+    (2, 2, None, None, jnp.float32),   # G = 1
+    (6, 2, None, None, jnp.float32),   # G = 3: the padded fourth head's sink is masked
+    (8, 2, 7, None, jnp.bfloat16),     # G = 4, GPT-OSS's sliding layers
+    # One page per KV step and a short window: rows start at the sink, then see no key for a while.
+    (4, 2, 5, BlockSizes(block_q=16, pages_per_block=1), jnp.float32),
+])
+def test_attention_sinks(Hq, Hkv, sliding_window, block_sizes, dtype):
+  """GPT-OSS's sinks: each head's extra softmax logit, from well below to well above the scores."""
+  rng = np.random.default_rng(Hq * 10 + Hkv)
+  batch = make_batch(rng, MIXED, page_size=16, Hq=Hq, Hkv=Hkv, D=64, dtype=dtype)
+  sinks = np.linspace(-4.0, 6.0, Hq).astype(np.float32)
+  got = check(batch, dtype, sliding_window=sliding_window, sinks=sinks, block_sizes=block_sizes)
+  plain = check(batch, dtype, sliding_window=sliding_window, block_sizes=block_sizes)
+  real = int(batch["cu_q_lens"][int(batch["num_seqs"])])
+  # The largest sinks take most of the weight: those heads' outputs shrink towards 0.
+  assert np.abs(got[:real, -1]).mean() < 0.5 * np.abs(plain[:real, -1]).mean()
+  # A sink of -inf is no sink at all.
+  none = np.asarray(kernel(**batch, sliding_window=sliding_window, block_sizes=block_sizes,
+                           sinks=np.full(Hq, -np.inf, np.float32)).astype(jnp.float32))
+  np.testing.assert_array_equal(none[:real], plain[:real])
+
+
 def test_padding_sequences_and_blocks_write_nothing():
   """num_seqs = 0: every grid program is padding, the output stays untouched (NaN)."""
   rng = np.random.default_rng(3)
@@ -220,8 +243,9 @@ def test_interpret_mode_output_starts_as_nan():
 
 
 def naive_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sliding_window=None, soft_cap=None):
-  """Dense per-sequence attention in float64 numpy, one query and head at a time."""
+                    sliding_window=None, soft_cap=None, sinks=None):
+  """Dense per-sequence attention in float64 numpy, one query and head at a time; a sink is
+  one more exp term in the denominator."""
   q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
   T, Hq, D = q.shape
   _, p, Hkv, _ = k_pages.shape
@@ -238,21 +262,25 @@ def naive_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
         scores = k[:, h // (Hq // Hkv)] @ q[t, h] / np.sqrt(D)
         if soft_cap is not None:
           scores = soft_cap * np.tanh(scores / soft_cap)
-        w = np.exp(np.where(ok, scores, -np.inf) - scores[ok].max())
-        out[t, h] = (w / w.sum()) @ v[:, h // (Hq // Hkv)]
+        top = scores[ok].max() if sinks is None else max(scores[ok].max(), sinks[h])
+        w = np.exp(np.where(ok, scores, -np.inf) - top)
+        denominator = w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+        out[t, h] = (w / denominator) @ v[:, h // (Hq // Hkv)]
   return out
 
 
-@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (6, 3.0)])
-def test_reference_matches_naive_numpy(sliding_window, soft_cap):
+@pytest.mark.parametrize("sliding_window,soft_cap,sinks", [
+    (None, None, None), (6, 3.0, None), (6, None, [0.5, -1.0, 2.0, 3.5])])
+def test_reference_matches_naive_numpy(sliding_window, soft_cap, sinks):
   """The reference is checked against an independent float64 loop, not only against itself."""
   rng = np.random.default_rng(13)
   batch = make_batch(rng, [(1, 20), (3, 3), (9, 40)], page_size=16, Hq=4, Hkv=2, D=16)
+  sinks = None if sinks is None else np.array(sinks, np.float32)
   got = np.asarray(ragged_paged_attention_reference(**batch, sliding_window=sliding_window,
-                                                    soft_cap=soft_cap))
+                                                    soft_cap=soft_cap, sinks=sinks))
   args = {k: np.asarray(v) for k, v in batch.items()}
   want = naive_attention(**{**args, "num_seqs": int(args["num_seqs"])},
-                         sliding_window=sliding_window, soft_cap=soft_cap)
+                         sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
   real = int(args["cu_q_lens"][3])
   np.testing.assert_allclose(got[:real], want[:real], atol=1e-5, rtol=1e-5)
   assert (got[real:] == 0).all()
@@ -291,6 +319,8 @@ def test_wrapper_rejects_inconsistent_inputs(change, names):
 @pytest.mark.parametrize("options,names", [
     ({"sliding_window": 0}, ["sliding_window=0"]),
     ({"soft_cap": -1.0}, ["soft_cap=-1.0"]),
+    ({"sinks": np.zeros(3, np.float32)}, ["sinks", "Hq", "4"]),
+    ({"sinks": np.zeros(4, np.int32)}, ["sinks", "int32"]),
     ({"block_sizes": BlockSizes(block_q=1)}, ["block_q=1", "16"]),
     ({"block_sizes": BlockSizes(pages_per_block=None, block_q=8)}, None),  # valid: 8 x 2 rows
 ])
