@@ -1,0 +1,179 @@
+"""Expert parallelism: the MoE FFN under `jax.shard_map`, token copies dispatched to the devices
+that hold their experts with an all-to-all, and brought back with the reverse one.
+
+Legend: T tokens, D hidden, F expert width, E experts, A active experts per token,
+n = n_ep devices the experts are split over (the product of the mesh axes that the 'experts'
+rule names), El = E / n experts per device, Tl = ceil(T / n) tokens per device,
+R = Tl * A token copies per device, C rows per (source, destination) pair.
+
+One EP MoE FFN (`ep_moe_ffn`), per device:
+  1. the T tokens are split over the n EP devices (padded to n * Tl); each device routes its
+     Tl tokens with the replicated router (`moe.route`), R copies;
+  2. dispatch: the copies, sorted by expert, go into a send buffer [n, C, D] (destination =
+     expert // El, the device holding that expert), with each copy's local expert id
+     [n, C]; `jax.lax.all_to_all` over the EP axes swaps the buffers, each device then holds
+     [n sources, C, D] rows for its own El experts;
+  3. grouped SwiGLU: the received rows sorted by local expert, `ragged_dot` with the local
+     El experts (padding rows belong to no group: ragged_dot leaves them 0);
+  4. combine: the reverse all-to-all returns each copy's result to its token's device, which
+     picks it from (destination, slot) and sums the copies with their router weights;
+  5. the outputs [n * Tl, D] leave the shard_map split over the EP axes; the caller sees
+     [T, D] (jit all-gathers if it needs them replicated).
+
+Why a fixed-capacity `all_to_all`, not `ragged_all_to_all`: jax 0.10's XLA:CPU has no
+thunk for `ragged-all-to-all` ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
+ThunkEmitter"), and the tests and the CPU engine must run the same program as an accelerator.
+
+Capacity: C = Tl * min(A, El), the worst case: a token picks A distinct experts, at most
+min(A, El) of them on one device, and all Tl tokens of a source may pick the same device
+(skewed routing). So no copy is ever dropped, whatever the routing: the result equals the
+non-EP `moe.moe_ffn` exactly (up to float summation order). The cost is memory and wire
+bytes: each device sends and receives n * C * D values (about T * min(A, El) * D, n times the
+balanced average T * A * D / n at El >= A), and the expert matmul runs over n * C rows of
+which only the routed ones are real. A capacity factor below the worst case (as in
+training-time MoE) would drop tokens when routing is skewed; an inference engine must not
+change a model's output, so we never do. On GPU/TPU, `ragged_all_to_all` would send only
+the routed rows (a later change once XLA:CPU supports it).
+
+Tensor parallelism inside: the experts' F ('mlp') may be split over other mesh axes
+(`mlp_axes`, 'model'); those axes are manual too, each device computes its F slice of
+every local expert and the partial outputs are summed with a `psum` at the end (the
+expert down-projection bias is added by one 'model' shard only).
+
+Under attention data parallelism the runner already runs the model under shard_map over
+'data' (manual), each data shard with its own tokens. With wide EP (experts over ('data',
+'expert')) this function then opens a nested shard_map over the remaining axes only
+('expert', 'model'); the all-to-all spans ('data', 'expert'), so every shard's tokens reach
+the experts of every shard. This needs the already-manual axes to lead the rule (the
+outer shard_map hands each data shard the contiguous block of experts that it and its
+'expert' peers hold).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ShardingError
+from jaxinfer.models import moe
+from jaxinfer.models.layers import swiglu_mlp
+
+# Per expert-weight key: the position of its 'mlp' (F) dimension after the experts axis (None: none).
+_EXPERT_KEYS = {"w_gate": 2, "w_up": 2, "w_down": 1, "b_gate": 1, "b_up": 1, "b_down": None}
+
+
+def capacity(tokens_per_device: int, num_active: int, experts_per_device: int) -> int:
+  """Rows per (source, destination) pair that no routing can overflow (see the module doc)."""
+  return tokens_per_device * min(num_active, experts_per_device)
+
+
+def _spec(ndim: int, lead: Any, mlp_dim: int | None, mlp: Any) -> P:
+  out = [None] * ndim
+  out[0] = lead
+  if mlp_dim is not None:
+    out[mlp_dim] = mlp
+  return P(*out)
+
+
+def _axes_spec(axes: tuple[str, ...]) -> Any:
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def ep_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array | None = None, *,
+               mesh: Any, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...] = ()
+               ) -> tuple[jax.Array, moe.RouterStats]:
+  """`moe.moe_ffn` with the experts split over the mesh axes `expert_axes` (the 'experts'
+  rule) and their F over `mlp_axes` (the 'mlp' rule): x [T, D] -> ([T, D], RouterStats).
+
+  `mesh` is the concrete Mesh (or, nested inside another shard_map, the context's abstract
+  mesh is used for the axes that are already manual). Raises ShardingError if E is not
+  divisible by the EP axes or the already-manual axes do not lead `expert_axes`.
+  """
+  expert_axes, mlp_axes = tuple(expert_axes), tuple(mlp_axes)
+  context = jax.sharding.get_abstract_mesh()
+  manual = set(context.manual_axes) if not context.empty else set()
+  outer = tuple(a for a in expert_axes if a in manual)  # manual already (attention DP's 'data')
+  inner = tuple(a for a in expert_axes if a not in manual)
+  if expert_axes[:len(outer)] != outer:
+    raise ShardingError(f"expert parallelism inside shard_map over {sorted(manual)}: the experts rule "
+                        f"{expert_axes} must list those axes first")
+  if any(a in manual for a in mlp_axes):
+    raise ShardingError(f"the 'mlp' axes {mlp_axes} of the experts are manual already ({sorted(manual)})")
+  sizes = dict(mesh.shape)
+  n = math.prod(sizes[a] for a in expert_axes)
+  n_inner = math.prod(sizes[a] for a in inner)
+  E, A = cfg.num_experts, cfg.num_experts_per_token
+  if E % n:
+    raise ShardingError(f"{E} experts cannot be split over mesh axes {expert_axes} ({n} devices)")
+  El = E // n
+  T = x.shape[0]
+  Tl = -(-T // n_inner)
+  C = capacity(Tl, A, El)
+  act = moe.expert_activation(cfg)
+  has_bias = bool(cfg.expert_bias)
+
+  experts = {k: p[k] for k in _EXPERT_KEYS if k in p}
+  rest = {k: v for k, v in p.items() if k not in _EXPERT_KEYS and k != "shared"}
+  lead, mlp = _axes_spec(inner), _axes_spec(mlp_axes)
+  expert_specs = {k: _spec(v.ndim, lead, _EXPERT_KEYS[k], mlp) for k, v in experts.items()}
+
+  def local(experts, rest, xl):
+    # xl [Tl, D]: this device's tokens. experts: El experts, their F slice.
+    weights, ids = moe.route(rest, cfg, xl)  # [Tl, A]
+    flat = ids.reshape(-1)  # [R], copy r = t * A + a
+    order = jnp.argsort(flat, stable=True)  # copies by expert, hence by destination
+    dest = flat[order] // El  # [R]
+    per_dest = jnp.bincount(dest, length=n)
+    slot = jnp.arange(flat.shape[0]) - (jnp.cumsum(per_dest) - per_dest)[dest]  # [R], < C always
+    send = jnp.zeros((n, C, xl.shape[1]), xl.dtype).at[dest, slot].set(
+        jnp.take(xl, order // A, axis=0), unique_indices=True)
+    send_expert = jnp.full((n, C), El, jnp.int32).at[dest, slot].set(flat[order] % El)  # El: padding
+    recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)  # [n sources, C, D]
+    recv_expert = jax.lax.all_to_all(send_expert, expert_axes, 0, 0, tiled=True).reshape(-1)  # [n * C]
+
+    by_expert = jnp.argsort(recv_expert, stable=True)  # padding (El) last, outside every group
+    group_sizes = jnp.bincount(recv_expert, length=El).astype(jnp.int32)  # [El]
+    xs = recv.reshape(n * C, -1)[by_expert]
+    gate = jax.lax.ragged_dot(xs, experts["w_gate"], group_sizes)  # [n * C, F / tp]
+    up = jax.lax.ragged_dot(xs, experts["w_up"], group_sizes)
+    le = jnp.minimum(recv_expert[by_expert], El - 1)  # padding rows: any bias, their rows are dropped
+    if has_bias:
+      gate, up = gate + experts["b_gate"][le], up + experts["b_up"][le]
+    ys = jax.lax.ragged_dot(act(gate, up).astype(xl.dtype), experts["w_down"], group_sizes)  # [n * C, D]
+    if has_bias:  # one F shard adds the bias: the psum below sums the partial products
+      first = jnp.asarray(True) if not mlp_axes else jax.lax.axis_index(mlp_axes) == 0
+      ys = ys + jnp.where(first, experts["b_down"][le], 0).astype(ys.dtype)
+    ys = jnp.zeros_like(ys).at[by_expert].set(ys, unique_indices=True).reshape(n, C, -1)
+    back = jax.lax.all_to_all(ys, expert_axes, 0, 0, tiled=True)  # [n destinations, C, D]
+
+    y = jnp.zeros((flat.shape[0], back.shape[-1]), back.dtype).at[order].set(
+        back[dest, slot], unique_indices=True).reshape(Tl, A, -1)  # [Tl, A, D]
+    out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))
+    if mlp_axes:
+      out = jax.lax.psum(out, mlp_axes)
+    return out.astype(xl.dtype), ids
+
+  xp = jnp.pad(x, ((0, Tl * n_inner - T), (0, 0)))
+  tokens = P(lead)
+  # check_vma=False: the outputs are invariant over mlp_axes after the psum, and under attention
+  # DP the outer shard_map runs unchecked too.
+  out, ids = jax.shard_map(
+      local, mesh=mesh if not manual else None, axis_names=set(inner) | set(mlp_axes),
+      in_specs=(expert_specs, P(), tokens), out_specs=(tokens, tokens), check_vma=False,
+  )(experts, rest, xp)
+  out, ids = out[:T], ids[:T]
+
+  if "shared" in p:  # dense on every token, outside: its weights follow the ordinary rules
+    s = p["shared"]
+    shared = swiglu_mlp(x, s["w_gate"], s["w_up"], s["w_down"])
+    if "gate" in s:
+      shared = shared * jax.nn.sigmoid(moe.router_logits(x, s["gate"])).astype(x.dtype)
+    out = out + shared
+  count = None if valid is None else jnp.repeat(valid.astype(jnp.int32), A)
+  stats = moe.RouterStats(jnp.bincount(ids.reshape(-1), weights=count, length=E).astype(jnp.int32))
+  return out, stats
