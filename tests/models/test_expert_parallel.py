@@ -26,7 +26,8 @@ MESHES = {"expert8": ((1, 8, 1), None), "wide_2x2x2": ((2, 2, 2), WIDE)}
 
 
 def config(router: str) -> ModelConfig:
-  cfg = ModelConfig.from_hf(json.loads((tiny_dir("mixtral") / "config.json").read_text()))
+  family = "gpt_oss" if router == "gpt_oss" else "mixtral"
+  cfg = ModelConfig.from_hf(json.loads((tiny_dir(family) / "config.json").read_text()))
   if router == "deepseek_shared":
     cfg = ModelConfig(**(cfg.to_dict() | dict(
         architecture="qwen3_moe", scoring_func="sigmoid", router_bias=True, n_group=4, topk_group=2,
@@ -46,10 +47,13 @@ def random_params(cfg: ModelConfig, seed=1):
 
 def skew(p, cfg):
   """Every token picks the same experts: the softmax router ties (zero weights, top-k takes the
-  lowest ids 0 and 1); DeepSeek's bias steers all to experts 6 and 7 (one group, one device)."""
+  lowest ids 0 and 1); DeepSeek's bias steers all to experts 6 and 7 (one group, one device),
+  GPT-OSS's logit bias to experts 2 and 3."""
   p = dict(p, router=jnp.zeros_like(p["router"]))
   if cfg.router_bias:
     p["router_bias"] = jnp.zeros_like(p["router_bias"]).at[6:].set(10.0)
+  if cfg.router_logit_bias:
+    p["router_logit_bias"] = jnp.zeros_like(p["router_logit_bias"]).at[2:4].set(jnp.array([2.0, 1.0]))
   return p
 
 
@@ -64,11 +68,12 @@ def on_mesh(p, cfg, shape, overrides):
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("router", ["mixtral", "deepseek_shared"])
+@pytest.mark.parametrize("router", ["mixtral", "deepseek_shared", "gpt_oss"])
 @pytest.mark.parametrize("routing", ["random", "skewed"])
 @pytest.mark.parametrize("T", [13, 3])
 def test_ep_equals_the_single_program_moe_ffn(mesh_name, router, routing, T):
-  """T=13 divides by nothing; T=3: 6 copies < 8 experts, moe_ffn's per-copy path."""
+  """T=13 divides by nothing; T=3: 6 copies < 8 experts, moe_ffn's per-copy path. GPT-OSS: expert
+  biases (the down bias added once across the 'model' shards) and the clamped SwiGLU."""
   cfg = config(router)
   p = random_params(cfg)
   if routing == "skewed":
