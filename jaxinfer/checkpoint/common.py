@@ -1,4 +1,4 @@
-"""What every importer shares: the imported-model record and spec-driven assembly."""
+"""What every importer shares: the imported-model record, spec-driven assembly, MXFP4 decoding."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -75,3 +76,42 @@ def quantized_from_checkpoint(spec: WeightSpec, w: QuantizedWeight) -> Quantized
   values = np.asarray(w.values).T.reshape(spec.shape)
   scales = np.asarray(w.scales, np.float32).T
   return QuantizedWeight(values, scales.reshape((scales.shape[0],) + spec.shape[n:]))
+
+
+# OCP Microscaling (MX) v1.0, sec. 5.3.3: the 16 FP4 E2M1 codes (sign, 2 exponent bits, 1 mantissa bit).
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_BLOCK = 32
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "",
+                     dtype=ml_dtypes.bfloat16) -> np.ndarray:
+  """MXFP4 (OCP MX v1.0: blocks of 32 E2M1 values sharing one E8M0 scale) -> floats.
+
+  blocks [..., G, 16] uint8, two values per byte, the low nibble first (GPT-OSS's `*_blocks`);
+  scales [..., G] uint8, the shared exponent biased by 127 (`*_scales`). Returns [..., G * 32]
+  in `dtype`: value = E2M1[code] * 2 ** (scale - 127), exact in bfloat16 (at most two
+  significant bits, and E8M0's exponents are bfloat16's). Decoded one leading slice at a
+  time (an expert of GPT-OSS-120B is ~100 MB of float32), so the float32 temporaries stay small.
+  """
+  blocks, scales = np.asarray(blocks), np.asarray(scales)
+  if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+    raise CheckpointError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+  if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+    raise CheckpointError(f"{name}: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match "
+                          f"(expected [..., G, {MXFP4_BLOCK // 2}] and [..., G])")
+  if (scales == 255).any():  # E8M0's NaN
+    raise CheckpointError(f"{name}: MXFP4 scales hold 255 (NaN in E8M0)")
+  lead = blocks.shape[:-2]
+  out = np.empty(lead + (blocks.shape[-2] * MXFP4_BLOCK,), dtype)
+  flat_blocks = blocks.reshape((-1,) + blocks.shape[-2:]) if lead else blocks[None]
+  flat_scales = scales.reshape((-1,) + scales.shape[-1:]) if lead else scales[None]
+  flat_out = out.reshape((-1, out.shape[-1]))
+  for i in range(flat_blocks.shape[0]):
+    b = flat_blocks[i]  # [G, 16]
+    v = np.empty(b.shape[:-1] + (MXFP4_BLOCK,), np.float32)
+    v[:, 0::2] = E2M1_VALUES[b & 0x0F]
+    v[:, 1::2] = E2M1_VALUES[b >> 4]
+    v = np.ldexp(v, flat_scales[i].astype(np.int32)[:, None] - 127)
+    flat_out[i] = v.reshape(-1).astype(dtype)
+  return out
