@@ -65,6 +65,7 @@ from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
+from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer.engine.spec_decode import accept
@@ -252,16 +253,21 @@ class ModelRunner:
     dp = None
     if self.page_shards > 1:
       from jaxinfer.sharding import mesh_axes
-      dp = (mesh, mesh_axes("pages", self.sharding_rules["pages"]))
+      axes = mesh_axes("pages", self.sharding_rules["pages"])
+      dp = (mesh, axes, _dp_param_specs(params, axes))
+    # Experts split over mesh axes: the MoE layers run the all-to-all EP FFN
+    # (models/expert_parallel.py), set for the tracing of this runner's programs.
+    self.expert_parallelism = ExpertParallelism.from_rules(mesh, self.sharding_rules)
     self._result_order = None  # set by pack_step for run_batch under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    self._step = jax.jit(functools.partial(_step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp),
+    self._step = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
+                             _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp)),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
-    self._logits = jax.jit(functools.partial(
+    self._logits = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
         _all_logits, cfg, self.attention_impl, page_size, self.cache_spec,
-        self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules)))
+        self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules))))
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
     self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
     self._gather = jax.jit(gather_pages)
@@ -524,24 +530,46 @@ def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards:
   return batch, (seq_rows, token_rows)
 
 
+def _dp_param_specs(params: Any, axes: tuple[str, ...]) -> Any:
+  """Each weight's PartitionSpec restricted to the DP axes: what attention DP's shard_map hands
+  each data shard. Weights replicated over 'data' get P(); experts over ('data', 'expert') get
+  their 'data' block (E / data experts, split further over 'expert' inside), so wide EP moves
+  tokens, not weights."""
+  P = jax.sharding.PartitionSpec
+
+  def keep(entry):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    lead = names[:next((i for i, n in enumerate(names) if n not in axes), len(names))]
+    if any(n in axes for n in names[len(lead):]):
+      from jaxinfer.errors import ShardingError
+      raise ShardingError(f"a weight split over {names}: under attention DP the DP axes {axes} must come "
+                          f"first in its rule")
+    return None if not lead else lead[0] if len(lead) == 1 else lead
+
+  return jax.tree.map(lambda a: P(*(keep(e) for e in getattr(getattr(a, "sharding", None), "spec", ()))),
+                      params)
+
+
 def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, cache, paged):
   """forward() on one device group, or under attention DP once per data shard: shard_map
   over the DP mesh axes only (manual), so each shard attends to its own sequences in its
   own pages with no cross-shard traffic; inside, the 'model'/'expert' axes stay automatic
-  (the weights keep their tensor-parallel sharding) and weights are replicated over 'data'."""
+  (the weights keep their tensor-parallel sharding). Weights are replicated over 'data' except
+  experts under wide EP (`_dp_param_specs`), whose all-to-all spans the shards."""
   run = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, decode_q_len=decode_q_len)
   if dp is None:
     return run(params, tokens=tokens, positions=positions, cache=cache, batch=paged)
-  mesh, axes = dp
+  mesh, axes, param_specs = dp
   split = jax.sharding.PartitionSpec(axes)  # leading dim: one block per shard
 
   def shard(params, tokens, positions, cache, paged):
     return run(params, tokens=tokens, positions=positions, cache=cache,
                batch=paged._replace(num_seqs=paged.num_seqs[0]))
-  # check_vma=False: nothing inside communicates over the DP axes, and the attention ops'
-  # loops start from fresh (unvarying) carries that the checker would ask to pcast.
+  # check_vma=False: attention does not communicate over the DP axes (only wide EP's
+  # all-to-all does, checked there), and the attention ops' loops start from fresh
+  # (unvarying) carries that the checker would ask to pcast.
   return jax.shard_map(shard, mesh=mesh, axis_names=set(axes), check_vma=False,
-                       in_specs=(jax.sharding.PartitionSpec(), split, split, split, split),
+                       in_specs=(param_specs, split, split, split, split),
                        out_specs=(split, split))(params, tokens, positions, cache, paged)
 
 

@@ -51,8 +51,12 @@ outer shard_map hands each data shard the contiguous block of experts that it an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +181,59 @@ def ep_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Arr
   count = None if valid is None else jnp.repeat(valid.astype(jnp.int32), A)
   stats = moe.RouterStats(jnp.bincount(ids.reshape(-1), weights=count, length=E).astype(jnp.int32))
   return out, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelism:
+  """The experts split over `expert_axes` of `mesh` (more than one device), their F over `mlp_axes`."""
+
+  mesh: Any
+  expert_axes: tuple[str, ...]
+  mlp_axes: tuple[str, ...] = ()
+
+  @classmethod
+  def from_rules(cls, mesh: Any, rules: Mapping[str, Any]) -> "ExpertParallelism | None":
+    """From the sharding rules (jaxinfer.sharding), or None when the experts are not split
+    (no mesh, or the 'experts' axes have one device): then moe_ffn runs as one program."""
+    from jaxinfer.sharding import mesh_axes
+    if mesh is None:
+      return None
+    expert_axes = mesh_axes("experts", rules.get("experts"))
+    if math.prod(mesh.shape[a] for a in expert_axes) == 1:
+      return None
+    mlp_axes = tuple(a for a in mesh_axes("mlp", rules.get("mlp")) if mesh.shape[a] > 1)
+    return cls(mesh, expert_axes, mlp_axes)
+
+  def __call__(self, p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array | None = None
+               ) -> tuple[jax.Array, moe.RouterStats]:
+    return ep_moe_ffn(p, cfg, x, valid, mesh=self.mesh, expert_axes=self.expert_axes, mlp_axes=self.mlp_axes)
+
+
+_ACTIVE: contextvars.ContextVar[ExpertParallelism | None] = contextvars.ContextVar("expert_parallelism",
+                                                                                   default=None)
+
+
+def active() -> ExpertParallelism | None:
+  """The expert parallelism of the program being traced (None: experts on one device group)."""
+  return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def expert_parallelism(ep: ExpertParallelism | None) -> Iterator[None]:
+  token = _ACTIVE.set(ep)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def tracing_with(ep: ExpertParallelism | None, fn: Callable) -> Callable:
+  """fn, with `ep` active while it runs (i.e. while jit traces it)."""
+  if ep is None:
+    return fn
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    with expert_parallelism(ep):
+      return fn(*args, **kwargs)
+  return run

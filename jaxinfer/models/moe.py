@@ -197,8 +197,14 @@ def moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array 
   """The MoE FFN of one layer on x [T, D] -> ([T, D], RouterStats).
 
   `valid` [T] bool marks real tokens (padding is routed like any token, since
-  shapes are static, but not counted in the stats).
+  shapes are static, but not counted in the stats). With experts split over a mesh (set by
+  the runner while tracing), the expert-parallel all-to-all FFN runs instead
+  (models/expert_parallel.py).
   """
+  from jaxinfer.models import expert_parallel  # imports this module
+  ep = expert_parallel.active()
+  if ep is not None:
+    return ep(p, cfg, x, valid)
   weights, ids = route(p, cfg, x)
   biases = (p["b_gate"], p["b_up"], p["b_down"]) if cfg.expert_bias else None
   out = grouped_swiglu(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], biases,
