@@ -258,7 +258,7 @@ class KVRouter:
     # [W] the part of the cost that does not depend on the request: active_blocks + dead +
     # request_weight * active_requests, kept in step slot by slot (one numpy call less per request).
     self._load = np.zeros(0, np.float64)
-    # holder mask -> [W] 0/1 float64 row: the holder sets of hot prefixes (a system prompt's,
+    # holder mask -> [W] negated 0/1 float64 row: the holder sets of hot prefixes (a system prompt's,
     # a conversation's worker) repeat across requests, and unpacking one costs more than its use.
     self._rows: dict[int, np.ndarray] = {}
     self._rows_width = 0
@@ -300,16 +300,19 @@ class KVRouter:
   def _cost(self, block_hashes: Sequence[int], num_blocks: int | None,
             exclude: Iterable[str]) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """([W] cost, the request's held runs). The runs' blocks come off their holders' cost
-    through cached 0/1 rows (a multiply and a subtract per run): no [W] overlap array, no
-    unpacking of a holder set already seen, no masked ufunc (4x slower than a plain one)."""
+    through cached negated 0/1 rows, one multiply per run and two adds: no [W] overlap
+    array, no unpacking of a holder set already seen, no masked ufunc (4x slower than a
+    plain one). Each numpy call here costs more than its 512 additions, so they are few."""
     w = self.config.overlap_weight
     runs = self.index.runs(block_hashes)
     n = len(block_hashes) if num_blocks is None else num_blocks
     if runs and w:
-      held = self._held_blocks(runs)  # [W] weighted held blocks, a fresh array
-      held *= -w
-      held += w * n
-      cost = np.add(self._load, held, out=held)  # +inf for dead slots
+      rows = self._negated_rows(runs)
+      cost = rows[0] * (w * runs[0][0])  # -w * blocks where held, a fresh array
+      for (blocks, _), row in zip(runs[1:], rows[1:]):
+        cost += row * (w * blocks)
+      cost += self._load  # +inf for dead slots
+      cost += w * n
     else:
       cost = self._load + w * n
     for worker in exclude:
@@ -318,24 +321,21 @@ class KVRouter:
         cost[slot] = np.inf
     return cost, runs
 
-  def _held_blocks(self, runs: list[tuple[int, int]]) -> np.ndarray:
-    """[W] float64: sum over runs of blocks * (slot holds the run)."""
+  def _negated_rows(self, runs: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Per run, [W] float64: -1.0 where the slot holds it, else -0.0 (cached by holder mask)."""
     W = len(self._load)
-    rows = self._rows
+    cache = self._rows
     if self._rows_width != W:  # a slot was added: every cached row is too short
-      rows.clear()
+      cache.clear()
       self._rows_width = W
-    out = None
-    for blocks, mask in runs:
-      row = rows.get(mask)
+    out = []
+    for _, mask in runs:
+      row = cache.get(mask)
       if row is None:
-        if len(rows) >= _ROW_CACHE:
-          rows.clear()
-        row = rows[mask] = _holder_rows([(blocks, mask)], W)[0].astype(np.float64)
-      if out is None:
-        out = row * blocks
-      else:
-        out += row * blocks
+        if len(cache) >= _ROW_CACHE:
+          cache.clear()
+        row = cache[mask] = -_holder_rows([(0, mask)], W)[0].astype(np.float64)
+      out.append(row)
     return out
 
   def costs(self, block_hashes: Sequence[int], num_blocks: int | None = None,
@@ -351,7 +351,7 @@ class KVRouter:
     """The cheapest live worker not in `exclude` (LookupError if there is none)."""
     cost, runs = self._cost(block_hashes, num_blocks, exclude)
     slot = int(cost.argmin())
-    best_cost = float(cost[slot])
+    best_cost = cost.item(slot)
     if best_cost == np.inf:
       raise LookupError("no live worker to route to")
     if self.config.temperature == 0:
