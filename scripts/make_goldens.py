@@ -15,7 +15,7 @@ continuous-batching tests: greedy ids of 16 prompts of mixed lengths, each
 generated alone, for the tiny llama3 / mistral models and for SmolLM2
 (tests/data/golden/batch_<name>.json). Mixture-of-experts families
 (mixtral, qwen3_moe, deepseek_v3) and GPT-OSS (gpt_oss) get the same tiny dir + logits +
-batch golden, and
+batch golden (and gpt_oss_mxfp4: the GPT-OSS dir with MXFP4 experts, as the Hub's are), and
 moe_router.npz holds transformers' DeepSeek-V3 router on random inputs.
 `--only NAME...` regenerates just those fixtures, leaving the rest
 byte-identical. torch/transformers are never imported by jaxinfer itself.
@@ -434,18 +434,67 @@ def randomize_sinks(model: torch.nn.Module, seed: int) -> None:
         p.copy_(torch.randn(p.shape, generator=g))
 
 
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float64)  # FP4 E2M1 magnitudes, codes 0..7
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """[..., in] -> OCP MX FP4 (blocks [..., in / 32, 16] uint8, low nibble first; scales [..., in / 32]
+  uint8, exponent + 127): each block scaled by the power of two that brings its largest magnitude
+  to <= 6, each value rounded to the nearest E2M1 code."""
+  g = w.reshape(w.shape[:-1] + (-1, 32)).astype(np.float64)
+  exp = np.ceil(np.log2(np.maximum(np.abs(g).max(-1), 1e-30) / 6.0)).astype(np.int32)
+  scaled = g / np.ldexp(1.0, exp)[..., None]
+  codes = np.abs(np.abs(scaled)[..., None] - E2M1).argmin(-1).astype(np.uint8)
+  codes |= np.where(scaled < 0, 8, 0).astype(np.uint8)
+  return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def make_gpt_oss_mxfp4() -> None:
+  """tests/data/tiny/gpt_oss_mxfp4: the tiny GPT-OSS in the Hub's layout (experts as MXFP4
+  `*_blocks` [E, out, in / 32, 16] + `*_scales` [E, out, in / 32], the rest bfloat16,
+  quantization_config mxfp4), and transformers' float32 logits for it after its own dequantization
+  (tests/data/golden/gpt_oss_mxfp4.npz)."""
+  from safetensors.torch import load_file, save_file
+  src, out = DATA / "tiny" / "gpt_oss", DATA / "tiny" / "gpt_oss_mxfp4"
+  shutil.rmtree(out, ignore_errors=True)
+  out.mkdir(parents=True)
+  hf = json.loads((src / "config.json").read_text())
+  hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+      "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+  (out / "config.json").write_text(json.dumps(hf, indent=2))
+  tensors = {}
+  for name, t in load_file(src / "model.safetensors").items():
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+      blocks, scales = quantize_mxfp4(t.transpose(-1, -2).numpy())  # [E, out, in]
+      tensors[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+      tensors[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+    else:
+      tensors[name] = t.to(torch.bfloat16)
+  save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      out, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+      attn_implementation="eager").float().eval()
+  ids = np.load(DATA / "golden" / "gpt_oss.npz")["token_ids"]
+  with torch.no_grad():
+    logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0].float().numpy()
+  np.savez_compressed(DATA / "golden" / "gpt_oss_mxfp4.npz", token_ids=ids, logits=logits.astype(np.float32))
+  print(f"gpt_oss_mxfp4: {(out / 'model.safetensors').stat().st_size} bytes, logits {logits.shape}")
+
+
 def make_gpt_oss(wanted) -> None:
   for i, (name, (cls, kwargs)) in enumerate(GPT_OSS_FAMILIES.items()):
     if wanted(name):
       make_family(name, cls, kwargs, GPT_OSS_SEED + i, post=randomize_sinks)
     if wanted(f"batch_{name}"):
       make_batch_tiny(name)
+  if wanted("gpt_oss_mxfp4"):
+    make_gpt_oss_mxfp4()
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   moe_fixtures = [*MOE_FAMILIES, *(f"batch_{f}" for f in MOE_FAMILIES), "moe_router",
-                  *GPT_OSS_FAMILIES, *(f"batch_{f}" for f in GPT_OSS_FAMILIES)]
+                  *GPT_OSS_FAMILIES, *(f"batch_{f}" for f in GPT_OSS_FAMILIES), "gpt_oss_mxfp4"]
   parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "smollm2-real", "batch", "mla", *moe_fixtures],
                       help="regenerate only these fixtures (the others stay byte-identical)")
   args = parser.parse_args()

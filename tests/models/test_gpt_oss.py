@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DATA, golden, tiny_dir
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import LLM, SamplingParams
@@ -195,62 +196,20 @@ def test_mxfp4_decode_by_hand():
     dequantize_mxfp4(blocks, scales[:2], "x")
 
 
-def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """[..., in] floats -> (blocks [..., in / 32, 16], scales [..., in / 32]): each block's scale the
-  power of two that brings its largest magnitude to <= 6, each value the nearest E2M1 code."""
-  from jaxinfer.checkpoint.common import E2M1_VALUES
-  g = w.reshape(w.shape[:-1] + (-1, 32)).astype(np.float64)
-  exp = np.ceil(np.log2(np.maximum(np.abs(g).max(-1), 1e-30) / 6.0)).astype(np.int32)
-  scaled = g / np.ldexp(1.0, exp)[..., None]
-  codes = np.abs(np.abs(scaled)[..., None] - E2M1_VALUES[:8]).argmin(-1).astype(np.uint8)
-  codes |= np.where(scaled < 0, 8, 0).astype(np.uint8)
-  blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-  return blocks.astype(np.uint8), (exp + 127).astype(np.uint8)
-
-
-def write_safetensors(path, tensors):
-  """safetensors with bfloat16 tensors too (safetensors.numpy cannot write them)."""
-  names = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.uint8): "U8"}
-  header, offset, data = {}, 0, []
-  for name, a in tensors.items():
-    a = np.ascontiguousarray(a)
-    header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-    offset += a.nbytes
-    data.append(a.tobytes())
-  raw = json.dumps(header).encode()
-  raw += b" " * (-len(raw) % 8)
-  path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(data))
-
-
-def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(tmp_path):
-  """The Hub layout: bfloat16 weights, experts as MXFP4 blocks + scales [E, out, in / 32, ...].
-  It loads to exactly the weights of a float32 checkpoint holding the decoded values in
-  transformers' unquantized [E, in, out] layout (whose logits the parity test checks)."""
-  w = weights()
-  plain, quant = tmp_path / "plain", tmp_path / "mxfp4"
-  for d in (plain, quant):
-    shutil.copytree(tiny_dir(FAMILY), d)
-    (d / "model.safetensors").unlink()
-  hf = json.loads((quant / "config.json").read_text())
-  hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-  (quant / "config.json").write_text(json.dumps(hf))
-  decoded, mx = {}, {}
-  for name, a in w.items():
-    bf = a.astype(ml_dtypes.bfloat16)
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-      blocks, scales = quantize_mxfp4(np.swapaxes(a, -1, -2))  # [E, out, in]
-      mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
-      decoded[name] = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(blocks, scales).astype(np.float32), -1, -2))
-      assert np.abs(decoded[name] - a).max() < 0.5 * np.abs(a).max()  # a coarse but real copy
-    else:
-      mx[name], decoded[name] = bf, bf.astype(np.float32)
-  save_file(decoded, plain / "model.safetensors")
-  write_safetensors(quant / "model.safetensors", mx)
-  got, want = import_model(quant).weights, import_model(plain).weights
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), b, err_msg=jax.tree_util.keystr(path))
-  logits = LLM(quant, dtype="float32", max_model_len=32, warmup=False).logits(list(range(5, 29)))
-  assert np.isfinite(logits).all()
+def test_mxfp4_checkpoint_matches_transformers():
+  """The Hub's layout (tests/data/tiny/gpt_oss_mxfp4, written by scripts/make_goldens.py): experts
+  as MXFP4 blocks + scales [E, out, in / 32, ...], every other tensor bfloat16. Our decode against
+  transformers' own dequantization of the same file."""
+  g = golden("gpt_oss_mxfp4")
+  d = tiny_dir("gpt_oss_mxfp4")
+  with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+    names = set(f.keys())
+  assert {"model.layers.0.mlp.experts.gate_up_proj_blocks", "model.layers.0.mlp.experts.down_proj_scales"} <= names
+  assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+  logits = LLM(d, dtype="float32", max_model_len=32, warmup=False).logits(g["token_ids"].tolist())
+  assert np.abs(logits - g["logits"]).max() <= 1e-4
+  # Not the unquantized model's logits: the experts really were re-read from 4 bits.
+  assert np.abs(logits - golden(FAMILY)["logits"]).max() > 1e-3
 
 
 # ---- bad input -----------------------------------------------------------------------------------
