@@ -67,6 +67,24 @@ def test_the_tiny_model_exercises_what_it_should():
   assert len(golden(FAMILY)["token_ids"]) > 2 * cfg.sliding_window  # the window cuts keys off
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2)])
+def test_logits_on_meshes_match_transformers(shape):
+  """(1, 8, 1): one expert per device, so the biased, clamped experts run in the expert-parallel
+  all-to-all FFN; (2, 2, 2): heads (and their sinks), experts and their width all split."""
+  from jaxinfer.sharding import make_mesh
+  g = golden(FAMILY)
+  llm = LLM(tiny_dir(FAMILY), dtype="float32", max_model_len=64, warmup=False, mesh=make_mesh(*shape))
+  moe_params = llm.runner.params["layers"][0]["moe"]
+  experts_per_device = {(1, 8, 1): 1, (2, 2, 2): 4}[shape]  # 8 experts over 'expert'
+  assert {s.data.shape[0] for s in moe_params["b_down"].addressable_shards} == {experts_per_device}
+  if shape == (1, 8, 1):
+    assert llm.runner.expert_parallelism is not None
+  else:
+    sinks = llm.runner.params["layers"][1]["sinks"]
+    assert {s.data.shape for s in sinks.addressable_shards} == {(4,)}  # 8 heads over model=2
+  assert np.abs(llm.logits(g["token_ids"].tolist()) - g["logits"]).max() <= 1e-4
+
+
 def test_continuous_batching_preemption_and_prefix_hits_match_transformers_greedy():
   """16 prompts of 1..220 tokens, each greedy alone in transformers; here all at once in 17
   usable pages of 16 tokens (some requests are preempted and recomputed), then again with the
