@@ -147,6 +147,7 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
     parse_quantization(quantization)
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
+    check_model_quantizable(cfg, quantization)
     return jax.tree.map(lambda s: quantized_spec(s) if quantizable(s) else s, specs, is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
@@ -159,6 +160,16 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
     specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"), "normal", "lm_head.weight",
                                   "output.weight", linear=True)
   return specs
+
+
+def check_model_quantizable(cfg: ModelConfig, quantization: str | None) -> None:
+  """UnsupportedModelError for GPT-OSS with `quantization`: its experts ([in, out], with biases)
+  are not linear specs, so quant.check_quantizable would let them pass as floats beside an int8
+  router, which the MoE router does not read."""
+  if quantization is not None and cfg.expert_bias:
+    from jaxinfer.errors import UnsupportedModelError
+    raise UnsupportedModelError(f"quantization={quantization!r} is not supported for GPT-OSS "
+                                "mixture-of-experts weights; load this model unquantized")
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:

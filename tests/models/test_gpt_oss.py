@@ -272,3 +272,8 @@ def test_fused_expert_tensor_of_the_wrong_width_is_named(tmp_path):
   with pytest.raises(JaxinferError, match=r"'model.layers.3.mlp.experts.gate_up_proj' has shape "
                                           r"\(8, 64, 32\), expected \(8, 64, 64\)"):
     import_model(d)
+
+
+def test_int8_quantization_is_refused_by_name():
+  with pytest.raises(UnsupportedModelError, match=r"quantization='int8' is not supported for GPT-OSS"):
+    LLM(tiny_dir(FAMILY), quantization="int8", warmup=False)
