@@ -109,6 +109,22 @@ def test_continuous_batching_preemption_and_prefix_hits_match_transformers_greed
   assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.parametrize("layers,experts,total", [(24, 32, 20_914_757_184), (36, 128, 116_829_156_672)])
+def test_published_sizes_without_allocating(layers, experts, total):
+  """gpt-oss-20b / -120b (their config.json's shapes): the totals OpenAI's model card gives
+  (20.91B, 116.83B), from the specs alone."""
+  from jaxinfer.params import abstract_params, count_params
+  hf = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": layers, "num_local_experts": experts, "num_experts_per_tok": 4,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+  cfg = ModelConfig.from_hf(hf)
+  assert cfg.layer_types[:2] == ("sliding_attention", "full_attention")  # the default alternation
+  assert count_params(abstract_params(cfg)) == total
+
+
 # ---- the parts against numpy ---------------------------------------------------------------------
 
 def naive_gpt_oss_attention(w, cfg, layer, x):
