@@ -237,14 +237,6 @@ def test_specs_shapes_axes_and_names():
     mla.mla_specs(mla_config(meta, attention_bias=True), 0)
 
 
-def test_dense_yarn_with_an_attention_factor_is_refused():
-  """The dense attention block does not apply yarn's cos/sin factor: refused, not silently wrong."""
-  meta = json.loads(str(golden("mla_qlora")["meta"]))
-  cfg = mla_config(meta, kv_lora_rank=0, architecture="qwen2", head_dim=16)
-  with pytest.raises(UnsupportedModelError, match="yarn"):
-    rope_inv_freq(cfg)
-
-
 def test_from_hf_gives_the_same_rope_scaling():
   """ModelConfig.from_hf reads the yarn keys this test's helper reads (and an HF DeepSeek-V3 dict)."""
   meta = json.loads(str(golden("mla_qlora")["meta"]))
