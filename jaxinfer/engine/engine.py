@@ -171,8 +171,12 @@ class LLMEngine:
     # is `shards` equal pools, each with its own reserved padding page.
     shards = cache_spec.page_shards(mesh, make_rules(sharding_rules))
     if ec.num_pages is None:
+      # Enough for max_num_seqs full sequences spread over the shards, and at least one
+      # per shard: a sequence lives on one shard, so a pool of many small shards must
+      # still hold a max_model_len sequence in each.
+      seqs_per_shard = max(1, -(-ec.max_num_seqs // shards))
       num_pages = cache_spec.num_pages_for(ec.kv_cache_bytes, ec.page_size,
-                                           cap=ec.max_num_seqs * pages_per_seq + shards)
+                                           cap=shards * (seqs_per_shard * pages_per_seq + 1))
       num_pages -= num_pages % shards
     else:
       num_pages = ec.num_pages
