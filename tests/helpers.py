@@ -1,4 +1,4 @@
-"""Test helpers: write GGUF files the way llama.cpp's converter does."""
+"""Test helpers: drive an engine by hand; write GGUF files the way llama.cpp's converter does."""
 
 from __future__ import annotations
 
@@ -8,6 +8,22 @@ from pathlib import Path
 import gguf
 import numpy as np
 from safetensors.numpy import load_file
+
+
+def run_engine(engine, prompts, params, max_steps=10_000):
+  """Drives the engine step by step; returns the final outputs in order and the running
+  count after each step."""
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(f"r{i}", p, sp)
+  final, running = {}, []
+  for _ in range(max_steps):
+    if not engine.has_unfinished():
+      break
+    for out in engine.step():
+      if out.finished:
+        final[out.request_id] = out
+    running.append(engine.stats()["running"])
+  return [final[f"r{i}"] for i in range(len(prompts))], running
 
 
 def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

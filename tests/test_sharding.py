@@ -2,7 +2,6 @@
 shapes, not the rule that placed them), logits stay the golden ones, and every mesh the
 model cannot be split over is a ShardingError that names the tensor and the axis."""
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
+from helpers import run_engine
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import InvalidRequestError
 
 
@@ -24,21 +24,6 @@ def greedy(n):
 def make_llm(family, **kw):
   kw = dict(max_num_seqs=16, max_num_batched_tokens=64, warmup=False) | kw
   return LLM(tiny_dir(family), **kw)
-
-
-def run_engine(engine: LLMEngine, prompts, params, max_steps=10_000):
-  """Drives the engine by hand; returns final outputs in order and the per-step running counts."""
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    engine.add_request(f"r{i}", p, sp)
-  final, running = {}, []
-  for _ in range(max_steps):
-    if not engine.has_unfinished():
-      break
-    for out in engine.step():
-      if out.finished:
-        final[out.request_id] = out
-    running.append(engine.stats()["running"])
-  return [final[f"r{i}"] for i in range(len(prompts))], running
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral"])  # mistral: sliding window 8 over pages

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DATA, golden, tiny_dir
+from helpers import run_engine
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -93,17 +94,10 @@ def test_continuous_batching_preemption_and_prefix_hits_match_transformers_greed
   llm = LLM(tiny_dir(FAMILY), max_num_seqs=16, max_num_batched_tokens=64, num_pages=18,
             page_size=16, warmup=False)
   prompts = [r["prompt_ids"] for r in g["records"]]
+  outs, running = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
   engine = llm.engine
-  for i, p in enumerate(prompts):
-    engine.add_request(f"r{i}", p, greedy(g["max_new_tokens"]))
-  final, running = {}, []
-  while engine.has_unfinished():
-    for out in engine.step():
-      if out.finished:
-        final[out.request_id] = out
-    running.append(engine.stats()["running"])
   assert engine.stats()["preemptions"] > 0 and max(running) > 1
-  assert [final[f"r{i}"].token_ids for i in range(16)] == [r["greedy_ids"] for r in g["records"]]
+  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
   again = llm.generate(prompts, greedy(g["max_new_tokens"]))
   assert [o.token_ids for o in again] == [r["greedy_ids"] for r in g["records"]]
   assert sum(o.num_cached_tokens for o in again) > 0

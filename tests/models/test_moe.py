@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import DATA, golden, tiny_dir
+from helpers import run_engine
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint import import_model
 from jaxinfer.config import ModelConfig
@@ -28,19 +29,6 @@ def batch_golden(name):
 
 def greedy(n):
   return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def run_engine(engine, prompts, params):
-  """Drives the engine step by step; the final outputs in order and the running count per step."""
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    engine.add_request(f"r{i}", p, sp)
-  final, running = {}, []
-  while engine.has_unfinished():
-    for out in engine.step():
-      if out.finished:
-        final[out.request_id] = out
-    running.append(engine.stats()["running"])
-  return [final[f"r{i}"] for i in range(len(prompts))], running
 
 
 def config_of(family) -> ModelConfig:
