@@ -215,6 +215,9 @@ class LLMEngine:
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
     self.num_generated_tokens = 0
     self.num_steps = 0
+    # MoE: token copies routed to each expert so far, per MoE layer (load monitoring).
+    num_moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    self.expert_tokens = np.zeros((num_moe_layers, max(cfg.num_experts, 1)), np.int64)
     if ec.warmup:
       self.warmup(progress)
     if jax.process_count() > 1 and jax.process_index() == 0:
@@ -458,6 +461,8 @@ class LLMEngine:
       return pending + self._fail_step([req for req, _ in sched.scheduled], e)
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
+    if self.expert_tokens.size:
+      self.expert_tokens += result.expert_tokens
     outputs = pending
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
@@ -604,7 +609,7 @@ class LLMEngine:
 
   # ---- introspection -----------------------------------------------------------------
 
-  def stats(self) -> dict[str, float]:
+  def stats(self) -> dict[str, Any]:
     kv = self.kv
     return {
         "running": len(self.scheduler.running),
@@ -620,7 +625,20 @@ class LLMEngine:
         "steps": self.num_steps,
         "compiled_programs": self.runner.compiled_programs(),
         **self._spec_stats(),
+        **self._moe_stats(),
     }
+
+  def _moe_stats(self) -> dict[str, Any]:
+    """MoE models: routed token copies, the worst layer's expert imbalance (its busiest
+    expert's tokens over the mean; 1.0 is perfectly even) and tokens per expert summed over
+    the MoE layers. Per layer: `self.expert_tokens` [MoE layers, E]."""
+    if not self.expert_tokens.size:
+      return {}
+    per_layer = self.expert_tokens
+    mean = per_layer.mean(axis=1)
+    imbalance = float(np.max(np.where(mean > 0, per_layer.max(axis=1) / np.maximum(mean, 1e-9), 0.0)))
+    return {"moe_routed_tokens": int(per_layer.sum()), "moe_expert_imbalance": imbalance,
+            "moe_expert_tokens": per_layer.sum(axis=0).tolist()}
 
   def _spec_stats(self) -> dict[str, float]:
     """Speculative decoding: mean committed tokens per verifying sequence-step

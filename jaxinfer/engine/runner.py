@@ -216,6 +216,9 @@ class StepResult:
   top_ids: np.ndarray  # [S, k + 1, N]
   top_logprobs: np.ndarray  # [S, k + 1, N]
   prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # per token: target logprob, top ids, top lps
+  # MoE: the step's real token copies routed to each expert, per MoE layer [layers, E]
+  # ([0, 1] for a dense model)
+  expert_tokens: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -363,11 +366,12 @@ class ModelRunner:
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
                                                prompt_logprobs=prompt_lp)
     out = jax.device_get(out)
-    result = StepResult(*out[:5], prompt=out[5] if prompt_lp else None)
+    result = StepResult(*out[:5], prompt=out[6] if prompt_lp else None, expert_tokens=out[5])
     if self._result_order is not None:  # attention DP: back from shard blocks to scheduled order
       (seq_rows, token_rows), self._result_order = self._result_order, None
       result = StepResult(*(a[seq_rows] for a in out[:5]),
-                          prompt=tuple(a[token_rows] for a in out[5]) if prompt_lp else None)
+                          prompt=tuple(a[token_rows] for a in out[6]) if prompt_lp else None,
+                          expert_tokens=out[5])
     return result
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -556,27 +560,33 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
   own pages with no cross-shard traffic; inside, the 'model'/'expert' axes stay automatic
   (the weights keep their tensor-parallel sharding). Weights are replicated over 'data' except
   experts under wide EP (`_dp_param_specs`), whose all-to-all spans the shards."""
-  run = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, decode_q_len=decode_q_len)
+  run = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, decode_q_len=decode_q_len,
+                          return_router_stats=True)
   if dp is None:
-    return run(params, tokens=tokens, positions=positions, cache=cache, batch=paged)
+    hidden, cache, stats = run(params, tokens=tokens, positions=positions, cache=cache, batch=paged)
+    return hidden, cache, stats.tokens_per_expert
   mesh, axes, param_specs = dp
   split = jax.sharding.PartitionSpec(axes)  # leading dim: one block per shard
 
   def shard(params, tokens, positions, cache, paged):
-    return run(params, tokens=tokens, positions=positions, cache=cache,
-               batch=paged._replace(num_seqs=paged.num_seqs[0]))
+    hidden, cache, stats = run(params, tokens=tokens, positions=positions, cache=cache,
+                               batch=paged._replace(num_seqs=paged.num_seqs[0]))
+    return hidden, cache, stats.tokens_per_expert[None]
   # check_vma=False: attention does not communicate over the DP axes (only wide EP's
   # all-to-all does, checked there), and the attention ops' loops start from fresh
   # (unvarying) carries that the checker would ask to pcast.
-  return jax.shard_map(shard, mesh=mesh, axis_names=set(axes), check_vma=False,
-                       in_specs=(param_specs, split, split, split, split),
-                       out_specs=(split, split))(params, tokens, positions, cache, paged)
+  hidden, cache, per_shard = jax.shard_map(
+      shard, mesh=mesh, axis_names=set(axes), check_vma=False,
+      in_specs=(param_specs, split, split, split, split),
+      out_specs=(split, split, split))(params, tokens, positions, cache, paged)
+  return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
 
 
 def _step(cfg, attention_impl, decode_q_len, dp, params, cache, history, batch: StepBatch, *,
           prompt_logprobs: bool):
-  hidden, cache = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens, batch.positions,
-                           cache, batch.paged)  # [T, D] (under attention DP: [shards * T, D])
+  hidden, cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens,
+                                          batch.positions, cache, batch.paged)
+  # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
                                     batch.rows, batch.allowed)
@@ -588,7 +598,7 @@ def _step(cfg, attention_impl, decode_q_len, dp, params, cache, history, batch: 
   counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))
   history = {"counts": counts, "prompt": history["prompt"]}
   out = (ids, committed, lp.reshape(S, k + 1), top_ids.reshape(S, k + 1, -1),
-         top_lp.reshape(S, k + 1, -1))
+         top_lp.reshape(S, k + 1, -1), expert_tokens)
   if prompt_logprobs:
     all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
     target_lp = jnp.take_along_axis(all_lp, batch.targets[:, None], axis=-1)[:, 0]

@@ -60,6 +60,14 @@ class Metrics:
         "jaxinfer_spec_decode_mean_acceptance_length",
         "Tokens committed per verifying sequence-step (accepted drafts + 1).", registry=r)
 
+    # MoE (set only by an engine whose model has experts).
+    self.moe_expert_tokens = Gauge("jaxinfer_moe_expert_tokens",
+                                   "Token copies routed to each expert so far, summed over the MoE layers.",
+                                   ["expert"], registry=r)
+    self.moe_expert_imbalance = Gauge(
+        "jaxinfer_moe_expert_imbalance_ratio",
+        "The worst MoE layer's busiest expert: its routed tokens over the mean (1 = even).", registry=r)
+
     # Disaggregation: KV pages moved between a prefill worker (direction="sent") and a decode
     # worker (direction="received"), counted per chunk as it goes out / is imported, so a
     # transfer that fails half way counts the pages that did move.
@@ -80,7 +88,7 @@ class Metrics:
         "engine_error, cancelled, ack_timeout, no_ack; received: timeout, unavailable, overloaded, "
         "refused, invalid_transfer, prefill_error, cancelled, error).", ["direction", "reason"], registry=r)
 
-  def set_engine_stats(self, stats: dict[str, float]) -> None:
+  def set_engine_stats(self, stats: dict) -> None:
     self.waiting_requests.set(stats["waiting"])
     self.running_requests.set(stats["running"])
     self.kv_cache_usage.set(stats["kv_usage"])
@@ -90,6 +98,10 @@ class Metrics:
       self.spec_draft_tokens.set(stats["spec_draft_tokens"])
       self.spec_accepted_tokens.set(stats["spec_accepted_tokens"])
       self.spec_mean_acceptance_length.set(stats["spec_mean_acceptance_length"])
+    if "moe_expert_tokens" in stats:
+      for e, n in enumerate(stats["moe_expert_tokens"]):
+        self.moe_expert_tokens.labels(expert=str(e)).set(n)
+      self.moe_expert_imbalance.set(stats["moe_expert_imbalance"])
 
   def exposition(self) -> bytes:
     """The text format Prometheus scrapes (also served over HTTP by the server)."""

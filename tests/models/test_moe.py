@@ -331,3 +331,27 @@ def test_int8_quantization_of_experts_is_refused_by_name():
   with pytest.raises(UnsupportedModelError, match=r"quantization='int8' is not supported for "
                                                   r"mixture-of-experts weights \(layers/0/moe/w_down"):
     LLM(tiny_dir("mixtral"), quantization="int8", warmup=False)
+
+
+@pytest.mark.parametrize("mesh_shape, rules", [(None, None), ((2, 1, 1), {"pages": "data"})])
+def test_expert_load_counts_every_real_token_copy_once(mesh_shape, rules):
+  """The engine's per-layer expert counts add up to top-k copies of each token it ran
+  (bucket padding excluded; under attention DP, both shards' tokens), and reach Prometheus."""
+  from jaxinfer.serving.metrics import Metrics
+  from jaxinfer.sharding import make_mesh
+  mesh = make_mesh(*mesh_shape) if mesh_shape else None
+  llm = LLM(tiny_dir("mixtral"), mesh=mesh, sharding_rules=rules, max_model_len=64, max_num_seqs=4,
+            max_num_batched_tokens=32, warmup=False)
+  llm.generate([[5, 17, 200, 3], list(range(1, 12)), [9]], greedy(5))
+  engine = llm.engine
+  per_layer = engine.expert_tokens
+  assert per_layer.shape == (2, 8)
+  assert per_layer.sum(axis=1).tolist() == [2 * engine.num_computed_tokens] * 2  # top-2, 2 MoE layers
+  stats = engine.stats()
+  assert stats["moe_expert_tokens"] == per_layer.sum(axis=0).tolist()
+  assert stats["moe_expert_imbalance"] == pytest.approx(max(r.max() / r.mean() for r in per_layer))
+  metrics = Metrics()
+  metrics.set_engine_stats(stats)
+  text = metrics.exposition().decode()
+  for e, n in enumerate(stats["moe_expert_tokens"]):
+    assert f'jaxinfer_moe_expert_tokens{{expert="{e}"}} {float(n)}' in text
