@@ -1,5 +1,6 @@
 """Tiny Mixtral on the issue's four meshes of 8 devices: transformers' logits and greedy
-ids on each, with the heads, experts and K/V pages really split (shard shapes)."""
+ids on each, with the heads, experts and K/V pages really split (shard shapes), and
+split experts reached by an all-to-all (expert parallelism)."""
 
 import json
 
@@ -38,6 +39,10 @@ def test_mixtral_on_a_mesh_is_split_and_matches_transformers(name):
 
   g = golden("mixtral")
   np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+  if want["experts"][0] < 8:  # experts split: tokens go to them by all-to-all, weights stay put
+    ids = np.asarray(g["token_ids"], np.int32)
+    program = llm.runner._logits.lower(llm.runner.params, ids, np.int32(len(ids))).as_text()
+    assert "all_to_all" in program
   batch = json.loads((DATA / "golden" / "batch_mixtral.json").read_text())["records"][:4]
   outs = llm.generate([r["prompt_ids"] for r in batch],
                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
