@@ -17,10 +17,16 @@ argmin at temperature 0, or samples softmax(-cost / (temperature * spread))
 otherwise, spread being the max - min cost, so the temperature does not
 depend on the request's size.
 
+At temperature 0 no [W] cost is built: the held runs split the slots into
+levels of equal overlap (the holders of run j but not of run j + 1, and the
+slots holding nothing), a level's cheapest slots are its least loaded ones,
+and those are found from a list of the slots kept sorted by load (or, for a
+level of a few slots, by visiting its bits). See `KVRouter.select`.
+
     router = KVRouter(RouterConfig(block_size=16))
     router.add_worker("w0"); router.add_worker("w1")
     router.index.apply("w0", seq=1, events=[...])          # from the worker's event stream
-    choice = router.select(hash_blocks(prompt_ids, 16))   # .worker, .overlap_blocks, .costs
+    choice = router.select(hash_blocks(prompt_ids, 16))   # .worker, .slot, .overlap_blocks
     router.started(choice.worker, blocks=len(prompt_ids) // 16 + 1)
     ...
     router.finished(choice.worker, blocks=...)
@@ -30,6 +36,7 @@ Legend: W worker slots, N blocks of the request.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Iterable, NamedTuple, Sequence
 
@@ -237,13 +244,17 @@ class RouterConfig:
 
 
 _ROW_CACHE = 4096  # holder rows cached per router (4096 x 512 slots x 8 bytes = 16 MiB at most)
+# A level of at most this many slots is searched by visiting its bits; a larger one by walking
+# the slots in load order until one of its members (expected W / size steps).
+_VISIT_BITS = 24
+_INF = float("inf")
+_NO_SLOTS = frozenset()
 
 
 class Choice(NamedTuple):  # a NamedTuple: built once per request, on the hot path
   worker: str
   slot: int
   overlap_blocks: int  # leading blocks the chosen worker holds (the predicted hit)
-  costs: np.ndarray  # [W] every slot's cost (inf: dead or empty slot)
 
 
 class KVRouter:
@@ -258,6 +269,11 @@ class KVRouter:
     # [W] the part of the cost that does not depend on the request: active_blocks + dead +
     # request_weight * active_requests, kept in step slot by slot (one numpy call less per request).
     self._load = np.zeros(0, np.float64)
+    # The same load as Python floats, and (load, slot) for every slot sorted: select at
+    # temperature 0 reads these instead of building a [W] cost (numpy calls on a cache the
+    # rest of the router has evicted cost ~5 us each; a level's minimum is a few steps here).
+    self._loads: list[float] = []
+    self._by_load: list[tuple[float, int]] = []
     # holder mask -> [W] negated 0/1 float64 row: the holder sets of hot prefixes (a system prompt's,
     # a conversation's worker) repeat across requests, and unpacking one costs more than its use.
     self._rows: dict[int, np.ndarray] = {}
@@ -271,6 +287,8 @@ class KVRouter:
       self.active_blocks = np.append(self.active_blocks, 0.0)
       self.active_requests = np.append(self.active_requests, 0.0)
       self._load = np.append(self._load, 0.0)
+      self._loads.append(0.0)
+      bisect.insort(self._by_load, (0.0, slot))
     self.active_blocks[slot] = self.active_requests[slot] = 0.0
     self._set_live(slot, True)
 
@@ -279,8 +297,12 @@ class KVRouter:
     self._update_load(slot)
 
   def _update_load(self, s: int) -> None:
-    self._load[s] = (self.active_blocks[s] + self._dead[s]
-                     + self.config.request_weight * self.active_requests[s])
+    new = float(self.active_blocks[s] + self._dead[s] + self.config.request_weight * self.active_requests[s])
+    old = self._loads[s]
+    self._load[s] = self._loads[s] = new
+    by_load = self._by_load
+    del by_load[bisect.bisect_left(by_load, (old, s))]
+    bisect.insort(by_load, (new, s))
 
   def remove_worker(self, worker: str) -> None:
     """A dead or drained worker: forgotten by the index, never chosen."""
@@ -348,27 +370,96 @@ class KVRouter:
 
   def select(self, block_hashes: Sequence[int], num_blocks: int | None = None,
              exclude: Iterable[str] = ()) -> Choice:
-    """The cheapest live worker not in `exclude` (LookupError if there is none)."""
-    cost, runs = self._cost(block_hashes, num_blocks, exclude)
-    slot = int(cost.argmin())
-    best_cost = cost.item(slot)
-    if best_cost == np.inf:
-      raise LookupError("no live worker to route to")
-    if self.config.temperature == 0:
-      ties = cost == best_cost
-      # Ties (e.g. an idle cluster and a new prefix) go to a random one of
-      # them: always the first would pile every cold request on one worker.
-      if np.count_nonzero(ties) > 1:
-        best = np.flatnonzero(ties)
-        slot = int(best[self._rng.integers(len(best))])
+    """The cheapest live worker not in `exclude` (LookupError if there is none).
+
+    At temperature 0: slot s in level j (holding runs 0..j of the request, not
+    run j + 1) costs (x_j + load[s]) + w * n, x_j = -w * (blocks of runs 0..j)
+    summed in run order, and a slot holding nothing load[s] + w * n: the same
+    float operations, in the same order, as `costs` (so the same ties), done
+    only for the few slots that can be a level's cheapest. Ties go to a random
+    one of them, drawn as from `costs`'s tied slots in slot order."""
+    if self.config.temperature:
+      return self._sample(block_hashes, num_blocks, exclude)
+    w = self.config.overlap_weight
+    runs = self.index.runs(block_hashes)
+    wn = w * (len(block_hashes) if num_blocks is None else num_blocks)
+    excluded = _NO_SLOTS
+    if exclude:
+      excluded = {s for s in map(self.index.slot_or_none, exclude) if s is not None}
+    everyone = (1 << len(self._loads)) - 1
+    if runs and w:
+      best, ties = self._cheapest(everyone & ~runs[0][1], 0.0, wn, excluded)
+      x = 0.0
+      for j, (blocks, mask) in enumerate(runs):
+        x = -(w * blocks) if j == 0 else x + -(w * blocks)
+        level = mask & ~runs[j + 1][1] if j + 1 < len(runs) else mask
+        c, slots = self._cheapest(level, x, wn, excluded)
+        if c < best:
+          best, ties = c, slots
+        elif c == best:
+          ties = ties + slots
     else:
-      live = np.isfinite(cost)
-      spread = max(float(cost[live].max() - cost[live].min()), 1e-9)
-      logits = np.where(live, -(cost - cost[live].min()) / (spread * self.config.temperature), -np.inf)
-      p = np.exp(logits - logits.max())
-      slot = int(self._rng.choice(len(p), p=p / p.sum()))
+      best, ties = self._cheapest(everyone, 0.0, wn, excluded)
+    if best == _INF:
+      raise LookupError("no live worker to route to")
+    # Ties (e.g. an idle cluster and a new prefix) go to a random one of
+    # them: always the first would pile every cold request on one worker.
+    if len(ties) > 1:
+      ties.sort()
+      slot = ties[int(self._rng.integers(len(ties)))]
+    else:
+      slot = ties[0]
     overlap = sum(blocks for blocks, holders in runs if holders >> slot & 1)
-    return Choice(self.index.name(slot), slot, overlap, cost)
+    return Choice(self.index.name(slot), slot, overlap)
+
+  def _cheapest(self, members: int, x: float, wn: float,
+                excluded: Iterable[int]) -> tuple[float, list[int]]:
+    """(cost, slots): the cheapest of the slots in bitmask `members` and every slot tied
+    with it, slot s costing (x + load[s]) + wn (inf and [] if none is live)."""
+    best, slots = _INF, []
+    if members.bit_count() <= _VISIT_BITS:
+      loads = self._loads
+      while members:
+        low = members & -members
+        members ^= low
+        s = low.bit_length() - 1
+        if s in excluded:
+          continue
+        c = (x + loads[s]) + wn
+        if c < best:
+          best, slots = c, [s]
+        elif c == best and c != _INF:
+          slots.append(s)
+      return best, slots
+    # Cost is non-decreasing in load, so the members tied for the cheapest are
+    # the first ones met in load order: stop at the first dearer one.
+    for load, s in self._by_load:
+      if load == _INF:
+        break  # dead slots sort last
+      if not members >> s & 1 or s in excluded:
+        continue
+      c = (x + load) + wn
+      if c < best:
+        best, slots = c, [s]
+      elif c == best:
+        slots.append(s)
+      else:
+        break
+    return best, slots
+
+  def _sample(self, block_hashes: Sequence[int], num_blocks: int | None,
+              exclude: Iterable[str]) -> Choice:
+    """Temperature > 0: a slot drawn from softmax(-cost / (temperature * spread))."""
+    cost, runs = self._cost(block_hashes, num_blocks, exclude)
+    live = np.isfinite(cost)
+    if not live.any():
+      raise LookupError("no live worker to route to")
+    spread = max(float(cost[live].max() - cost[live].min()), 1e-9)
+    logits = np.where(live, -(cost - cost[live].min()) / (spread * self.config.temperature), -np.inf)
+    p = np.exp(logits - logits.max())
+    slot = int(self._rng.choice(len(p), p=p / p.sum()))
+    overlap = sum(blocks for blocks, holders in runs if holders >> slot & 1)
+    return Choice(self.index.name(slot), slot, overlap)
 
   def started(self, worker: str, blocks: float) -> None:
     s = self.index.slot(worker)
