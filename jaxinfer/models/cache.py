@@ -12,7 +12,10 @@ paper, sections 2.1.2-2.1.3): every head reads the same latent, so there is
 no head axis to shard, and a token costs r + R values instead of 2 * K * d.
 
 `CacheSpec.from_config(cfg, dtype)` chooses each layer's kind from the config
-(`layer_cache(cfg, i)`), so mixed stacks are one tuple of layers. From the
+(`layer_cache(cfg, i)`), so mixed stacks are one tuple of layers. A drafter's
+own attention layers (an MTP module, jaxinfer.models.mtp: `draft_layers=1`)
+are more layers of the model's kind after the model's, in the same pages: the
+pool's size, shardings and transfers then count them like any other. From the
 spec alone come allocation (`abstract`, `zeros`), bytes per token and the pool
 size (`bytes_per_token`, `num_pages_for`), shardings (`shardings`: the
 logical axes ('pages', 'page_size', *token axes) through the same rule table
@@ -101,8 +104,10 @@ class CacheSpec:
   dtype: str  # numpy dtype name, e.g. 'float32', 'bfloat16'
 
   @classmethod
-  def from_config(cls, cfg, dtype) -> "CacheSpec":
-    return cls(tuple(layer_cache(cfg, i) for i in range(cfg.num_layers)), jnp.dtype(dtype).name)
+  def from_config(cls, cfg, dtype, draft_layers: int = 0) -> "CacheSpec":
+    """The model's layers, then `draft_layers` more of the same kind (an MTP module's)."""
+    return cls(tuple(layer_cache(cfg, i) for i in range(cfg.num_layers + draft_layers)),
+               jnp.dtype(dtype).name)
 
   @property
   def itemsize(self) -> int:
