@@ -7,6 +7,10 @@
   (`flash_attention.py`).
 - `ragged_paged_mla`: absorbed multi-head latent attention (DeepSeek-V2/V3)
   of ragged queries over the paged latent cache (`ragged_paged_mla.py`).
+- `spec_accept`: speculative decoding's accept step (the target's k + 1
+  verify rows per sequence read once: accept test, correction / bonus token,
+  Gumbel noise hashed in the kernel) for point-mass and full-q drafts
+  (`spec_accept.py`). Not dispatched to by the engine yet.
 
 Both are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
 run on CPU with `interpret=True`, which is how the tests check them against
@@ -25,8 +29,11 @@ from pallas_kernels.ragged_paged_attention import (
 )
 from pallas_kernels.ragged_paged_mla import BlockSizes as MlaBlockSizes
 from pallas_kernels.ragged_paged_mla import ragged_paged_mla, ragged_paged_mla_reference
+from pallas_kernels.spec_accept import BlockSizes as AcceptBlockSizes
+from pallas_kernels.spec_accept import spec_accept, spec_accept_reference
 
 __all__ = [
+    "AcceptBlockSizes",
     "FlashBlockSizes",
     "MlaBlockSizes",
     "RaggedBlockSizes",
@@ -36,4 +43,6 @@ __all__ = [
     "ragged_paged_attention_reference",
     "ragged_paged_mla",
     "ragged_paged_mla_reference",
+    "spec_accept",
+    "spec_accept_reference",
 ]

@@ -17,6 +17,13 @@ Measured in the same process, in this order:
      {1, 4} x T in {2048, 4096}: TFLOP/s (causal FLOPs = 2 * B * Hq * D * T
      * (T + 1), both matmuls), % of the matmul ceiling, and the ratio of
      dot_product_attention's time to ours (target >= 1.0x vs cuDNN).
+  5. accept (speculative decoding): pallas_kernels.spec_accept on S
+     sequences x (k + 1) float32 logit rows of a 49152-token vocab (SmolLM2),
+     k = 3, for greedy, sampled point-mass and sampled full-q drafts: the
+     kernel, its jnp reference, and (point-mass) what the engine runs today
+     (jaxinfer.sampling.sample on every row + spec_decode.accept). Achieved
+     bandwidth = logit (and q) bytes read once / time, as % of the copy
+     bandwidth; the integer outputs are checked equal to the reference's.
 
 Each case: compiled and checked against its baseline first (max |error|
 recorded), warm-up runs, then the median of --reps timed runs, each run a
@@ -55,8 +62,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.spec_decode import accept
 from jaxinfer.ops import ragged_paged_attention_xla
+from jaxinfer.sampling import SamplingBatch, sample
 from pallas_kernels import flash_attention, ragged_paged_attention
+from pallas_kernels.spec_accept import BlockSizes as AcceptBlockSizes
+from pallas_kernels.spec_accept import spec_accept, spec_accept_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +82,9 @@ class Shapes:
   # mixed batch: (count, q_len, kv_len) groups
   mixed: tuple[tuple[int, int, int], ...]
   prefill: tuple[tuple[int, int], ...]  # (B, T)
+  accept: tuple[tuple[int, int, int], ...]  # (S, k, V)
+  accept_block_v: int | None  # None: the kernel's default
+  accept_modes: tuple[str, ...]  # of greedy, point_mass, full_q
   reps: int
   warmup: int
   burst: int
@@ -79,10 +93,14 @@ class Shapes:
 FULL = Shapes(copy_mib=1024, matmul_n=8192, decode_batch=64, decode_kv_len=2048,
               page_sizes=(16, 32, 64), heads=(32, 8, 128),
               mixed=((48, 1, 2048), (8, 4, 2048), (2, 512, 1536)),
-              prefill=((1, 2048), (1, 4096), (4, 2048), (4, 4096)), reps=20, warmup=3, burst=5)
+              prefill=((1, 2048), (1, 4096), (4, 2048), (4, 4096)),
+              accept=((1, 3, 49152), (16, 3, 49152), (64, 3, 49152)), accept_block_v=None,
+              accept_modes=("greedy", "point_mass", "full_q"),
+              reps=20, warmup=3, burst=5)
 SMOKE = Shapes(copy_mib=4, matmul_n=256, decode_batch=3, decode_kv_len=40, page_sizes=(16,),
                heads=(4, 2, 64), mixed=((2, 1, 40), (1, 4, 30), (1, 24, 24)),
-               prefill=((1, 48),), reps=2, warmup=1, burst=1)
+               prefill=((1, 48),), accept=((3, 2, 300),), accept_block_v=128,
+               accept_modes=("point_mass", "full_q"), reps=2, warmup=1, burst=1)
 
 
 def has_gpu() -> bool:
@@ -269,6 +287,71 @@ def prefill_cases(shapes: Shapes, ceil: dict, interpret: bool, rng) -> list[dict
   return rows
 
 
+# ---------------------------------------------------------------- speculative accept
+
+
+def accept_batch(rng, S, k, V, mode):
+  """Logits, drafts (half of them the rows' own draws, so acceptance runs deep), per-row controls."""
+  K1 = k + 1
+  logits = jnp.asarray(rng.normal(size=(S, K1, V)) * 3, jnp.float32)
+  temperature = jnp.full((S, K1), 0.0 if mode == "greedy" else 1.0, jnp.float32)
+  seeds = jnp.asarray(np.repeat(rng.integers(0, 2**31, (S, 1)), K1, 1), jnp.uint32)
+  positions = jnp.asarray(rng.integers(0, 4096, (S, 1)) + np.arange(K1), jnp.int32)
+  keys = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p)))(seeds, positions)
+  num_drafts = jnp.full((S,), k, jnp.int32)
+  own = spec_accept_reference(logits, jnp.zeros((S, k), jnp.int32), jnp.zeros((S,), jnp.int32),
+                              temperature, keys)[1]
+  wrong = jnp.asarray(rng.integers(0, V, (S, k)), jnp.int32)
+  drafts = jnp.where(jnp.asarray(rng.random((S, 1)) < 0.5), own[:, :k], wrong)
+  extra = {}
+  if mode == "full_q":
+    q = jax.nn.softmax(logits[:, :k] + jnp.asarray(rng.normal(size=(S, k, V)), jnp.float32), axis=-1)
+    extra = {"draft_probs": q, "uniforms": jnp.asarray(rng.random((S, k)), jnp.float32)}
+  return (logits, drafts, num_drafts, temperature, keys), extra, (seeds, positions)
+
+
+def engine_accept(logits, drafts, num_drafts, temperature, seeds, positions):
+  """Today's runner: sample() every verify row with its (seed, position) key, then accept()."""
+  S, K1, V = logits.shape
+  L = S * K1
+  sp = SamplingBatch(temperature.reshape(L), jnp.zeros(L, jnp.int32), jnp.ones(L), jnp.zeros(L),
+                     jnp.ones(L), jnp.zeros(L), jnp.zeros(L), seeds.reshape(L), positions.reshape(L),
+                     jnp.zeros(L, bool))
+  ids = sample(logits.reshape(L, V), sp, jnp.zeros((1, V), jnp.int32), jnp.zeros((1, V), bool),
+               jnp.zeros(L, jnp.int32))[0].reshape(S, K1)
+  return accept(ids, drafts, num_drafts), ids
+
+
+def accept_cases(shapes: Shapes, ceil: dict, interpret: bool, rng) -> list[dict]:
+  rows = []
+  bs = AcceptBlockSizes(block_v=shapes.accept_block_v)
+  for S, k, V in shapes.accept:
+    for mode in shapes.accept_modes:
+      args, extra, (seeds, positions) = accept_batch(rng, S, k, V, mode)
+      pallas = functools.partial(spec_accept, block_sizes=bs, interpret=interpret)
+      reference = jax.jit(spec_accept_reference)
+      want = jax.block_until_ready(reference(*args, **extra))
+      got = jax.block_until_ready(pallas(*args, **extra))
+      mismatches = int(jnp.sum(got[0] != want[0]) + jnp.sum(got[1] != want[1]))
+      timed = {"pallas": lambda: pallas(*args, **extra), "jnp_reference": lambda: reference(*args, **extra)}
+      if mode != "full_q":  # the engine has no full-q acceptance
+        engine = jax.jit(engine_accept)
+        eng_a, eng_ids = jax.block_until_ready(engine(*args[:4], seeds, positions))
+        mismatches += int(jnp.sum(eng_a != want[0]) + jnp.sum(eng_ids != want[1]))
+        timed["engine_sample_accept"] = lambda: engine(*args[:4], seeds, positions)
+      nbytes = 4 * S * (k + 1) * V + (4 * S * k * V if mode == "full_q" else 0)
+      timings = {name: time_us(fn, shapes=shapes) for name, fn in timed.items()}
+      case = {"section": "accept", "S": S, "k": k, "V": V, "mode": mode, "logits_dtype": "float32",
+              "block_v": bs.resolve(k + 1), "bytes_read_once": nbytes,
+              "integer_mismatches_vs_reference": mismatches}
+      for name, us in timings.items():
+        gb_s = nbytes / us / 1e3
+        rows.append({**case, "impl": name, "us": us, "gb_s": gb_s,
+                     "pct_of_copy_bw": 100 * gb_s / ceil["hbm_gb_s"],
+                     "speedup_of_pallas": us / timings["pallas"]})
+  return rows
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -288,6 +371,8 @@ def print_table(ceil: dict, rows: list[dict]) -> None:
   for r in rows:
     if r["section"] == "decode":
       case = f"B={r['B']} kv={r['kv_len']} p={r['page_size']}"
+    elif r["section"] == "accept":
+      case = f"S={r['S']} k={r['k']} V={r['V']} {r['mode']}"
     elif r["section"] == "mixed":
       case = f"T={r['T']} p={r['page_size']} " + "+".join(
           f"{c}x{q}" for c, q, _ in r["groups"])
@@ -315,8 +400,8 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/"
                       "kernels-<device-kind>-<date>.json on GPU, a temporary file in smoke mode)")
   parser.add_argument("--reps", type=int, help="timed runs per case (median reported)")
-  parser.add_argument("--sections", default="decode,mixed,prefill",
-                      help="comma-separated subset of decode,mixed,prefill (ceilings always run)")
+  parser.add_argument("--sections", default="decode,mixed,prefill,accept",
+                      help="comma-separated subset of decode,mixed,prefill,accept (ceilings always run)")
   args = parser.parse_args(argv)
 
   gpu = has_gpu()
@@ -330,14 +415,15 @@ def main(argv=None) -> int:
   if args.reps:
     shapes = dataclasses.replace(shapes, reps=args.reps)
   sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-  unknown = set(sections) - {"decode", "mixed", "prefill"}
+  unknown = set(sections) - {"decode", "mixed", "prefill", "accept"}
   if unknown:
     parser.error(f"unknown --sections {sorted(unknown)}")
 
   rng = np.random.default_rng(0)
   ceil = ceilings(shapes)
   rows = []
-  runners = {"decode": decode_cases, "mixed": mixed_cases, "prefill": prefill_cases}
+  runners = {"decode": decode_cases, "mixed": mixed_cases, "prefill": prefill_cases,
+             "accept": accept_cases}
   for section in sections:
     rows += runners[section](shapes, ceil, smoke, rng)
 
