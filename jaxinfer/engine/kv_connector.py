@@ -78,10 +78,12 @@ class KVLayout:
     itemsize = np.dtype(self.dtype).itemsize
     return self.num_layers * len(self.names) * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
-  def check_matches(self, other: "KVLayout", what: str = "the remote worker") -> None:
-    """KVTransferError naming every field that differs between self (ours) and `other`."""
+  def check_matches(self, other: "KVLayout", what: str = "the remote worker", *, page_size: bool = True) -> None:
+    """KVTransferError naming every field that differs between self (ours) and `other`;
+    `page_size=False`: theirs may differ (a transfer re-chunked token by token)."""
     diffs = [f"{f.name}: ours {getattr(self, f.name)!r}, {what}'s {getattr(other, f.name)!r}"
-             for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+             for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)
+             and (page_size or f.name != "page_size")]
     if diffs:
       raise KVTransferError(f"KV layout mismatch with {what}: " + "; ".join(diffs))
 

@@ -2,11 +2,11 @@
 
     client --Generate--> decode worker                         prefill worker
                          engine admits the request:            (serves jaxinfer.v1.KVTransfer)
-                         pages allocated, no compute  --Prefill(prompt, sampling + seed, skip_pages)-->
+                         pages allocated, no compute  --Prefill(prompt, sampling + seed, skip_tokens)-->
                                                                runs the prompt to its first token
                                                                (max_tokens=1, pages held)
                                                       <--header: first token + logprobs, KV layout--
-                         import_kv per chunk          <--chunks of pages (exported chunk by chunk)--
+                         import_kv_tokens per chunk   <--chunks of pages (exported chunk by chunk)--
                                                       <--done(num_bytes)--
                          finish_remote_kv: the first
                          token is streamed, decoding  --Ack, half-close-->
@@ -20,7 +20,11 @@ producer's RPC.
 Why gRPC streaming rather than jax.experimental.transfer: see the note
 below the imports. Pages go as raw bytes (C order, the cache dtype),
 `pages_per_chunk` per message (a power of two up to 4 MiB, so the
-export / import programs stay among the runner's bucketed few).
+export / import programs stay among the runner's bucketed few), in the
+prefill worker's page size (its KVLayout says which): the decode worker
+cuts each chunk into tokens and writes them into its own pages, so the two
+may use different page sizes (the rest of the layout must match). The
+request names tokens, not pages, for the same reason (`skip_tokens`).
 
 Sampler state that crosses: the seed (the decode worker draws one for an
 unseeded request and sends it, so the first token is the one a single
@@ -29,7 +33,7 @@ first token, its logprob and top logprobs. The penalty history and the
 grammar matcher are rebuilt on the decode side from prompt + first token.
 
 Prefix cache: the decode worker looks its own cache up first and asks only
-for the pages after its hits (`skip_pages`); the prefill worker computes
+for the tokens after its hits (`skip_tokens`); the prefill worker computes
 the whole prompt anyway (its own prefix cache permitting), since it needs
 the prompt's last logits. Requests with prompt_logprobs are computed on the
 decode worker (they need every prompt position's logits).
@@ -202,8 +206,8 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       params = dataclasses.replace(params, max_tokens=1)
       b.validate(ids, params)
       num_pages = -(-len(ids) // self.page_size)
-      if r.skip_pages >= num_pages:
-        raise InvalidRequestError(f"skip_pages={r.skip_pages} leaves none of the prompt's {num_pages} pages")
+      if r.skip_tokens >= len(ids):
+        raise InvalidRequestError(f"skip_tokens={r.skip_tokens} leaves none of the prompt's {len(ids)} tokens")
       admission = b.admit(len(ids))
     except JaxinferError as e:
       b.reject(e)
@@ -223,7 +227,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       try:
         # From here the pages are held for this call only: bounded by the timeout.
         async with asyncio.timeout(self.timeout_s):
-          await self._send_pages(context, key, out, len(ids), r.skip_pages, num_pages)
+          await self._send_pages(context, key, out, len(ids), r.skip_tokens // self.page_size, num_pages)
           ack = await context.read()
       except TimeoutError:
         failed.labels("sent", "ack_timeout").inc()
@@ -326,7 +330,7 @@ class DecodeConnector(KVConnector):
     return req.num_prompt_tokens - num_computed
 
   def update_state_after_alloc(self, req, pages: Sequence[int], num_external_tokens: int) -> None:
-    skip = req.num_computed // self.layout.page_size
+    skip = req.num_computed  # whole pages of ours: local prefix-cache hits
     params = dataclasses.replace(req.params, seed=req.seed)
     self._transfers[req.request_id] = asyncio.run_coroutine_threadsafe(
         self._transfer(req.request_id, list(req.prompt_token_ids), params, skip, req.kv_source), self._loop)
@@ -376,6 +380,7 @@ class DecodeConnector(KVConnector):
     return await asyncio.wrap_future(self._engine_loop.call(fn))
 
   async def _transfer(self, rid: str, ids: list[int], params, skip: int, hint: str | None = None) -> None:
+    """Prompt tokens [skip, len(ids)) of request `rid` from a prefill worker into its pages."""
     addr = None
     call = None
     imported = False
@@ -386,7 +391,7 @@ class DecodeConnector(KVConnector):
         call = self._stub(addr).Prefill()
         t0 = time.perf_counter()
         await call.write(kv_pb.PrefillClientMessage(request=kv_pb.PrefillRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(params), skip_pages=skip)))
+            request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(params), skip_tokens=skip)))
         header = (await self._read(call, "header", addr)).header
         t1 = time.perf_counter()
         record = await self._receive(call, rid, ids, skip, header, addr)
@@ -425,13 +430,15 @@ class DecodeConnector(KVConnector):
   async def _receive(self, call, rid: str, ids: list[int], skip: int, header: kv_pb.PrefillHeader,
                      addr: str) -> TransferRecord:
     layout = layout_from_proto(header.layout)
-    self.layout.check_matches(layout, f"prefill worker {addr}")
-    total = -(-len(ids) // layout.page_size)
-    if (header.num_prompt_tokens, header.first_page, header.num_pages) != (len(ids), skip, total - skip):
+    self.layout.check_matches(layout, f"prefill worker {addr}", page_size=False)
+    p = layout.page_size  # theirs: pages are cut into tokens, and those written into ours
+    total, first = -(-len(ids) // p), skip // p
+    if (header.num_prompt_tokens, header.first_page, header.num_pages) != (len(ids), first, total - first):
       raise KVTransferError(
           f"prefill worker {addr} offers {header.num_pages} pages from page {header.first_page} of a "
-          f"{header.num_prompt_tokens}-token prompt; expected {total - skip} from page {skip} of {len(ids)}")
-    page, received = skip, 0
+          f"{header.num_prompt_tokens}-token prompt; expected {total - first} pages of {p} tokens from page "
+          f"{first} of {len(ids)}")
+    page, received = first, 0
     while True:
       msg = await self._read(call, "chunk or done", addr)
       if msg.WhichOneof("kind") == "done":
@@ -441,15 +448,20 @@ class DecodeConnector(KVConnector):
         raise KVTransferError(f"prefill worker {addr} sent pages [{c.first_page}, {c.first_page + c.num_pages}) "
                               f"where page {page} of {total} was due")
       arrays = unpack_pages(c.data, c.num_pages, layout)
-      await self._call(lambda e, p=page, a=arrays: e.import_kv(rid, p, a))
+      # Tokens [lo, hi) of the prompt: the first page may start before our hits end (mid-page
+      # of ours when the page sizes differ), the last one runs past the prompt.
+      lo, hi = max(page * p, skip), min((page + c.num_pages) * p, len(ids))
+      runs = [{name: a.reshape((-1,) + a.shape[2:])[lo - page * p:hi - page * p] for name, a in layer.items()}
+              for layer in arrays]
+      await self._call(lambda e, lo=lo, r=runs: e.import_kv_tokens(rid, lo, r))
       page += c.num_pages
       received += len(c.data)
       self.metrics.kv_transfer_pages.labels("received").inc(c.num_pages)
       self.metrics.kv_transfer_bytes.labels("received").inc(len(c.data))
     if page != total or msg.done.num_bytes != received:
-      raise KVTransferError(f"truncated transfer from prefill worker {addr}: {page - skip} of {total - skip} "
+      raise KVTransferError(f"truncated transfer from prefill worker {addr}: {page - first} of {total - first} "
                             f"pages, {received} of {msg.done.num_bytes} bytes")
-    return TransferRecord(addr, len(ids), total - skip, received, 0.0, 0.0)
+    return TransferRecord(addr, len(ids), total - first, received, 0.0, 0.0)
 
   async def _ack(self, call) -> None:
     await call.write(kv_pb.PrefillClientMessage(ack=kv_pb.Ack()))

@@ -8,6 +8,7 @@ Each worker's KV pool is read through its Prometheus gauge
 
 import asyncio
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -29,14 +30,27 @@ from jaxinfer.serving.proto import kv_transfer_pb2_grpc as kv_grpc
 from jaxinfer.serving.process import JaxinferProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "32"]  # few step buckets to warm up
 LONG_PROMPT = [(7 * i) % 300 + 3 for i in range(4000)]  # ~1 s of prefill here: a transfer in flight
+
+
+def start_worker(model_dir, *args, port: int = 0) -> JaxinferProcess:
+  """`jaxinfer serve` in its own process, on free ports (or `port`), starting: `wait()` for it."""
+  return JaxinferProcess("serve", "--model", str(model_dir), "--port", str(port), "--metrics-port", "0",
+                         *ENGINE, *args, cwd=ROOT)
 
 
 def worker(model_dir, *args) -> JaxinferProcess:
   """`jaxinfer serve` in its own process, on free ports, once SERVING."""
-  return JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
-                         *ENGINE, *args, cwd=ROOT).wait()
+  return start_worker(model_dir, *args).wait()
+
+
+def free_port() -> int:
+  """A port nobody listens on now: a worker started on it can be named to another one
+  before it is up, so both start at once."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def kv_usage(w: JaxinferProcess) -> float:
@@ -61,16 +75,21 @@ def wait_for(predicate, timeout=15.0, what="condition", logs=()):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-  return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
+  return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
-  """A prefill worker (no Ack within 3 s frees its pages) and a decode worker on it."""
-  prefill = worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3")
+  """A prefill worker (16-token pages; no Ack within 3 s frees its pages) and a decode
+  worker on it with 8-token pages: every transfer here is re-chunked on the way in."""
+  port = free_port()  # both start at once: the decode worker only dials it per request
+  prefill = start_worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3", port=port)
+  decode = start_worker(model_dir, "--role", "decode", "--prefill-workers", f"127.0.0.1:{port}", "--page-size", "8")
   try:
-    decode = worker(model_dir, "--role", "decode", "--prefill-workers", prefill.address)
+    prefill.wait()
+    decode.wait()
   except BaseException:
+    decode.stop()
     prefill.stop()
     raise
   yield prefill, decode
@@ -100,7 +119,8 @@ PROMPTS = [[1, 5, 9, 200, 17], list(range(3, 90)), "Hello world, how are you?",
 
 def test_decode_worker_outputs_equal_one_worker(pair, reference):
   """Greedy streams and whole responses, several concurrent, and a seeded request with
-  logprobs: the same tokens and logprobs as one engine doing it all."""
+  logprobs: the same tokens and logprobs as one engine doing it all, though the prefill
+  worker's pages hold 16 tokens and the decode worker's 8."""
   prefill, decode = pair
   greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
   want = reference.generate(PROMPTS, greedy)
@@ -111,7 +131,7 @@ def test_decode_worker_outputs_equal_one_worker(pair, reference):
       assert "".join(d.text for d in deltas) == ref.text
       assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH
       # Again, whole: the decode worker's prefix cache now holds this prompt's full pages,
-      # so only the pages after them come over.
+      # so only the tokens after them come over (from mid-page of the prefill worker's).
       whole = c.generate(prompt, params=greedy)
       assert (whole.token_ids, whole.text) == (ref.token_ids, ref.text)
     seeded = SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=16, logprobs=3, ignore_eos=True)
@@ -179,8 +199,9 @@ def test_cancel_during_transfer_frees_both_pools(pair):
 def test_transfer_metrics_count_the_pages_and_bytes_of_a_known_transfer(pair):
   """A 99-token prompt neither worker has seen crosses as 7 pages of 16 tokens, 4096
   bytes each (2 layers x k, v x 16 positions x 1 head x 16 dims x 4 bytes): the prefill
-  worker's "sent" and the decode worker's "received" counters move by exactly that, one
-  completed transfer and one duration each, and no failure."""
+  worker's "sent" and the decode worker's "received" counters (pages as sent, in the
+  prefill worker's page size) move by exactly that, one completed transfer and one
+  duration each, and no failure."""
   prefill, decode = pair
   prompt = [(13 * i) % 290 + 5 for i in range(99)]
   names = ("jaxinfer_kv_transfer_pages_total", "jaxinfer_kv_transfer_bytes_total", "jaxinfer_kv_transfers_total",
@@ -199,9 +220,9 @@ def test_transfer_metrics_count_the_pages_and_bytes_of_a_known_transfer(pair):
     assert failures(after) == failures(before[d])  # earlier tests' failures, none added
 
 
-def prefill_message(prompt, request_id="t", skip_pages=0, **sampling):
+def prefill_message(prompt, request_id="t", skip_tokens=0, **sampling):
   return kv_pb.PrefillClientMessage(request=kv_pb.PrefillRequest(
-      request_id=request_id, prompt_token_ids=prompt, skip_pages=skip_pages,
+      request_id=request_id, prompt_token_ids=prompt, skip_tokens=skip_tokens,
       sampling=sampling_to_proto(**{"temperature": 0, "seed": 1, "max_tokens": 8} | sampling)))
 
 
@@ -230,9 +251,10 @@ def test_prefill_worker_frees_held_pages_without_an_ack_or_on_cancel(pair):
       assert "no Ack within --kv-transfer-timeout=3 s" in e.value.details()
       assert 2.0 < time.monotonic() - held_at < 10.0
       await asyncio.to_thread(wait_for, lambda: kv_usage(prefill) == 0.0)
-      # Cancelled after the header: freed at once.
+      # Cancelled after the header: freed at once. 40 tokens skipped (5 pages of 8 on a
+      # decode worker): pages from the one holding token 40, page 2 of 16.
       call = stub.Prefill()
-      await call.write(prefill_message(prompt, skip_pages=2))
+      await call.write(prefill_message(prompt, skip_tokens=40))
       header = (await call.read()).header
       assert (header.first_page, header.num_pages) == (2, 5)
       call.cancel()
@@ -276,11 +298,20 @@ class FakePrefill(kv_grpc.KVTransferServicer):
 
 
 @pytest.fixture(scope="module")
-def fake_and_decode(model_dir):
+def victim(model_dir):
+  """A prefill worker for the kill test, started with `fake_and_decode` (while that loads
+  its model and the tests before the kill run) and waited for there."""
+  p = start_worker(model_dir, "--role", "prefill")
+  yield p
+  p.stop()
+
+
+@pytest.fixture(scope="module")
+def fake_and_decode(model_dir, victim):
   """An in-process decode worker (2 s transfer timeout) whose pick hook sends prompts
   starting with token 300 to `decode.kv_connector.workers[1]` (set by a test), others to
   an in-process fake prefill worker."""
-  llm = LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
+  llm = LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
   loop = asyncio.new_event_loop()
   threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -311,8 +342,9 @@ def pool_is_full(server):
 
 @pytest.mark.parametrize("how, code, message, reason", [
     ("hang", grpc.StatusCode.DEADLINE_EXCEEDED, "did not complete within --kv-transfer-timeout=2 s", "timeout"),
-    ("layout", grpc.StatusCode.INTERNAL, "KV layout mismatch with prefill worker 127.0.0.1:\\d+: page_size: "
-                                         "ours 16, prefill worker 127.0.0.1:\\d+'s 32; dtype: ours 'float32'",
+    # Another page size is fine (re-chunked), another dtype is not.
+    ("layout", grpc.StatusCode.INTERNAL, "KV layout mismatch with prefill worker 127.0.0.1:\\d+: dtype: "
+                                         "ours 'float32', prefill worker 127.0.0.1:\\d+'s 'bfloat16'$",
      "invalid_transfer"),
     ("truncate", grpc.StatusCode.INTERNAL, "truncated transfer from prefill worker .*: 0 of 1 pages",
      "invalid_transfer"),
@@ -351,9 +383,9 @@ def test_an_unreachable_prefill_worker_is_unavailable_at_once(fake_and_decode):
   wait_for(lambda: pool_is_full(decode), what="the decode pool to empty")
 
 
-def test_killing_the_prefill_worker_mid_transfer_is_unavailable(model_dir, fake_and_decode):
+def test_killing_the_prefill_worker_mid_transfer_is_unavailable(fake_and_decode, victim):
   decode = fake_and_decode
-  victim = worker(model_dir, "--role", "prefill")
+  victim.wait()
   try:
     conn = decode.kv_connector
     conn.workers = (conn.workers[0], victim.address)

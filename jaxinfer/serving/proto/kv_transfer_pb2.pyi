@@ -8,16 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "skip_pages")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "skip_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _inference_pb2.SamplingOptions
-    skip_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., skip_pages: _Optional[int] = ...) -> None: ...
+    skip_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
