@@ -88,7 +88,7 @@ def test_kernel_matches_reference(V, block_v, k, full_q, dtype):
   if full_q:
     # q sharper than p on p's favourites: drafts drawn from q are often rejected, and the
     # residual max(0, p - q) then leaves p's favourites out (the correction is not p's draw).
-    q_logits = 2.0 * np.asarray(logits[:, :k], np.float32) + rng.normal(size=(S, k, V))
+    q_logits = 3.0 * np.asarray(logits[:, :k], np.float32) + rng.normal(size=(S, k, V))
     q = np.exp(q_logits - q_logits.max(-1, keepdims=True))
     q = (q / q.sum(-1, keepdims=True)).astype(np.float32)
     drafts = np.array([[rng.choice(V, p=q[i, j] / q[i, j].sum()) for j in range(k)] for i in range(S)])
