@@ -1,24 +1,35 @@
-"""int8 weights: the quantized leaf, its specs, quantization, and the one matmul the model uses.
+"""Quantized weights (int8, fp8 e4m3, group-wise int4): the leaf, its specs, quantization, the one matmul.
 
-A quantized linear weight is a `QuantizedWeight(values, scales)` pytree node:
+A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree node:
 
-  values  int8 [in..., out...]   the weight's own shape and logical axes
-  scales  float32 [G, out...]    G groups along the flattened input axes:
-                                 G = 1 per-output-channel (what `quantize_int8` makes),
-                                 G = in / 32 for GGUF Q8_0 blocks kept as they are
+  values  [in..., out...]     the weight's own shape and logical axes, in the format's dtype:
+                              int8 / float8_e4m3fn / int4
+  scales  float32 [G, out...] G groups along the flattened input axes:
+                              G = 1 per-output-channel (int8, fp8 as quantized here),
+                              G = in / 32 for GGUF Q8_0 blocks kept as they are, and for
+                              int4 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
+  mins    float32 [G, out...] int4 only (None otherwise): the group's offset
 
-so w[i, o] = values[i, o] * scales[i // (in / G), o], symmetric, with
-scale = max|w| / 127 over each group. Embeddings and the LM head stay in the
-model dtype (not measured quantized): the embedding is a gather, not a
-matmul, and SmolLM2 ties it to the LM head, so quantizing one would
+so w[i, o] = values[i, o] * scales[g, o] (+ mins[g, o]) with g = i // (in / G).
+- int8: symmetric, scale = max|w| / 127 over the group.
+- fp8 (e4m3fn, the GPU path): per-output-channel, scale = max|w| / 448 (e4m3fn's largest
+  finite value), values = w / scale rounded to e4m3 (to nearest even). Per channel rather
+  than per tensor: same scales layout and cost as int8, and one outlier column does not
+  flatten the rest of the tensor into e4m3's subnormals.
+- int4: asymmetric per group of 32 inputs (what GGUF Q4_1 stores): scale = (max - min) / 15,
+  values = round((w - min) / scale) - 8 in [-8, 7], mins = min + 8 * scale. A GGUF Q4_0
+  block is the same with mins = 0, and a Q4_1 block (d, m, q in [0, 15]) is
+  values = q - 8, scales = d, mins = m + 8 d. Signed int4 because orbax / tensorstore store
+  int4 but not uint4. The group size must divide the input size (ValueError naming it).
+Embeddings and the LM head stay in the model dtype (not measured quantized): the embedding
+is a gather, not a matmul, and SmolLM2 ties it to the LM head, so quantizing one would
 quantize both; the LM head's [V, D] product is what the sampler reads.
 
-`linear(eq, x, w)` is the model's only matmul over linear weights. For an
-int8 weight it is weight-only: the activations stay float, the int8 values
-are converted for the dot and the per-channel scales multiply its output
-(exact factoring: sum_i x_i q_io s_o = s_o sum_i x_i q_io). Group-wise
-(Q8_0) scales vary along the contraction, so those weights are dequantized
-whole first.
+`linear(eq, x, w)` is the model's only matmul over linear weights. It is weight-only: the
+activations stay float, the values are converted for the dot and the per-channel scales
+multiply its output (exact factoring: sum_i x_i q_io s_o = s_o sum_i x_i q_io). Group-wise
+scales (Q8_0, int4) vary along the contraction, so those weights are dequantized whole
+first (in the same jitted step).
 
 What was measured to choose this (scripts/bench_quant_matmul.py, SmolLM2-135M
 shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
@@ -26,7 +37,10 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   [in, out] copy of the weight on every call (a convert fusion feeding the
   dot; tests/test_quant.py asserts it). int8 activations x int8 weights with
   int32 accumulation do not escape it: XLA CPU widens the int8 weight to an
-  s32 copy for that dot (also asserted).
+  s32 copy for that dot (also asserted). fp8 and int4 compile the same way: one
+  loop fusion converts (and for int4 scales and offsets) the whole weight to an
+  f32 [in, out] buffer that the dot reads (asserted for both in tests/test_quant.py),
+  so on CPU they read the small weight once and write and read a float32 one.
 - Speed: at 1 token every int8 form is ~6-13x slower per matmul than
   float32 (the widening convert dominates); at 64 tokens int8 x int8 was
   1.0-1.7x faster than float32 on the MLP weights over four runs on a shared
@@ -35,33 +49,40 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   chat prompts): weight-only agrees on the top-1 token at 97% of positions,
   mean |logit diff| 0.30; per-token int8 activations drop that to 90% and
   0.94. That loss outweighs a 1.4x gain at large batch, so weight-only it is.
-No int8 form pays for batch-1 decode under XLA CPU: that needs a kernel that
-reads int8 directly (issue 14).
+No quantized form pays for batch-1 decode under XLA CPU: that needs a kernel that
+reads the small values directly (issue 14).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8", "int4")
+VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+                "int4": np.dtype(ml_dtypes.int4)}
 Q8_0_GROUP = 32  # GGUF Q8_0: one fp16 scale per 32 consecutive input values
+INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 blocks, and our own int4 default
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-  """int8 values in the weight's layout and float32 scales [G, out...] (see the module doc)."""
+  """Values in the weight's layout, float32 scales [G, out...], int4's mins (see the module doc)."""
 
   values: Any
   scales: Any
+  mins: Any = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -72,12 +93,41 @@ def is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedWeight)
 
 
+def format_of(w: QuantizedWeight) -> str:
+  """'int8', 'fp8' or 'int4', from the values' dtype."""
+  dtype = np.dtype(w.values.dtype)
+  for name, d in VALUE_DTYPES.items():
+    if dtype == d:
+      return name
+  raise ValueError(f"quantized values of dtype {dtype} are not a known format")
+
+
 def parse_quantization(name: str | None) -> str | None:
-  """None or a known method; InvalidRequestError for anything else."""
+  """None or a known method; InvalidRequestError for anything else, UnsupportedModelError
+  for fp8 where this jax / backend cannot run float8."""
   if name is None or name in QUANTIZATIONS:
+    if name == "fp8":
+      check_fp8()
     return name
   raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), "
                             f"got {name!r}")
+
+
+@functools.cache
+def check_fp8() -> None:
+  """Raises UnsupportedModelError unless jax has float8_e4m3fn and the default backend
+  converts it to float32 correctly (checked once, on a few values that span its range)."""
+  if not hasattr(jnp, "float8_e4m3fn"):
+    raise UnsupportedModelError(f"quantization='fp8' needs jax with float8_e4m3fn (this is jax {jax.__version__})")
+  probe = np.array([0.0, -0.015625, 0.5, 1.75, -3.0, 240.0, -448.0], np.float32)
+  try:
+    got = np.asarray(jax.jit(lambda v: v.astype(jnp.float32))(jnp.asarray(probe.astype(ml_dtypes.float8_e4m3fn))))
+  except Exception as e:  # a backend without float8 fails in lowering or compilation
+    raise UnsupportedModelError(f"quantization='fp8': the {jax.default_backend()} backend cannot run "
+                                f"float8_e4m3fn ({type(e).__name__}: {str(e)[:200]})") from None
+  if not np.array_equal(got, probe):
+    raise UnsupportedModelError(f"quantization='fp8': the {jax.default_backend()} backend converts "
+                                f"float8_e4m3fn wrongly ({probe} -> {got})")
 
 
 def num_in_axes(spec) -> int:
@@ -105,13 +155,17 @@ def check_quantizable(specs: Any, quantization: str) -> None:
           f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf}); load this model unquantized")
 
 
-def quantized_spec(spec, groups: int = 1) -> QuantizedWeight:
-  """The specs of a quantized weight: values keep the weight's axes, scales its output axes."""
+def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:
+  """The specs of a quantized weight: values keep the weight's axes, scales (and int4's mins)
+  its output axes. `groups` defaults to 1 (int8, fp8) or in / INT4_GROUP (int4)."""
   n = num_in_axes(spec)
-  values = dataclasses.replace(spec, dtype="int8")
+  if groups is None:
+    groups = max(1, math.prod(spec.shape[:n]) // INT4_GROUP) if quantization == "int4" else 1
+  values = dataclasses.replace(spec, dtype=VALUE_DTYPES[quantization].name)
   scales = dataclasses.replace(spec, shape=(groups,) + spec.shape[n:], axes=(None,) + spec.axes[n:],
                                init="ones", dtype="float32", linear=False)
-  return QuantizedWeight(values, scales)
+  mins = dataclasses.replace(scales, init="zeros") if quantization == "int4" else None
+  return QuantizedWeight(values, scales, mins)
 
 
 # ---- quantization (host, numpy) ---------------------------------------------------------------
@@ -127,6 +181,46 @@ def quantize_int8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   return QuantizedWeight(values, scale.reshape((1,) + w.shape[n_in:]))
 
 
+def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
+  """Per-output-channel float8_e4m3fn over the first `n_in` (input) axes: max|w| maps to 448."""
+  w = np.asarray(w, np.float32)
+  amax = np.max(np.abs(w), axis=tuple(range(n_in)), keepdims=True)
+  scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+  # e4m3fn has no infinity: a value past 448 would become NaN, so clip the rounding overshoot.
+  values = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+  return QuantizedWeight(values, scale.reshape((1,) + w.shape[n_in:]))
+
+
+def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: str = "weight") -> QuantizedWeight:
+  """Asymmetric int4 per group of `group_size` consecutive inputs (GGUF Q4_1's scheme)."""
+  w = np.asarray(w, np.float32)
+  in_size = math.prod(w.shape[:n_in])
+  if group_size < 1 or in_size % group_size:
+    raise ValueError(f"int4 group size {group_size} does not divide the {in_size} inputs of {name} "
+                     f"{tuple(w.shape)}")
+  G = in_size // group_size
+  grouped = w.reshape(G, group_size, -1)
+  lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
+  # A constant group gets scale 1: all its values land on the min, exactly.
+  scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+  q = np.clip(np.rint((grouped - lo[:, None]) / scale[:, None]), 0, 15)
+  values = (q - 8).astype(ml_dtypes.int4).reshape(w.shape)
+  mins = (lo + 8.0 * scale).astype(np.float32)
+  out = (G,) + w.shape[n_in:]
+  return QuantizedWeight(values, scale.reshape(out), mins.reshape(out))
+
+
+def quantize(w: np.ndarray, n_in: int, quantization: str, group_size: int = INT4_GROUP,
+             name: str = "weight") -> QuantizedWeight:
+  if quantization == "int8":
+    return quantize_int8(w, n_in)
+  if quantization == "fp8":
+    return quantize_fp8(w, n_in)
+  if quantization == "int4":
+    return quantize_int4(w, n_in, group_size, name)
+  raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+
+
 def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
   """The float32 weight a QuantizedWeight stands for (the tests' reference)."""
   values = np.asarray(w.values)
@@ -134,43 +228,62 @@ def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
   in_size = math.prod(values.shape[:n_in])
   G = scales.shape[0]
   grouped = values.reshape(G, in_size // G, -1).astype(np.float32) * scales.reshape(G, 1, -1)
+  if w.mins is not None:
+    grouped = grouped + np.asarray(w.mins, np.float32).reshape(G, 1, -1)
   return grouped.reshape(values.shape)
 
 
-def quantize_tree(specs: Any, weights: Any) -> Any:
-  """Quantizes every quantizable float leaf of `weights` (a param_specs-shaped tree) per channel;
-  leaves that already are QuantizedWeight (GGUF Q8_0) are kept."""
+def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_size: int = INT4_GROUP) -> Any:
+  """Quantizes every quantizable float leaf of `weights` (a param_specs-shaped tree); leaves
+  that already are QuantizedWeight (GGUF blocks kept as stored) are kept."""
   from jaxinfer.params import is_spec
-  check_quantizable(specs, "int8")
+  check_quantizable(specs, quantization)
 
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec):
       return w
-    return quantize_int8(np.asarray(w), num_in_axes(spec))
+    return quantize(np.asarray(w), num_in_axes(spec), quantization, group_size, spec.hf)
 
   return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or is_quantized(x))
 
 
 def cast_floats(tree: Any, dtype) -> Any:
-  """Casts the float leaves to `dtype`; quantized leaves keep int8 values and float32 scales."""
+  """Casts the float leaves to `dtype`; quantized leaves keep their values and float32 scales."""
   return jax.tree.map(lambda a: a if is_quantized(a) else a.astype(dtype), tree, is_leaf=is_quantized)
 
 
+def with_mins(shardings: Any, weights: Any) -> Any:
+  """`shardings` (a tree of QuantizedWeight / Sharding leaves) with int4's mins placed like its
+  scales wherever `weights` has mins and `shardings` none (a spec tree built without the format)."""
+  def one(sh, w):
+    if is_quantized(sh) and sh.mins is None and is_quantized(w) and w.mins is not None:
+      return dataclasses.replace(sh, mins=sh.scales)
+    return sh
+  return jax.tree.map(one, shardings, weights, is_leaf=lambda x: is_quantized(x) or isinstance(x, jax.sharding.Sharding))
+
+
 def check_quantized(name: str, values_shape: tuple[int, ...], values_dtype, scales_shape: tuple[int, ...],
-                    spec) -> None:
-  """CheckpointError naming the tensor unless values / scales fit `spec` (a float WeightSpec)."""
+                    spec, quantization: str = "int8", mins_shape: tuple[int, ...] | None = None) -> None:
+  """CheckpointError naming the tensor unless values / scales (/ mins) fit `spec` (a float
+  WeightSpec) and `quantization`'s layout."""
   n = num_in_axes(spec)
   if tuple(values_shape) != spec.shape:
     raise CheckpointError(f"{name}: quantized values have shape {tuple(values_shape)}, "
                           f"expected {spec.shape}")
-  if np.dtype(values_dtype) != np.int8:
-    raise CheckpointError(f"{name}: quantized values are {np.dtype(values_dtype)}, expected int8")
+  expected = VALUE_DTYPES[quantization]
+  if np.dtype(values_dtype) != expected:
+    raise CheckpointError(f"{name}: quantized values are {np.dtype(values_dtype)}, expected {expected} "
+                          f"({quantization})")
   in_size = math.prod(spec.shape[:n])
   groups = scales_shape[0] if len(scales_shape) else 0
   if (tuple(scales_shape[1:]) != spec.shape[n:] or len(scales_shape) != 1 + len(spec.shape) - n
       or groups < 1 or in_size % groups):
     raise CheckpointError(f"{name}: scales have shape {tuple(scales_shape)}, which does not match "
                           f"values {spec.shape}: expected (G,) + {spec.shape[n:]} with G dividing {in_size}")
+  if (quantization == "int4") != (mins_shape is not None):
+    raise CheckpointError(f"{name}: {quantization} weights {'need' if quantization == 'int4' else 'have no'} mins")
+  if mins_shape is not None and tuple(mins_shape) != tuple(scales_shape):
+    raise CheckpointError(f"{name}: mins have shape {tuple(mins_shape)}, scales {tuple(scales_shape)}")
 
 
 # ---- the matmul -------------------------------------------------------------------------------
@@ -182,7 +295,7 @@ def _split_eq(eq: str) -> tuple[str, str, str]:
 
 
 def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
-  """einsum(eq, x, w) for a float weight; the int8 x int8 path for a QuantizedWeight.
+  """einsum(eq, x, w) for a float weight; the weight-only quantized matmul for a QuantizedWeight.
 
   `eq` is a letter-einsum whose contracted letters end x and start w in the
   same order ('TD,DHd->THd', 'THd,HdD->TD', '...F,FD->...D').
@@ -196,35 +309,42 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   in_shape, out_shape = w.values.shape[:n], w.values.shape[n:]
   lead = x.shape[:x.ndim - n]
   in_size = math.prod(in_shape)
-  y = int8_matmul(x.reshape(-1, in_size), w.values.reshape(in_size, -1),
-                  w.scales.reshape(w.scales.shape[0], -1))
+  G = w.scales.shape[0]
+  y = quantized_matmul(x.reshape(-1, in_size), w.values.reshape(in_size, -1), w.scales.reshape(G, -1),
+                       None if w.mins is None else w.mins.reshape(G, -1))
   return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array) -> jax.Array:
-  """x [M, I] float, q [I, O] int8, scales [G, O] -> float32 [M, O].
+def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
+  """x [M, I] float, q [I, O] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
-  Per channel (G = 1): the dot over the converted int8 values, then the
-  scales (exact factoring). Group-wise (Q8_0, G > 1): the scales differ along
+  Per channel (G = 1, no mins): the dot over the converted values, then the
+  scales (exact factoring). Group-wise (Q8_0, int4): the scales differ along
   the contraction, so the weight is dequantized first (a batched int32 dot per
   group measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
   Activations are never quantized (see the module doc for why).
   """
   x = x.astype(jnp.float32)
-  if scales.shape[0] > 1:
-    return jnp.dot(x, dequantize_groups(q, scales))
+  if scales.shape[0] > 1 or mins is not None:
+    return jnp.dot(x, dequantize_groups(q, scales, mins))
   return jnp.dot(x, q.astype(jnp.float32)) * scales[0]
 
 
-def dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
-  """q [I, O] int8, scales [G, O] -> the float32 weight [I, O] (materialized by XLA CPU)."""
+def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
+  """q [I, O], scales (mins) [G, O] -> the float32 weight [I, O] (materialized by XLA CPU)."""
   G, (I, O) = scales.shape[0], q.shape
-  return (q.reshape(G, I // G, O).astype(jnp.float32) * scales[:, None, :]).reshape(I, O)
+  w = q.reshape(G, I // G, O).astype(jnp.float32) * scales[:, None, :]
+  if mins is not None:
+    w = w + mins[:, None, :]
+  return w.reshape(I, O)
 
 
-def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """What int8_matmul computes, in float64 numpy: x @ the dequantized weight."""
+def quantized_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
+                               mins: np.ndarray | None = None) -> np.ndarray:
+  """What quantized_matmul computes, in float64 numpy: x @ the dequantized weight."""
   G = scales.shape[0]
   I, O = q.shape
-  w = (q.astype(np.float64).reshape(G, I // G, O) * np.asarray(scales, np.float64)[:, None, :]).reshape(I, O)
-  return np.asarray(x, np.float64) @ w
+  w = q.astype(np.float64).reshape(G, I // G, O) * np.asarray(scales, np.float64)[:, None, :]
+  if mins is not None:
+    w = w + np.asarray(mins, np.float64)[:, None, :]
+  return np.asarray(x, np.float64) @ w.reshape(I, O)

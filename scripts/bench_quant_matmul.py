@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""int8 matmul forms against float32 at SmolLM2-135M's decode shapes, then the model end to end.
+"""Quantized matmul forms (int8, fp8, int4) against float32 at SmolLM2-135M's decode shapes, then the model end to end.
 
 Why a chain of 30 layers' weights and not one matrix: a single 576 x 1536
 weight (3.5 MB in float32) stays in cache between timed calls, which hides
@@ -16,13 +16,16 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   q8_0 groups       int8 x int8 with one scale per 32 inputs (GGUF Q8_0 as loaded): one
                     int32 dot per group (a batch dimension), scaled, summed (not used)
   q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
+  fp8 weight-only   (x @ float(F8)) * s        e4m3 values, per-channel scales (quant.linear's fp8)
+  int4 g32          x @ (Q4 * s + m)           int4 values, scales and mins per 32 inputs (quant.linear's
+                                               int4, GGUF Q4_0 / Q4_1 as loaded): dequantized whole
 
 --accuracy: float32 vs int8 next-token logits of the default model over chat
 prompts (teacher-forced), weight-only (the library) and with per-token int8
 activations (the 'int8 x int8' form patched in), the measurement that chose
 weight-only.
 
---e2e also times LLM.generate on the default model, float32 and int8, each in
+--e2e also times LLM.generate on the default model, float32, int8, fp8 and int4, each in
 its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
 128 new tokens, EOS ignored.
 
@@ -63,15 +66,17 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxinfer.quant import int8_matmul, quantize_int8
+  from jaxinfer.quant import quantize_fp8, quantize_int4, quantize_int8, quantized_matmul
 
   rng = np.random.default_rng(0)
   forms = {
       "float32": lambda x, w: x @ w["f"],
-      "int8 weight-only": lambda x, w: int8_matmul(x, w["q"], w["s"]),
+      "int8 weight-only": lambda x, w: quantized_matmul(x, w["q"], w["s"]),
       "int8 x int8": lambda x, w: _int8_dot(x, w["q"], w["s"]),
       "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
-      "q8_0 dequant": lambda x, w: int8_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
+      "q8_0 dequant": lambda x, w: quantized_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
+      "fp8 weight-only": lambda x, w: quantized_matmul(x, w["f8"], w["s8"]),
+      "int4 g32": lambda x, w: quantized_matmul(x, w["i4"], w["s4"], w["m4"]),
   }
   rows = []
   for name, (I, O) in SHAPES.items():
@@ -80,8 +85,10 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       f = rng.standard_normal((I, O)).astype(np.float32) / np.sqrt(I)
       q = quantize_int8(f, 1)
       groups = np.repeat(q.scales, I // 32, axis=0)  # same numbers, the Q8_0 layout of scales
+      f8, i4 = quantize_fp8(f, 1), quantize_int4(f, 1)
       weights.append({"f": jnp.asarray(f), "q": jnp.asarray(q.values), "s": jnp.asarray(q.scales),
-                      "g": jnp.asarray(groups)})
+                      "g": jnp.asarray(groups), "f8": jnp.asarray(f8.values), "s8": jnp.asarray(f8.scales),
+                      "i4": jnp.asarray(i4.values), "s4": jnp.asarray(i4.scales), "m4": jnp.asarray(i4.mins)})
     for T in (1, 64):
       x = jnp.asarray(rng.standard_normal((T, I)).astype(np.float32))
       row = {"shape": name, "in": I, "out": O, "tokens": T, "layers": layers}
@@ -136,7 +143,7 @@ def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
   prompts = bench_offline.prompts_token_ids(num_prompts)
   rows = []
   for n in (1, num_prompts):
-    for quantization in (None, "int8"):
+    for quantization in (None, "int8", "fp8", "int4"):
       r = bench_offline.run_jaxinfer("float32", prompts[:n], max_tokens, 512, timeout_s,
                                      quantization=quantization)
       rows.append(r)
@@ -158,10 +165,10 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
   ref_logits = [ref.logits(p) for p in prompts]
   del ref
   rows = []
-  library = quant.int8_matmul
+  library = quant.quantized_matmul
   for form, mm in (("int8 weight-only", library),
-                   ("int8 x int8", lambda x, q, s: library(x, q, s) if s.shape[0] > 1 else _int8_dot(x, q, s))):
-    quant.int8_matmul = mm  # linear() looks it up at trace time; a fresh LLM traces anew
+                   ("int8 x int8", lambda x, q, s, m=None: library(x, q, s, m) if s.shape[0] > 1 else _int8_dot(x, q, s))):
+    quant.quantized_matmul = mm  # linear() looks it up at trace time; a fresh LLM traces anew
     try:
       q = LLM(None, max_model_len=512, warmup=False, quantization="int8")
       diffs, agree, n = [], 0, 0
@@ -171,7 +178,7 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
         agree += int(np.sum(a.argmax(-1) == b.argmax(-1)))
         n += len(p)
     finally:
-      quant.int8_matmul = library
+      quant.quantized_matmul = library
     d = np.concatenate([x.ravel() for x in diffs])
     row = {"form": form, "prompts": num_prompts, "positions": n, "top1_agreement": agree / n,
            "max_abs_logit_diff": float(d.max()), "mean_abs_logit_diff": float(d.mean()),
@@ -185,7 +192,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, default=30, help="distinct weights per chain (SmolLM2: 30 layers)")
   p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best is kept)")
-  p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs int8 on the default model")
+  p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs int8 / fp8 / int4 on the default model")
   p.add_argument("--accuracy", action="store_true",
                  help="also float32 vs int8 logits of the default model over --accuracy-prompts chat prompts")
   p.add_argument("--accuracy-prompts", type=int, default=16)

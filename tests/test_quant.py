@@ -1,4 +1,5 @@
-"""int8 weights: quantization, the matmul against references, compiled HLO, specs, the model."""
+"""Quantized weights (int8, fp8, int4): quantization, the matmul against references, compiled HLO,
+specs, the model."""
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +10,10 @@ from conftest import golden, tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.hf import read_config
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import InvalidRequestError, UnsupportedModelError
 from jaxinfer.params import abstract_params, init_params, is_spec, param_specs
-from jaxinfer.quant import (QuantizedWeight, dequantize, int8_matmul, int8_matmul_reference, is_quantized,
-                            linear, quantize_int8)
+from jaxinfer.quant import (FP8_MAX, QuantizedWeight, check_fp8, dequantize, is_quantized, linear, quantize,
+                            quantize_fp8, quantize_int4, quantize_int8, quantized_matmul, quantized_matmul_reference)
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -33,25 +34,62 @@ def test_quantize_int8_is_symmetric_per_output_channel():
   assert np.all(np.abs(dequantize(q, 2) - w) <= q.scales[0] / 2 + 1e-7)
 
 
+def test_quantize_fp8_is_per_output_channel_e4m3():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((6, 3, 8)).astype(np.float32)
+  w[..., 5] = 0
+  q = quantize_fp8(w, 2)
+  assert q.values.dtype == jnp.float8_e4m3fn and q.scales.shape == (1, 8) and q.mins is None
+  v = q.values.astype(np.float32)
+  assert np.all(np.abs(v).max(axis=(0, 1))[[0, 1, 2, 3, 4, 6, 7]] == FP8_MAX) and not v[..., 5].any()
+  assert np.isfinite(v).all()
+  # e4m3 keeps 3 mantissa bits: off by at most 1/16 of |w|, or half a subnormal step (2^-10 * scale).
+  assert np.all(np.abs(dequantize(q, 2) - w) <= np.abs(w) / 16 + q.scales[0] * 2.0 ** -10)
+
+
+def test_quantize_int4_is_asymmetric_per_group_of_32():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((64, 5)).astype(np.float32) + 0.3
+  w[32:, 4] = 0.25  # a constant group
+  q = quantize_int4(w, 1)
+  assert q.values.dtype == jnp.int4 and q.scales.shape == q.mins.shape == (2, 5)
+  v = q.values.astype(np.int8)
+  assert v.min() == -8 and v.max() == 7
+  err = np.abs(dequantize(q, 1) - w).reshape(2, 32, 5)
+  assert np.all(err <= q.scales[:, None, :] / 2 + 1e-6)
+  assert np.all(err[1, :, 4] == 0)
+
+
+def test_int4_group_size_must_divide_the_inputs():
+  with pytest.raises(ValueError, match=r"int4 group size 32 does not divide the 48 inputs of wq"):
+    quantize(np.ones((48, 8), np.float32), 1, "int4", name="wq")
+  with pytest.raises(ValueError, match="group size 5 does not divide the 32 inputs"):
+    quantize_int4(np.ones((4, 8, 6), np.float32), 2, group_size=5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("eq,x_shape,w_shape,n_in", [
-    ("TD,DHd->THd", (5, 16), (16, 4, 8), 1),
-    ("THd,HdD->TD", (5, 4, 8), (4, 8, 16), 2),
-    ("...D,DF->...F", (2, 3, 16), (16, 24), 1),
+    ("TD,DHd->THd", (5, 64), (64, 4, 8), 1),
+    ("THd,HdD->TD", (5, 4, 16), (4, 16, 16), 2),
+    ("...D,DF->...F", (2, 3, 64), (64, 24), 1),
 ])
-def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in):
+def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in, quantization):
   rng = np.random.default_rng(1)
   x = rng.standard_normal(x_shape).astype(np.float32)
   w = rng.standard_normal(w_shape).astype(np.float32)
-  q = quantize_int8(w, n_in)
+  q = quantize(w, n_in, quantization)
   y = np.asarray(linear(eq, jnp.asarray(x), jax.tree.map(jnp.asarray, q)))
   in_size = int(np.prod(w_shape[:n_in]))
   x2 = x.reshape(-1, in_size)
-  # Exact up to float32 rounding: int32 accumulation of the same int8 numbers.
-  # Weight-only with the scales after the contraction: x @ dequantized w up to float32 rounding.
+  # Weight-only: x @ the dequantized weight up to float32 rounding (per channel with the scales
+  # after the contraction, group-wise int4 dequantized first); a wrong scale, min or group
+  # layout would be off by whole units.
   ref = x2.astype(np.float64) @ dequantize(q, n_in).reshape(in_size, -1).astype(np.float64)
   np.testing.assert_allclose(y.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(ref, int8_matmul_reference(x2, q.values.reshape(in_size, -1),
-                                                        q.scales.reshape(1, -1)), rtol=1e-5, atol=1e-5)
+  G = q.scales.shape[0]
+  mins = None if q.mins is None else q.mins.reshape(G, -1)
+  np.testing.assert_allclose(ref, quantized_matmul_reference(x2, q.values.reshape(in_size, -1),
+                                                             q.scales.reshape(G, -1), mins), rtol=1e-5, atol=1e-5)
   assert y.shape == jnp.einsum(eq, x, w).shape
 
 
@@ -63,9 +101,9 @@ def test_group_scales_run_the_dequantized_weight():
   q = rng.integers(-127, 128, (64, 12)).astype(np.int8)
   groups = rng.uniform(0.001, 0.01, (2, 12)).astype(np.float32)  # Q8_0-like: groups of 32 inputs
   w = (q.reshape(2, 32, 12) * groups[:, None, :]).reshape(64, 12).astype(np.float64)
-  got = np.asarray(int8_matmul(x, q, groups))
+  got = np.asarray(quantized_matmul(x, q, groups))
   np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(got, int8_matmul_reference(x, q, groups), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, quantized_matmul_reference(x, q, groups), rtol=1e-5, atol=1e-5)
 
 
 def test_linear_refuses_an_equation_it_cannot_flatten():
@@ -80,12 +118,14 @@ def _hlo(f, *args) -> str:
   return jax.jit(f).lower(*args).compile().as_text()
 
 
-def test_xla_cpu_materializes_a_float_copy_of_the_int8_weight():
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_xla_cpu_materializes_a_float_copy_of_the_weight(quantization):
   # What quant.linear compiles to: XLA CPU does not fuse the convert into the dot, it writes
-  # the whole float32 [576, 1536] weight (a convert fusion) and feeds that to the dot; the
-  # per-channel scales multiply the [1, 1536] output after it.
+  # the whole float32 [576, 1536] weight (a convert fusion; for int4 it also applies the
+  # group scales and mins) and feeds that to the dot; int8 / fp8's per-channel scales
+  # multiply the [1, 1536] output after it.
   x = jnp.ones((1, 576), jnp.float32)
-  w = QuantizedWeight(jnp.ones((576, 1536), jnp.int8), jnp.ones((1, 1536), jnp.float32))
+  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, quantization))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
   converts = [l for l in lines if "= f32[576,1536]" in l and "fusion(" in l]
   assert len(converts) == 1, lines
@@ -140,6 +180,13 @@ def test_quantized_shardings_follow_the_logical_axes():
   # Every quantized leaf of the spec tree got a sharding.
   n_specs = len(jax.tree.leaves(param_specs(cfg, "int8"), is_leaf=is_spec))
   assert len(jax.tree.leaves(param_shardings(cfg, mesh, "int8", rules))) == n_specs
+
+
+def test_fp8_check_passes_here_and_names_a_jax_without_float8(monkeypatch):
+  check_fp8()  # this CPU backend converts e4m3 exactly
+  monkeypatch.delattr(jnp, "float8_e4m3fn")
+  with pytest.raises(UnsupportedModelError, match=r"fp8' needs jax with float8_e4m3fn \(this is jax"):
+    check_fp8.__wrapped__()
 
 
 def test_unknown_quantization_is_a_clear_error():

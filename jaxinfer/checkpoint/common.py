@@ -34,8 +34,9 @@ def assemble(cfg: ModelConfig, source: str, key: str,
   `key` is 'hf' or 'gguf' (which name of the spec to use). `fetch` returns the
   tensor in checkpoint layout (or None if the file lacks it) and may raise
   CheckpointError itself; the shape check here names the tensor and file.
-  It may also return a QuantizedWeight in checkpoint layout (GGUF Q8_0 kept
-  as int8: values [out, in], scales [out, in / 32]), put in our layout here.
+  It may also return a QuantizedWeight in checkpoint layout (values [out, in],
+  scales and mins [out, G]: GGUF blocks kept as stored, or quantized by the
+  reader), put in our layout here.
   A stacked expert weight whose name has '{e}' is read expert by expert and
   stacked; a missing expert is named in the error.
   """
@@ -71,11 +72,16 @@ def assemble(cfg: ModelConfig, source: str, key: str,
 
 
 def quantized_from_checkpoint(spec: WeightSpec, w: QuantizedWeight) -> QuantizedWeight:
-  """[out, in] int8 values and [out, G] scales (HF/GGUF layout) -> ours: [in..., out...], [G, out...]."""
+  """[out, in] values and [out, G] scales (and mins) (HF/GGUF layout) -> ours: [in..., out...],
+  [G, out...]."""
   n = num_in_axes(spec)
   values = np.asarray(w.values).T.reshape(spec.shape)
-  scales = np.asarray(w.scales, np.float32).T
-  return QuantizedWeight(values, scales.reshape((scales.shape[0],) + spec.shape[n:]))
+
+  def groups(a):
+    a = np.asarray(a, np.float32).T
+    return a.reshape((a.shape[0],) + spec.shape[n:])
+
+  return QuantizedWeight(values, groups(w.scales), None if w.mins is None else groups(w.mins))
 
 
 # OCP Microscaling (MX) v1.0, sec. 5.3.3: the 16 FP4 E2M1 codes (sign, 2 exponent bits, 1 mantissa bit).

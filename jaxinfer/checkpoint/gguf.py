@@ -1,11 +1,16 @@
 """Import a GGUF file (llama.cpp's format): metadata, tensors, and the embedded vocabulary.
 
-Tensors are dequantized to float32 with the `gguf` package, except, when
-int8 weights are asked for, Q8_0 linear weights: their blocks (one fp16
-scale per 32 int8 values along the input axis) are kept as they are, as a
-group-wise QuantizedWeight (scales [in / 32, out]), so no float32 copy is
-made and the numbers are exactly llama.cpp's. Other quantized types are
-dequantized and requantized per channel (logged once per type). llama.cpp's
+Tensors are dequantized to float32 with the `gguf` package, except linear
+weights whose blocks match the quantization asked for, kept as they are as
+group-wise QuantizedWeights (no float32 copy, llama.cpp's numbers):
+  int8: Q8_0 (one fp16 scale per 32 int8 values along the input axis)
+  int4: Q4_0 (fp16 d, 32 nibbles q: w = d (q - 8)) and Q4_1 (fp16 d and m:
+        w = d q + m), as int4 values q - 8 with scales d and mins 0 / m + 8 d
+        (the float32 sum m + 8 d may round: within an ulp of the gguf package's
+        d q + m)
+Any other quantized type asked for as a quantization is dequantized and
+requantized (per channel for int8 / fp8, per group of 32 for int4; logged
+once per type); float tensors are quantized without a log line. llama.cpp's
 converter permutes the rows of attn_q / attn_k of 'llama' models into its
 interleaved RoPE layout; we undo it to get back Hugging Face's half-split
 layout, which our RoPE uses. Mixture-of-experts files (Mixtral as 'llama'
@@ -22,13 +27,15 @@ from typing import Any
 
 import gguf
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxinfer.checkpoint.common import ImportedModel, assemble
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.params import is_spec, param_specs
-from jaxinfer.quant import Q8_0_GROUP, QuantizedWeight, check_quantizable, parse_quantization, quantizable
+from jaxinfer.quant import (INT4_GROUP, Q8_0_GROUP, QuantizedWeight, check_quantizable, parse_quantization, quantizable,
+                            quantize)
 from jaxinfer.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -80,8 +87,37 @@ def read_q8_0(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
   return QuantizedWeight(values, scales)
 
 
+def read_q4(data: np.ndarray, shape: tuple[int, int], qtype: Q) -> QuantizedWeight:
+  """Q4_0 / Q4_1 blocks of an [out, in] tensor -> int4 values [out, in], scales and mins [out, in/32].
+
+  A block is fp16 d (Q4_1: then fp16 m) and 16 bytes whose low nibbles are its
+  first 16 values and high nibbles its last 16 (ggml's order)."""
+  out, n_in = shape
+  head = 2 if qtype == Q.Q4_0 else 4
+  blocks = np.asarray(data).view(np.uint8).reshape(out, n_in // INT4_GROUP, head + INT4_GROUP // 2)
+  d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+  qs = blocks[..., head:]
+  q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8  # [out, G, 32]
+  values = q.astype(ml_dtypes.int4).reshape(out, n_in)
+  if qtype == Q.Q4_0:
+    return QuantizedWeight(values, d, np.zeros_like(d))
+  m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+  return QuantizedWeight(values, d, m + 8.0 * d)
+
+
+# The GGUF block types each quantization keeps as they are.
+KEPT = {"int8": (Q.Q8_0,), "int4": (Q.Q4_0, Q.Q4_1), "fp8": ()}
+
+
+def _quantize_rows(w: np.ndarray, quantization: str, name: str) -> QuantizedWeight:
+  """A float [out, in] tensor quantized along `in`, in checkpoint layout (scales [out, G])."""
+  q = quantize(w.T, 1, quantization, name=name)
+  return QuantizedWeight(q.values.T, q.scales.T, None if q.mins is None else q.mins.T)
+
+
 def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedModel:
-  """Reads a GGUF file; quantization='int8' keeps Q8_0 linear weights as int8 (see the module doc)."""
+  """Reads a GGUF file; with a `quantization`, linear weights come back quantized in it,
+  their blocks kept as stored where the type matches (see the module doc)."""
   path = Path(path)
   parse_quantization(quantization)
   reader = open_reader(path)
@@ -89,10 +125,11 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig.from_gguf(meta, set(tensors))
   permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
-  keep_q8_0 = set()
-  if quantization == "int8":
+  linear = set()  # the tensors `quantization` applies to
+  if quantization:
     check_quantizable(param_specs(cfg), quantization)
-    keep_q8_0 = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if quantizable(s)}
+    linear = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if quantizable(s)}
+  kept = KEPT.get(quantization, ())
   requantized: set[str] = set()
 
   def fetch(name: str, expected: tuple[int, ...]) -> np.ndarray | None:
@@ -108,22 +145,28 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
     if shape != expected:
       raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {expected} for this config")
     try:
-      if name in keep_q8_0 and qtype == Q.Q8_0:
-        w = read_q8_0(t.data, shape)
+      if name in linear and qtype in kept:
+        w = read_q8_0(t.data, shape) if qtype == Q.Q8_0 else read_q4(t.data, shape, qtype)
       else:
-        if name in keep_q8_0 and qtype not in FLOAT_TYPES and qtype.name not in requantized:
+        if name in linear and qtype not in FLOAT_TYPES and qtype.name not in requantized:
           requantized.add(qtype.name)
+          how = "per group of 32" if quantization == "int4" else "per channel"
           log.warning("%s: %s tensors are not loaded quantized as they are: dequantized to float32 "
-                      "and requantized to int8 per channel", path.name, qtype.name)
+                      "and requantized to %s %s", path.name, qtype.name, quantization, how)
         w = gguf.quants.dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
     except (ValueError, IndexError) as e:
       raise CheckpointError(f"{path}: tensor {name!r} is corrupted ({e})") from None
     heads = (cfg.num_heads if name.endswith("attn_q.weight") else
              cfg.num_kv_heads if name.endswith("attn_k.weight") else None)
     if permuted and heads:
-      if isinstance(w, QuantizedWeight):  # Q8_0 scales are per row too: same row order
-        return QuantizedWeight(unpermute_rope_rows(w.values, heads), unpermute_rope_rows(w.scales, heads))
-      w = unpermute_rope_rows(w, heads)
+      if isinstance(w, QuantizedWeight):  # block scales (and mins) are per row too: same row order
+        w = QuantizedWeight(*(None if a is None else unpermute_rope_rows(a, heads)
+                              for a in (w.values, w.scales, w.mins)))
+      else:
+        w = unpermute_rope_rows(w, heads)
+    if name in linear and not isinstance(w, QuantizedWeight) and quantization != "int8":
+      # import_model's per-channel pass makes int8 only; the other formats are made here.
+      w = _quantize_rows(w, quantization, name)
     return w
 
   weights = assemble(cfg, str(path), "gguf", fetch)

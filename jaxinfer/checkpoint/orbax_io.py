@@ -5,7 +5,8 @@ Layout of a converted checkpoint:
   DST/
     jaxinfer_checkpoint.json   format version, ModelConfig, source, stored dtype, quantization
     params/                    orbax (OCDBT) pytree, one array per WeightSpec; a quantized
-                               weight is {'values': int8, 'scales': float32 [G, out...]}
+                               weight is {'values': int8 | float8_e4m3fn | int4,
+                               'scales': float32 [G, out...]} (+ 'mins', same shape, for int4)
     tokenizer/                 tokenizer.json or tokenizer.model + tokenizer_meta.json
 
 It is written to `DST.partial` and renamed at the end, so an interrupted
@@ -27,7 +28,8 @@ from jaxinfer.checkpoint.common import ImportedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
 from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
-from jaxinfer.quant import QuantizedWeight, cast_floats, check_quantized, is_quantized, quantize_tree
+from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized, format_of,
+                            is_quantized, quantize_tree, with_mins)
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
@@ -46,7 +48,9 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
   tmp = dst.with_name(dst.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  quantized = any(is_quantized(w) for w in jax.tree.leaves(model.weights, is_leaf=is_quantized))
+  formats = {format_of(w) for w in jax.tree.leaves(model.weights, is_leaf=is_quantized) if is_quantized(w)}
+  if len(formats) > 1:
+    raise CheckpointError(f"{dst}: the weights mix quantization formats {sorted(formats)}")
   weights = _to_state(cast_floats(jax.tree.map(np.asarray, model.weights), dtype))
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp / "params", weights)
@@ -54,7 +58,7 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
   if model.tokenizer is not None:
     model.tokenizer.save(tmp / "tokenizer")
   manifest = dict(format_version=FORMAT_VERSION, config=model.config.to_dict(),
-                  source=model.source, dtype=dtype, quantization="int8" if quantized else None)
+                  source=model.source, dtype=dtype, quantization=formats.pop() if formats else None)
   (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
   if dst.exists():
     shutil.rmtree(dst)
@@ -74,19 +78,24 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _to_state(tree: Any) -> Any:
-  """QuantizedWeight nodes -> plain {'values', 'scales'} dicts: what orbax stores."""
-  return jax.tree.map(lambda w: {"values": w.values, "scales": w.scales} if is_quantized(w) else w,
-                      tree, is_leaf=is_quantized)
+  """QuantizedWeight nodes -> plain {'values', 'scales'(, 'mins')} dicts: what orbax stores."""
+  def one(w):
+    if not is_quantized(w):
+      return w
+    state = {"values": w.values, "scales": w.scales}
+    return state if w.mins is None else {**state, "mins": w.mins}
+  return jax.tree.map(one, tree, is_leaf=is_quantized)
 
 
 def _from_state(specs: Any, state: Any) -> Any:
-  return jax.tree.map(lambda s, a: QuantizedWeight(a["values"], a["scales"]) if is_quantized(s) else a,
-                      specs, state, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+  return jax.tree.map(lambda s, a: QuantizedWeight(a["values"], a["scales"], a.get("mins")) if is_quantized(s)
+                      else a, specs, state, is_leaf=lambda x: is_spec(x) or is_quantized(x))
 
 
-def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any) -> Any:
+def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quantization: str) -> Any:
   """The restore target of a quantized checkpoint: scales' group counts come from the stored
-  metadata (per channel, or Q8_0's groups of 32), checked against the values per tensor."""
+  metadata (per channel, or groups of 32), checked against the values per tensor; int4's
+  mins are placed like its scales."""
   try:
     stored = ocp.StandardCheckpointer().metadata(path / "params").item_metadata
     stored = getattr(stored, "tree", stored)
@@ -105,13 +114,14 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any) -> An
         meta = meta[key]
       except (KeyError, IndexError, TypeError):
         raise CheckpointError(f"{name} is missing from the checkpoint") from None
-    if not isinstance(meta, dict) or set(meta) != {"values", "scales"}:
-      raise CheckpointError(f"{name} is not stored quantized (int8 values + scales)")
-    check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype,
-                    tuple(meta["scales"].shape), float_spec)
-    return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, np.int8, sharding=sharding.values),
-                           jax.ShapeDtypeStruct(tuple(meta["scales"].shape), np.float32,
-                                                sharding=sharding.scales))
+    if not isinstance(meta, dict) or not {"values", "scales"} <= set(meta) <= {"values", "scales", "mins"}:
+      raise CheckpointError(f"{name} is not stored quantized ({quantization} values + scales)")
+    mins = meta.get("mins")
+    check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype, tuple(meta["scales"].shape),
+                    float_spec, quantization, None if mins is None else tuple(mins.shape))
+    scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), np.float32, sharding=sharding.scales)
+    return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[quantization], sharding=sharding.values),
+                           scales, None if mins is None else scales)
 
   return jax.tree_util.tree_map_with_path(target, param_specs(cfg, "int8"), param_specs(cfg), shardings,
                                           is_leaf=is_node)
@@ -122,15 +132,15 @@ def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None
   """Restores weights cast to `dtype` (orbax casts while reading), placed by
   `shardings_fn(config, quantization)` (default: the first device).
 
-  A checkpoint written quantized loads quantized (int8 values, float32
-  scales) whatever `quantization` says; a float one with quantization='int8'
-  is quantized here, per channel.
+  A checkpoint written quantized loads quantized (its values, float32
+  scales) whatever `quantization` says; a float one with a `quantization`
+  is quantized here (jaxinfer.quant.quantize_tree).
   """
   path = Path(path).expanduser().resolve()
   manifest = read_manifest(path)
   cfg = ModelConfig.from_dict(manifest["config"])
   stored_q = manifest.get("quantization")
-  if stored_q not in (None, "int8"):
+  if stored_q not in (None,) + QUANTIZATIONS:
     raise CheckpointError(f"{path / MANIFEST}: unknown quantization {stored_q!r}")
   load_q = stored_q or quantization
   if shardings_fn is not None:
@@ -139,7 +149,7 @@ def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract_params(cfg, quantization=load_q))
   if stored_q:
-    target = _quantized_target(path, cfg, dtype, shardings)
+    target = _quantized_target(path, cfg, dtype, shardings, stored_q)
   elif quantization:  # read float32 onto the host's first device, quantize below
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = abstract_params(cfg, np.float32, jax.tree.map(lambda _: device, abstract_params(cfg)))
@@ -155,7 +165,7 @@ def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None
   if stored_q:
     params = _from_state(specs, params)
   elif quantization:
-    host = quantize_tree(param_specs(cfg), jax.device_get(params))
-    params = jax.device_put(cast_floats(host, dtype), shardings)
+    host = quantize_tree(param_specs(cfg), jax.device_get(params), quantization)
+    params = jax.device_put(cast_floats(host, dtype), with_mins(shardings, host))
   tokenizer = Tokenizer.load(path / "tokenizer") if (path / "tokenizer").is_dir() else None
   return cfg, params, tokenizer

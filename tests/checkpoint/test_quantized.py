@@ -1,4 +1,5 @@
-"""int8 checkpoints: convert --quantize int8 round trips, GGUF Q8_0 kept as int8, bad scales."""
+"""Quantized checkpoints: convert --quantize int8 / fp8 / int4 round trips, GGUF Q8_0 kept as int8 and
+Q4_0 / Q4_1 as int4, fp8 and int4 models, bad scales."""
 
 import json
 import logging
@@ -15,7 +16,7 @@ from jaxinfer.checkpoint import import_model, load_model, orbax_io
 from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
-from jaxinfer.quant import QuantizedWeight, dequantize, is_quantized, num_in_axes
+from jaxinfer.quant import QuantizedWeight, dequantize, format_of, is_quantized, num_in_axes, quantize_tree
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 Q = gguf.GGMLQuantizationType
@@ -120,7 +121,7 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
 
 
 def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
-  # Group-wise weights run as their dequantized float32 values (quant.int8_matmul), which are
+  # Group-wise weights run as their dequantized float32 values (quant.quantized_matmul), which are
   # the float32 loader's exactly: only float32 rounding may differ (logits ~3.5 in size);
   # a layout or scale mix-up would move them by whole units.
   ids = golden("smollm2")["token_ids"].tolist()
@@ -158,3 +159,129 @@ def test_other_gguf_types_fall_back_with_one_log_line(tmp_path, caplog):
   assert len(lines) == 1 and "Q4_1" in lines[0] and "requantized to int8 per channel" in lines[0]
   w = model.weights["layers"][0]["w_gate"]
   assert isinstance(w, QuantizedWeight) and w.scales.shape[0] == 1
+
+
+# ---- fp8 and int4 ------------------------------------------------------------------------------
+
+def _same_bits(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("g4")
+  return {q: write_llama_gguf(tiny_dir("smollm2"), d / f"{q.name}.gguf", q) for q in (Q.F32, Q.Q4_0, Q.Q4_1)}
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(gguf_files):
+  return LLM(gguf_files[Q.F32], max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, warmup=False,
+             quantization="fp8")
+
+
+@pytest.fixture(scope="module")
+def int4_llm(gguf_files):
+  return LLM(gguf_files[Q.Q4_1], max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, warmup=False,
+             quantization="int4")
+
+
+def _greedy_batch_invariant(llm):
+  # Three prompts, one longer than the 32-token step budget (chunked prefill beside decodes).
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 300, n).tolist() for n in (3, 40, 9)]
+  sp = SamplingParams(temperature=0, max_tokens=8)
+  together = llm.generate(prompts, sp)
+  for p, out in zip(prompts, together):
+    assert out.token_ids == llm.generate([p], sp)[0].token_ids
+
+
+def test_fp8_logits_close_to_float32(fp8_llm):
+  # The float32 GGUF holds the tiny model's weights exactly, so transformers' float32 logits
+  # (|logit| up to ~4, top two often close) are the reference. Measured: max |diff| 0.34, mean
+  # 0.056, top-1 agreement 79% (int8 on the same file: 0.07, 0.012, 100%): e4m3's 3 mantissa
+  # bits are ~4x coarser than per-channel int8 on these Gaussian weights. A wrong scale or
+  # layout moves logits by whole units (mean ~1) and agrees at ~1/320 of positions.
+  w = fp8_llm.runner.params["layers"][0]["w_up"]
+  assert isinstance(w, QuantizedWeight) and w.values.dtype == jax.numpy.float8_e4m3fn and w.scales.shape[0] == 1
+  g = golden("smollm2")
+  logits = fp8_llm.logits(g["token_ids"].tolist())
+  np.testing.assert_allclose(logits, g["logits"], atol=0.5, rtol=0)
+  assert np.abs(logits - g["logits"]).mean() < 0.1
+  assert np.mean(logits.argmax(-1) == g["logits"].argmax(-1)) >= 0.7
+
+
+def test_fp8_greedy_batch_invariance(fp8_llm):
+  _greedy_batch_invariant(fp8_llm)
+
+
+@pytest.mark.parametrize("quantization,src", [("fp8", Q.F32), ("int4", Q.Q4_1)], ids=["fp8", "int4"])
+def test_fp8_and_int4_round_trip_through_convert_bit_exactly(gguf_files, tmp_path, quantization, src):
+  dst = tmp_path / quantization
+  assert main(["convert", str(gguf_files[src]), str(dst), "--quantize", quantization]) == 0
+  assert json.loads((dst / orbax_io.MANIFEST).read_text())["quantization"] == quantization
+  written = import_model(gguf_files[src], quantization).weights
+  restored = load_model(dst).params
+  assert jax.tree.structure(written, is_leaf=is_quantized) == jax.tree.structure(restored, is_leaf=is_quantized)
+  for a, b in zip(_leaves(written), _leaves(restored)):
+    _same_bits(a, b)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_float_checkpoint_quantized_at_restore(tmp_path, quantization):
+  # What LLM(checkpoint, quantization=...) does with a float checkpoint (the default model):
+  # the restored float32 weights quantized on the host, in the format asked for.
+  dst = tmp_path / "f32"
+  assert main(["convert", str(tiny_dir("llama3")), str(dst)]) == 0
+  floats = import_model(tiny_dir("llama3"))
+  expected = quantize_tree(param_specs(floats.config), floats.weights, quantization)
+  restored = load_model(dst, quantization=quantization).params
+  assert format_of(restored["layers"][0]["wo"]) == quantization
+  for a, b in zip(_leaves(expected), _leaves(restored)):
+    _same_bits(a, b)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
+  quantized = import_model(gguf_files[qtype], "int4")
+  floats = import_model(gguf_files[qtype])  # the gguf package's dequantizer, to float32
+  specs = param_specs(quantized.config)
+  pairs = zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(quantized.weights, is_leaf=is_quantized),
+              jax.tree.leaves(floats.weights))
+  n = 0
+  for spec, q, f in pairs:
+    if not is_quantized(q):
+      continue
+    n += 1
+    in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
+    assert q.values.dtype == jax.numpy.int4 and q.scales.shape[0] == q.mins.shape[0] == in_size // 32
+    got = dequantize(q, num_in_axes(spec))
+    if qtype == Q.Q4_0:  # d (q - 8): both exact in float32
+      np.testing.assert_array_equal(got, f)
+    else:  # (q - 8) d + (m + 8 d) vs d q + m: the float32 sum m + 8 d may round (weights ~0.1)
+      np.testing.assert_allclose(got, f, atol=1e-7, rtol=0)
+  assert n == 7 * quantized.config.num_layers
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_q4_int4_logits_match_dequantized_float32(gguf_files, int4_llm, qtype):
+  # Same weights up to float32 rounding (exactly for Q4_0), run dequantized in the step:
+  # logits ~3.5 in size agree to 1e-4; a nibble-order or min mix-up moves them by whole units.
+  ids = golden("smollm2")["token_ids"].tolist()
+  ref = LLM(gguf_files[qtype], max_model_len=64, warmup=False).logits(ids)
+  llm = int4_llm if qtype == Q.Q4_1 else LLM(gguf_files[qtype], max_model_len=64, warmup=False, quantization="int4")
+  assert format_of(llm.runner.params["layers"][1]["w_down"]) == "int4"
+  np.testing.assert_allclose(llm.logits(ids), ref, atol=1e-4, rtol=0)
+
+
+def test_int4_greedy_batch_invariance(int4_llm):
+  _greedy_batch_invariant(int4_llm)
+
+
+def test_int4_mins_that_do_not_match_their_scales_name_the_tensor(gguf_files, tmp_path):
+  model = import_model(gguf_files[Q.Q4_0], "int4")
+  w = model.weights["layers"][1]["w_gate"]
+  model.weights["layers"][1]["w_gate"] = QuantizedWeight(w.values, w.scales, w.mins[:-1])
+  dst = orbax_io.save(model, tmp_path / "bad")
+  with pytest.raises(CheckpointError, match=r"ffn_gate|gate_proj.*mins have shape"):
+    load_model(dst)
