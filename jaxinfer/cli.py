@@ -148,20 +148,33 @@ def _serve(args: argparse.Namespace) -> None:
 def _route(args: argparse.Namespace) -> None:
   import logging
 
-  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions, expand_addresses
+  from jaxinfer.errors import InvalidRequestError
+  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions, expand_addresses, named_workers
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-  def addresses(flag: str) -> tuple[str, ...]:
-    given = getattr(args, flag.replace("-", "_"))
-    return expand_addresses([a.strip() for a in (given or "").split(",") if a.strip()], f"--{flag}")
+  def entries(flag: str) -> list[str]:
+    return [a.strip() for a in (getattr(args, flag.replace("-", "_")) or "").split(",") if a.strip()]
 
-  options = RouterOptions(workers=addresses("workers"), prefill_workers=addresses("prefill-workers"),
+  def addresses(flag: str) -> tuple[str, ...]:
+    return expand_addresses(entries(flag), f"--{flag}")
+
+  worker_entries = tuple(entries("workers"))
+  # Something to re-read (a dns: entry, a file): followed every --resolve-interval seconds.
+  follow = args.workers_file is not None or any(a.startswith("dns:") for a in worker_entries)
+  interval = args.resolve_interval if args.resolve_interval is not None else (10.0 if follow else 0.0)
+  try:
+    workers = named_workers(worker_entries, args.workers_file)
+  except OSError as e:
+    raise InvalidRequestError(f"--workers-file: {e}") from None
+  options = RouterOptions(workers=workers, prefill_workers=addresses("prefill-workers"),
                           decode_workers=addresses("decode-workers"), policy=args.policy,
                           overlap_weight=args.overlap_weight,
                           request_weight=args.request_weight, temperature=args.temperature,
-                          health_interval_s=args.health_interval, connect_timeout_s=args.connect_timeout)
+                          health_interval_s=args.health_interval, connect_timeout_s=args.connect_timeout,
+                          worker_entries=worker_entries if interval else (),
+                          workers_file=args.workers_file if interval else None, resolve_interval_s=interval)
   config = ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name)
@@ -267,7 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "HTTP) in front of `jaxinfer serve` workers of one model")
   rt.add_argument("--workers", default=None,
                   help="comma-separated worker gRPC addresses, HOST:PORT,...; dns:HOST:PORT stands for every "
-                       "address HOST resolves to, resolved once at start (e.g. a Kubernetes headless Service)")
+                       "address HOST resolves to (e.g. a Kubernetes headless Service), resolved again every "
+                       "--resolve-interval: pods that come are added, pods that go are drained")
+  rt.add_argument("--workers-file", default=None,
+                  help="more worker addresses, one per line or comma-separated (# comments), read at start and "
+                       "again every --resolve-interval: workers can be added and removed while the router runs")
+  rt.add_argument("--resolve-interval", type=float, default=None,
+                  help="seconds between re-reads of --workers dns: entries and --workers-file (default 10 when "
+                       "there is one of them, else the workers are fixed; 0: fixed)")
   rt.add_argument("--prefill-workers", default=None,
                   help="disaggregated, instead of --workers: `serve --role prefill` workers (HOST:PORT or "
                        "dns:HOST:PORT, comma-separated), picked per request by cached prefix (--policy)")

@@ -45,9 +45,16 @@ A prefill that fails before the first token (the decode worker answers
 UNAVAILABLE or RESOURCE_EXHAUSTED naming its prefill worker) is tried again
 on another prefill worker, through the same or another decode worker.
 
-Addresses may be `dns:HOST:PORT`: expanded once, at start, to every address
-HOST resolves to (`expand_addresses`; a Kubernetes headless Service names its
-pods this way). Pods that come or go later are not seen.
+Addresses may be `dns:HOST:PORT`: expanded to every address HOST resolves
+to (`expand_addresses`; a Kubernetes headless Service names its pods this
+way). Aggregated (`--workers`), the set can change while the router runs:
+with `resolve_interval_s` > 0 the entries (and the lines of `workers_file`)
+are resolved again that often (`named_workers`). A new address joins once
+it is SERVING the same model (same checks as at start); a gone one leaves at
+once: no new request goes to it and its index entries are dropped, while its
+in-flight streams go on to their end on its still-open channel (closed after
+the last). An empty or unresolvable answer keeps the current set (a DNS
+hiccup must not empty the router). The disaggregated sets are fixed at start.
 
 Everything runs on the serving asyncio loop (grpc.aio channels); no threads.
 """
@@ -176,6 +183,19 @@ class RouterMetrics:
     return generate_latest(self.registry)
 
 
+def named_workers(entries: Sequence[str], workers_file: str | None = None) -> tuple[str, ...]:
+  """The worker addresses named now: `entries` (--workers) then the lines of `workers_file`
+  (comma- or line-separated; blank lines and # comments skipped), dns: ones resolved, without
+  repeats. OSError if the file cannot be read, InvalidRequestError for an entry that does not
+  resolve."""
+  named = list(expand_addresses(entries, "--workers"))
+  if workers_file is not None:
+    listed = [a.strip() for line in Path(workers_file).read_text().splitlines()
+              for a in line.split("#")[0].split(",") if a.strip()]
+    named += expand_addresses(listed, "--workers-file")
+  return tuple(dict.fromkeys(named))
+
+
 def expand_addresses(addresses: Sequence[str], what: str = "workers") -> tuple[str, ...]:
   """HOST:PORT entries as given; each `dns:HOST:PORT` replaced by IP:PORT for every
   address HOST resolves to now (socket.getaddrinfo), in its order, without repeats.
@@ -214,6 +234,11 @@ class RouterOptions:
   temperature: float = 0.0
   health_interval_s: float = 1.0
   connect_timeout_s: float = 120.0  # start: how long each worker may take to turn SERVING
+  # Aggregated only: re-read the workers from `worker_entries` (as given: HOST:PORT or
+  # dns:HOST:PORT) and `workers_file` every resolve_interval_s (0: the set is fixed).
+  worker_entries: tuple[str, ...] = ()
+  workers_file: str | None = None
+  resolve_interval_s: float = 0.0
 
   def __post_init__(self):
     if self.disaggregated:
@@ -239,6 +264,13 @@ class RouterOptions:
     for name in ("health_interval_s", "connect_timeout_s"):
       if not getattr(self, name) > 0:
         raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)!r}")
+    if not self.resolve_interval_s >= 0:
+      raise InvalidRequestError(f"resolve_interval_s must be >= 0, got {self.resolve_interval_s!r}")
+    if self.resolve_interval_s and self.disaggregated:
+      raise InvalidRequestError("resolve_interval_s: only --workers (aggregated) can change while the router "
+                                "runs; the prefill and decode workers are fixed at start")
+    if self.resolve_interval_s and not (self.worker_entries or self.workers_file):
+      raise InvalidRequestError("resolve_interval_s: give worker_entries or workers_file to re-read")
 
   @property
   def disaggregated(self) -> bool:
@@ -277,6 +309,9 @@ class _Route:
   prefill: str | None  # disaggregated: the prefill worker named in the call's metadata
   blocks: float  # prompt blocks charged to each
   prefill_charged: bool = True  # until the first token: the prefill worker's part is done then
+  # The worker's channel when routed: a worker that left (and perhaps came back under the
+  # same address) is not charged the end of a request its earlier membership started.
+  member: "_Worker | None" = None
 
 
 class RouterGeneration:
@@ -305,7 +340,7 @@ class RouterGeneration:
     """Starts the call on the best live worker(s) (Unavailable if none is)."""
     route = self._route = self._b.choose(self._request.token_ids.ids, exclude=self._tried)
     metadata = ((PREFILL_WORKER_METADATA, route.prefill),) if route.prefill is not None else None
-    self._call = self._b.workers[route.worker].stub.Generate(self._request, metadata=metadata)
+    self._call = route.member.stub.Generate(self._request, metadata=metadata)
 
   def _release(self) -> None:
     if self._route is not None:
@@ -450,6 +485,9 @@ class RouterBackend(PromptMixin):
     self._round_robin = itertools.count()
     self._seed = seed
     self._tasks: list[asyncio.Task] = []
+    self._watches: dict[str, asyncio.Task] = {}  # kv worker -> its KV event subscription
+    self._joining: dict[str, asyncio.Task] = {}  # addresses named but not yet SERVING / checked
+    self._retired: list[_Worker] = []  # left, channel open until their last stream ends
     self._started: asyncio.Task | None = None
     cfg = frontend.config
     self.model_info = ModelInfo(
@@ -500,30 +538,27 @@ class RouterBackend(PromptMixin):
     infos = await asyncio.gather(*(self._wait_serving(self.workers[a]) for a in addresses))
     first = addresses[0]
     f = self.frontend
-    ours = {"architecture": f.config.architecture, "vocab_size": f.config.vocab_size,
-            "eos_token_ids": tuple(f.eos_ids)}
     by_address = dict(zip(addresses, infos))
     self._check_roles(by_address)
     for address, info in zip(addresses, infos):
-      theirs = {"architecture": info.architecture, "vocab_size": info.vocab_size,
-                "eos_token_ids": tuple(info.eos_token_ids)}
-      for field, value in ours.items():
-        if theirs[field] != value:
-          raise JaxinferError(f"worker {address} serves another model: its {field} is {theirs[field]!r}, "
-                              f"the router's --model {f.source} has {value!r}")
-      for field in ("max_model_len", "page_size"):
-        if getattr(info, field) != getattr(infos[0], field):
-          raise JaxinferError(f"worker {address} does not match worker {first}: its {field} is "
-                              f"{getattr(info, field)}, worker {first}'s is {getattr(infos[0], field)} "
-                              "(start every worker with the same flags)")
-    i0 = infos[0]
+      self.workers[address].info = info
+      self._check_model(address, info)
+      if info.max_model_len != infos[0].max_model_len:
+        raise JaxinferError(f"worker {address} does not match worker {first}: its max_model_len is "
+                            f"{info.max_model_len}, worker {first}'s is {infos[0].max_model_len} "
+                            "(start every worker with the same flags)")
+    # The index hashes blocks of one page size: the workers whose events feed it must agree.
+    # A decode worker may use another (it re-chunks the tokens a prefill worker sends).
+    i0 = by_address[o.kv_workers[0]]
+    for address in o.kv_workers:
+      if by_address[address].page_size != i0.page_size:
+        raise JaxinferError(f"worker {address} does not match worker {o.kv_workers[0]}: its page_size is "
+                            f"{by_address[address].page_size}, worker {o.kv_workers[0]}'s is {i0.page_size} "
+                            "(start every worker with the same flags)")
     f.max_model_len = i0.max_model_len
-    serving = [by_address[a] for a in o.generate_workers]  # decode workers hold the running requests
-    self.model_info = dataclasses.replace(
-        self.model_info, max_model_len=i0.max_model_len, dtype=i0.dtype,
-        devices=tuple(f"{a}/{d}" for a, info in zip(addresses, infos) for d in info.devices),
-        max_num_seqs=sum(i.max_num_seqs for i in serving), page_size=i0.page_size,
-        num_pages=sum(i.num_pages for i in serving))
+    self.model_info = dataclasses.replace(self.model_info, max_model_len=i0.max_model_len, dtype=i0.dtype,
+                                          page_size=i0.page_size)
+    self._refresh_model_info()
     config = RouterConfig(block_size=i0.page_size, overlap_weight=o.overlap_weight,
                           request_weight=o.request_weight, temperature=o.temperature)
     self.router = KVRouter(config, seed=self._seed)
@@ -535,13 +570,109 @@ class RouterBackend(PromptMixin):
         self.decode_router.add_worker(address)
     for address in addresses:
       self.metrics.worker_up.labels(address).set(1)
-    self._tasks = [asyncio.ensure_future(self._watch(self.workers[a])) for a in o.kv_workers]
-    self._tasks.append(asyncio.ensure_future(self._check_health()))
+    self._watches = {a: asyncio.ensure_future(self._watch(self.workers[a])) for a in o.kv_workers}
+    self._tasks = [asyncio.ensure_future(self._check_health())]
+    if o.resolve_interval_s:
+      self._tasks.append(asyncio.ensure_future(self._follow_membership()))
     if o.disaggregated:
       log.info("routing to %d decode workers by load, %d prefill workers by %s (block size %d)",
                len(o.decode_workers), len(o.prefill_workers), o.policy, i0.page_size)
     else:
       log.info("routing to %d workers (%s policy, block size %d)", len(self.workers), o.policy, i0.page_size)
+
+  def _check_model(self, address: str, info: pb.ModelInfo) -> None:
+    """JaxinferError unless the worker serves the router's --model."""
+    f = self.frontend
+    ours = {"architecture": f.config.architecture, "vocab_size": f.config.vocab_size,
+            "eos_token_ids": tuple(f.eos_ids)}
+    theirs = {"architecture": info.architecture, "vocab_size": info.vocab_size,
+              "eos_token_ids": tuple(info.eos_token_ids)}
+    for field, value in ours.items():
+      if theirs[field] != value:
+        raise JaxinferError(f"worker {address} serves another model: its {field} is {theirs[field]!r}, "
+                            f"the router's --model {f.source} has {value!r}")
+
+  def _refresh_model_info(self) -> None:
+    """Devices, sequences and pages summed over the workers of now."""
+    serving = [self.workers[a].info for a in self._generate_workers() if self.workers[a].info is not None]
+    self.model_info = dataclasses.replace(
+        self.model_info, devices=tuple(f"{w.address}/{d}" for w in self.workers.values() if w.info is not None
+                                       for d in w.info.devices),
+        max_num_seqs=sum(i.max_num_seqs for i in serving), num_pages=sum(i.num_pages for i in serving))
+
+  def _generate_workers(self) -> tuple[str, ...]:
+    """Who gets the Generate calls now (decode workers hold the running requests)."""
+    return self.options.decode_workers if self.options.disaggregated else tuple(self.workers)
+
+  # ---- membership (aggregated) -------------------------------------------------------
+
+  async def _follow_membership(self) -> None:
+    o = self.options
+    loop = asyncio.get_running_loop()
+    while True:
+      await asyncio.sleep(o.resolve_interval_s)
+      try:  # getaddrinfo blocks: off the loop
+        named = await loop.run_in_executor(None, named_workers, o.worker_entries, o.workers_file)
+      except (OSError, JaxinferError) as e:
+        log.warning("re-reading the workers failed (%s); keeping %s", e, sorted(self.workers))
+        continue
+      if not named:
+        log.warning("the workers' entries name no worker now; keeping %s", sorted(self.workers))
+        continue
+      for address in named:
+        if address not in self.workers and address not in self._joining:
+          self._joining[address] = asyncio.ensure_future(self._join(address))
+      for address in [a for a in self.workers if a not in named]:
+        self.remove_worker(address)
+      for address in [a for a in self._joining if a not in named]:
+        self._joining.pop(address).cancel()
+      self._close_retired()
+
+  async def _join(self, address: str) -> None:
+    """Adds `address` once it is SERVING the same model with the same page size."""
+    w = _Worker(address)
+    try:
+      info = await self._wait_serving(w)
+      self._check_model(address, info)
+      for field in ("max_model_len", "page_size"):
+        if getattr(info, field) != getattr(self.model_info, field):
+          raise JaxinferError(f"worker {address}: its {field} is {getattr(info, field)}, the other "
+                              f"workers' {getattr(self.model_info, field)} (start every worker with the same flags)")
+    except (JaxinferError, grpc.aio.AioRpcError) as e:
+      log.error("worker %s not added: %s", address, e)
+      await w.channel.close()
+      return
+    except asyncio.CancelledError:
+      await w.channel.close()
+      raise
+    finally:
+      self._joining.pop(address, None)
+    w.info = info
+    self.workers[address] = w
+    self.router.add_worker(address)
+    self._watches[address] = asyncio.ensure_future(self._watch(w))
+    self._refresh_model_info()
+    self.metrics.worker_up.labels(address).set(1)
+    log.info("worker %s joined (%d workers)", address, len(self.workers))
+
+  def remove_worker(self, address: str) -> None:
+    """No new request goes to `address` and its index entries are dropped; its in-flight
+    streams go on on its channel, closed once they ended (`_close_retired`)."""
+    w = self.workers.pop(address)
+    self.router.remove_worker(address)
+    watch = self._watches.pop(address, None)
+    if watch is not None:
+      watch.cancel()
+    self._retired.append(w)
+    self._refresh_model_info()
+    self.metrics.worker_up.labels(address).set(0)
+    log.info("worker %s left (%d workers); its in-flight requests finish there", address, len(self.workers))
+
+  def _close_retired(self) -> None:
+    busy = {id(g._route.member) for g in self.active.values() if g._route is not None}
+    for w in [w for w in self._retired if id(w) not in busy]:
+      self._retired.remove(w)
+      asyncio.ensure_future(w.channel.close())
 
   def _check_roles(self, infos: dict[str, pb.ModelInfo]) -> None:
     """Disaggregated: the prefill workers serve KVTransfer, and every decode worker
@@ -583,10 +714,11 @@ class RouterBackend(PromptMixin):
       await asyncio.sleep(0.2)
 
   async def stop(self) -> None:
-    for t in [*self._tasks, self._started]:
+    for t in [*self._tasks, *self._watches.values(), *self._joining.values(), self._started]:
       if t is not None and not t.done():
         t.cancel()
-    await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
+    await asyncio.gather(*(w.channel.close() for w in [*self.workers.values(), *self._retired]),
+                         return_exceptions=True)
 
   # ---- worker state ------------------------------------------------------------------
 
@@ -604,6 +736,8 @@ class RouterBackend(PromptMixin):
 
   def _mark_up(self, address: str) -> None:
     r = self._router_of(address)
+    if address not in self.workers:
+      return  # it left while its check was under way
     if address not in r.workers:
       log.info("worker %s is SERVING again", address)
       r.set_alive(address, True)
@@ -675,9 +809,10 @@ class RouterBackend(PromptMixin):
     # Disaggregated, the decode worker is picked first: with none up there is nothing to charge.
     decode = self._pick_decode(exclude) if o.disaggregated else None
     role, what = ("prefill", "prefill workers") if o.disaggregated else ("both", "workers")
-    none_up = f"no worker is up ({what}: {', '.join(o.kv_workers)})"
+    names = ", ".join(o.kv_workers if o.disaggregated else self.workers)
+    none_up = f"no worker is up ({what}: {names})"
     if exclude:
-      none_up = f"no worker is up that has not failed or refused this request ({what}: {', '.join(o.kv_workers)})"
+      none_up = f"no worker is up that has not failed or refused this request ({what}: {names})"
     if o.policy == "round_robin":
       live = [w for w in r.workers if w not in exclude]
       if not live:
@@ -700,9 +835,9 @@ class RouterBackend(PromptMixin):
     if decode is not None:
       self.decode_router.started(decode, num_blocks)
       m.routed_requests.labels(decode, "decode").inc()
-      route = _Route(decode, worker, float(num_blocks))
+      route = _Route(decode, worker, float(num_blocks), member=self.workers[decode])
     else:
-      route = _Route(worker, None, float(num_blocks))
+      route = _Route(worker, None, float(num_blocks), member=self.workers[worker])
     m.decision_time.observe(time.perf_counter() - t)
     return route
 
@@ -726,7 +861,8 @@ class RouterBackend(PromptMixin):
 
   def release(self, route: _Route) -> None:
     self.release_prefill(route)
-    (self.decode_router if self.options.disaggregated else self.router).finished(route.worker, route.blocks)
+    if self.workers.get(route.worker) is route.member:  # not if it left since
+      (self.decode_router if self.options.disaggregated else self.router).finished(route.worker, route.blocks)
 
   def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                prompt: str | None = None, prefill_worker: str | None = None) -> RouterGeneration:

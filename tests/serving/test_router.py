@@ -26,14 +26,36 @@ WORKER_FLAGS = ["--page-size", str(PAGE), "--max-num-seqs", "8", "--max-num-batc
                 "--metrics-port", "0"]
 
 
+def free_port() -> int:
+  """A port nobody listens on now: a worker started on it can be named to another process
+  before it is up, so both start at once."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def workers(model_dir):
+def processes(model_dir):
+  """The module's workers, started at once: two alike, and one whose admission limit
+  (--max-waiting-tokens 1) refuses every prompt of more than one token."""
   procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
+  procs.append(JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS,
+                               "--max-waiting-tokens", "1"))
   try:
     yield [p.wait() for p in procs]
   finally:
     for p in procs:
       p.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(processes):
+  return processes[:2]
+
+
+@pytest.fixture(scope="module")
+def busy(processes):
+  return processes[2]
 
 
 def route(model_dir, worker_addresses, *args):
@@ -142,26 +164,25 @@ def test_invalid_requests_are_refused_by_the_router_as_a_worker_would(rc, worker
   direct.close()
 
 
-def test_a_worker_of_another_model_is_refused_at_start(tmp_path, model_dir, workers):
+def test_a_worker_of_another_model_or_a_dead_address_is_refused_at_start(tmp_path, model_dir, workers):
+  """Two routers, started at once: one whose --model differs from the workers' (vocab_size),
+  one given an address nothing listens on. Each exits 1 naming the worker and why."""
   other = tmp_path / "other"
   shutil.copytree(model_dir, other)
   cfg = json.loads((other / "config.json").read_text())
   cfg["vocab_size"] = 512  # the router reads config and tokenizer only: no weights to mismatch
   (other / "config.json").write_text(json.dumps(cfg))
-  p = route(other, [w.address for w in workers], "--connect-timeout", "30")
-  assert p.proc.wait(120) == 1
-  err = p.proc.stderr.read()
-  assert (f"jaxinfer: error: worker {workers[0].address} serves another model: its vocab_size is 320, "
-          f"the router's --model {other} has 512") in err, err
-
-
-def test_a_dead_worker_address_is_refused_at_start(model_dir, workers):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
-  p = route(model_dir, [workers[0].address, dead], "--connect-timeout", "1")
-  assert p.proc.wait(120) == 1
-  err = p.proc.stderr.read()
+  mismatched = route(other, [w.address for w in workers], "--connect-timeout", "30")
+  unreachable = route(model_dir, [workers[0].address, dead], "--connect-timeout", "1")
+  assert mismatched.proc.wait(120) == 1
+  err = mismatched.proc.stderr.read()
+  assert (f"jaxinfer: error: worker {workers[0].address} serves another model: its vocab_size is 320, "
+          f"the router's --model {other} has 512") in err, err
+  assert unreachable.proc.wait(120) == 1
+  err = unreachable.proc.stderr.read()
   assert f"jaxinfer: error: worker {dead} is not SERVING after 1 s (UNAVAILABLE" in err, err
 
 
@@ -259,17 +280,14 @@ def test_a_request_whose_worker_fails_before_its_first_token_is_retried_elsewher
     fake.stop()
 
 
-def test_a_worker_that_refuses_before_the_first_token_is_retried_elsewhere(model_dir, workers):
+def test_a_worker_that_refuses_before_the_first_token_is_retried_elsewhere(model_dir, workers, busy):
   """A worker whose admission limit (--max-waiting-tokens 1) refuses every prompt of more
   than one token with RESOURCE_EXHAUSTED, next to a normal one: every request the router
   gives it is served by the other instead, and it stays up (busy is not dead). Alone
   behind a router, its refusal reaches the client as RESOURCE_EXHAUSTED."""
-  busy = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS,
-                         "--max-waiting-tokens", "1")
-  p = alone = None
+  p = route(model_dir, [workers[0].address, busy.address])
+  alone = route(model_dir, [busy.address])  # both routers start at once
   try:
-    busy.wait()
-    p = route(model_dir, [workers[0].address, busy.address])
     p.wait()
     with Client(p.address, timeout=60) as c:
       for i in range(12):  # idle workers, no shared full block: a coin flip each, 1/4096 never busy
@@ -279,16 +297,51 @@ def test_a_worker_that_refuses_before_the_first_token_is_retried_elsewhere(model
     routed_busy = total(text, f'jaxinfer_router_routed_requests_total{{role="both",worker="{busy.address}"}}')
     assert retried == routed_busy >= 1
     assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
-    alone = route(model_dir, [busy.address])
     alone.wait()
     with Client(alone.address, timeout=60) as c, pytest.raises(grpc.RpcError) as e:
       c.generate([70, 71], max_tokens=2)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "max_waiting_tokens=1" in e.value.details()
   finally:
-    for proc in (p, alone, busy):
-      if proc is not None:
-        proc.stop()
+    p.stop()
+    alone.stop()
+
+
+def test_workers_join_and_leave_while_the_router_runs(model_dir, workers, tmp_path):
+  """--workers-file re-read every 0.3 s. Worker a alone: it caches a prefix and runs a
+  long stream. The file then names b instead: a leaves at once (no new request; its
+  index entries dropped, so b, reusing a's slot, is not predicted to hold a's prefix)
+  while its stream runs on to its end there; b joins once SERVING and gets the requests."""
+  a, b = workers
+  listing = tmp_path / "workers"
+  listing.write_text(f"{a.address}  # the first\n")
+  p = JaxinferProcess("route", "--model", str(model_dir), "--workers-file", str(listing), "--resolve-interval",
+                      "0.3", "--port", "0", "--metrics-port", "0", "--health-interval", "0.3").wait()
+  try:
+    def metric(name, w):
+      m = re.search(rf'^{name}\{{(?:role="both",)?worker="{re.escape(w.address)}"\}} (\S+)$', p.metrics_text(), re.M)
+      return float(m.group(1)) if m else 0.0
+
+    with Client(p.address, timeout=120) as c:
+      prefix = list(range(110, 150))  # 10 blocks, seen by no other test
+      c.generate(prefix + [7], max_tokens=2, temperature=0)
+      stream = c.stream([51, 52], max_tokens=1500, temperature=0, ignore_eos=True)
+      first = next(stream)
+      assert metric("jaxinfer_router_routed_requests_total", a) == 2
+      time.sleep(0.5)  # a's KV events of the prefix reach the index
+      listing.write_text(f"{b.address}\n")
+      assert wait_for(lambda: metric("jaxinfer_router_worker_up", b) == 1, 30), p.tail()
+      assert metric("jaxinfer_router_worker_up", a) == 0
+      assert a.metric("jaxinfer_running_requests") == 1  # the stream was still running on a when it left
+      assert c.generate(prefix + [8], max_tokens=2, temperature=0).usage.cached_tokens == 0
+      assert metric("jaxinfer_router_predicted_cached_tokens_total", b) == 0
+      assert metric("jaxinfer_router_routed_requests_total", b) == 1
+      assert metric("jaxinfer_router_routed_requests_total", a) == 2
+      rest = list(stream)
+      assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 1500
+      assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+  finally:
+    p.stop()
 
 
 def test_killing_a_worker_mid_stream(rc, router, workers):

@@ -17,7 +17,7 @@ from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.server import PREFILL_WORKER_METADATA
 from jaxinfer.serving.process import JaxinferProcess
-from test_router import PAGE, WORKER_FLAGS, FakeWorker, total
+from test_router import PAGE, WORKER_FLAGS, FakeWorker, free_port, total
 
 
 def route(model_dir, prefill, decode, *args):
@@ -26,10 +26,23 @@ def route(model_dir, prefill, decode, *args):
               "--health-interval", "0.3", *args)
 
 
+def serve(model_dir, role, *args, port=0):
+  return JaxinferProcess("serve", "--model", str(model_dir), "--port", str(port), "--role", role, *WORKER_FLAGS, *args)
+
+
 @pytest.fixture(scope="module")
-def prefills(model_dir):
-  procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS)
-           for _ in range(2)]
+def processes(model_dir):
+  """Every worker of the module, started at once (the prefill workers on ports picked
+  beforehand, so the decode workers can name them): two prefill workers and a decode
+  worker taking KV from both; a prefill worker whose admission limit
+  (--max-waiting-tokens 1) refuses every prompt, and a decode worker taking KV from it
+  and the first."""
+  ports = [free_port() for _ in range(3)]
+  p0, p1, pbusy = (f"127.0.0.1:{port}" for port in ports)
+  procs = [serve(model_dir, "prefill", port=ports[0]), serve(model_dir, "prefill", port=ports[1]),
+           serve(model_dir, "decode", "--prefill-workers", f"{p0},{p1}"),
+           serve(model_dir, "prefill", "--max-waiting-tokens", "1", port=ports[2]),
+           serve(model_dir, "decode", "--prefill-workers", f"{p0},{pbusy}")]
   try:
     yield [p.wait() for p in procs]
   finally:
@@ -38,13 +51,18 @@ def prefills(model_dir):
 
 
 @pytest.fixture(scope="module")
-def decode(model_dir, prefills):
-  p = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
-           "--prefill-workers", ",".join(w.address for w in prefills), *WORKER_FLAGS)
-  try:
-    yield p.wait()
-  finally:
-    p.stop()
+def prefills(processes):
+  return processes[:2]
+
+
+@pytest.fixture(scope="module")
+def decode(processes):
+  return processes[2]
+
+
+@pytest.fixture(scope="module")
+def busy_and_its_decode(processes):
+  return processes[3:]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +198,7 @@ def test_decode_workers_must_accept_the_routers_prefill_workers(model_dir, prefi
 
 
 def test_route_flags_are_checked_before_anything_connects(model_dir):
-  for args, message in [
+  cases = [
       (["--workers", "127.0.0.1:1", "--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:3"],
        "give --workers (aggregated: each worker serves whole requests) or --prefill-workers with "
        "--decode-workers (disaggregated), not both"),
@@ -188,8 +206,13 @@ def test_route_flags_are_checked_before_anything_connects(model_dir):
                                              "prefill and one decode worker"),
       ([], "workers: give at least one worker address"),
       (["--workers", "dns:localhost"], "--workers: 'dns:localhost' is not dns:HOST:PORT"),
-      (["--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:2"], "127.0.0.1:2 is given twice")]:
-    p = JaxinferProcess("route", "--model", str(model_dir), "--port", "0", *args)
+      (["--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:2"], "127.0.0.1:2 is given twice"),
+      (["--prefill-workers", "127.0.0.1:2", "--decode-workers", "127.0.0.1:3", "--resolve-interval", "1"],
+       "resolve_interval_s: only --workers (aggregated) can change while the router runs"),
+      (["--workers-file", "/nonexistent/workers"], "--workers-file: [Errno 2] No such file or directory")]
+  procs = [(JaxinferProcess("route", "--model", str(model_dir), "--port", "0", *args), args, message)
+           for args, message in cases]  # all at once: each is a Python start-up
+  for p, args, message in procs:
     assert p.proc.wait(120) == 1, args
     err = p.proc.stderr.read()
     assert "jaxinfer: error: " in err and message in err, (args, err)
@@ -208,22 +231,15 @@ def test_dns_entries_expand_to_the_resolved_addresses(model_dir, prefills, decod
     p.stop()
 
 
-def test_a_prefill_worker_that_refuses_is_retried_on_another(model_dir, prefills):
+def test_a_prefill_worker_that_refuses_is_retried_on_another(model_dir, prefills, busy_and_its_decode):
   """A prefill worker whose admission limit (--max-waiting-tokens 1) refuses every prompt
   next to a normal one, behind a decode worker that takes KV from both: a request whose
   prefill the router gives to the refusing one (the decode worker answers
   RESOURCE_EXHAUSTED naming it) is prefilled by the other instead, and the refusing one
   stays up."""
-  busy = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "prefill", *WORKER_FLAGS,
-                         "--max-waiting-tokens", "1")
-  dec = p = None
+  busy, dec = busy_and_its_decode
+  p = route(model_dir, [prefills[0].address, busy.address], [dec.address]).wait()
   try:
-    busy.wait()
-    dec = JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", "--role", "decode",
-                          "--prefill-workers", f"{prefills[0].address},{busy.address}", *WORKER_FLAGS)
-    dec.wait()
-    p = route(model_dir, [prefills[0].address, busy.address], [dec.address])
-    p.wait()
     with Client(p.address, timeout=60) as c:
       for i in range(12):  # idle prefill workers, no shared full block: a coin flip each
         assert len(c.generate([80 + i, 81, 82], max_tokens=2, ignore_eos=True).token_ids) == 2
@@ -234,9 +250,7 @@ def test_a_prefill_worker_that_refuses_is_retried_on_another(model_dir, prefills
     assert total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{prefills[0].address}"}}') == 12
     assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
   finally:
-    for proc in (p, dec, busy):
-      if proc is not None:
-        proc.stop()
+    p.stop()
 
 
 def test_a_dead_prefill_worker_is_routed_around(model_dir, router2, prefills, decode):
