@@ -65,13 +65,14 @@ integers; q(d_j) is gathered by the wrapper ([S, k] values).
 
 GPU exactness. The engine draws t_j with XLA ops; for the kernel to give the
 same tokens on a GPU every float op on the way to g + s must round the same
-way. The integer hash is exact; uniform * 1 + tiny is exact whether or not
-it is fused into an FMA; Triton lowers log to libdevice's __nv_logf as XLA
-does; but Triton's f32 division (arith.divf) is the approximate div.full.f32,
-while XLA divides with IEEE div.rn.f32. The kernel therefore divides with
-inline PTX div.rn.f32 when compiled for a GPU (x / t in interpret mode,
-which runs as XLA ops). Not yet measured on a GPU: see
-tests/pallas_kernels/test_spec_accept.py for the GPU equality test.
+way. The integer hash is exact; uniform * (1 - tiny) + tiny is exact whether
+or not it is fused into an FMA (1 - tiny rounds to 1); Triton's f32 division
+(arith.divf) is the approximate div.full.f32 while XLA divides with IEEE
+div.rn.f32, so the kernel divides with inline PTX div.rn.f32 when compiled
+for a GPU (x / t in interpret mode, which runs as XLA ops). The one op left
+to chance is log: Triton calls libdevice's __nv_logf, and XLA:GPU is
+believed to as well. Not yet run on a GPU: test_compiled_kernel_matches_xla_on_gpu
+and scripts/bench_kernels.py (integer_mismatches_vs_reference) check it there.
 
 Limit: parallelism is S programs. A batch of few sequences (batch 1 decode
 with a 49k vocab) keeps one SM busy hashing ~200k Gumbel values; splitting
@@ -184,7 +185,7 @@ def _accept_kernel(nd_ref, draft_ref, temp_ref, thr_ref, k0_ref, k1_ref, u_ref, 
   nd_ref [S]; draft_ref, temp_ref, thr_ref, k0_ref, k1_ref, u_ref, qd_ref [S, K1p] (row k
   and rows past it: no draft); logits_ref [S, K1, V]; q_ref [S, k, V] (full_q) or None.
   """
-  S, _, V = logits_ref.shape
+  V = logits_ref.shape[2]
   K1p = draft_ref.shape[1]
   s = pl.program_id(0)
   row = lax.iota(jnp.int32, K1p)
@@ -360,7 +361,7 @@ def spec_accept_reference(logits: jax.Array, draft_ids: jax.Array, num_drafts: j
   key_data = _key_data(jnp.asarray(keys))
   _check_inputs(logits, draft_ids, num_drafts, temperature, key_data, threshold, draft_probs, uniforms)
   _check_random_config()
-  S, K1, V = logits.shape
+  _, K1, V = logits.shape
   k = K1 - 1
   greedy = temperature <= 0  # [S, K1]
   t = jnp.where(greedy, 1.0, temperature)[..., None]

@@ -333,12 +333,13 @@ def accept_cases(shapes: Shapes, ceil: dict, interpret: bool, rng) -> list[dict]
       want = jax.block_until_ready(reference(*args, **extra))
       got = jax.block_until_ready(pallas(*args, **extra))
       mismatches = int(jnp.sum(got[0] != want[0]) + jnp.sum(got[1] != want[1]))
-      timed = {"pallas": lambda: pallas(*args, **extra), "jnp_reference": lambda: reference(*args, **extra)}
+      timed = {"pallas": functools.partial(pallas, *args, **extra),
+               "jnp_reference": functools.partial(reference, *args, **extra)}
       if mode != "full_q":  # the engine has no full-q acceptance
         engine = jax.jit(engine_accept)
         eng_a, eng_ids = jax.block_until_ready(engine(*args[:4], seeds, positions))
         mismatches += int(jnp.sum(eng_a != want[0]) + jnp.sum(eng_ids != want[1]))
-        timed["engine_sample_accept"] = lambda: engine(*args[:4], seeds, positions)
+        timed["engine_sample_accept"] = functools.partial(engine, *args[:4], seeds, positions)
       nbytes = 4 * S * (k + 1) * V + (4 * S * k * V if mode == "full_q" else 0)
       timings = {name: time_us(fn, shapes=shapes) for name, fn in timed.items()}
       case = {"section": "accept", "S": S, "k": k, "V": V, "mode": mode, "logits_dtype": "float32",

@@ -25,8 +25,18 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.spec_decode import accept
-from jaxinfer.sampling import SamplingBatch, sample, sort_descending, truncation_threshold
-from pallas_kernels.spec_accept import BlockSizes, gumbel_noise, spec_accept, spec_accept_reference
+from jaxinfer.sampling import (
+  SamplingBatch,
+  sample,
+  sort_descending,
+  truncation_threshold,
+)
+from pallas_kernels.spec_accept import (
+  BlockSizes,
+  gumbel_noise,
+  spec_accept,
+  spec_accept_reference,
+)
 
 kernel = functools.partial(spec_accept, interpret=True)
 
@@ -95,7 +105,7 @@ def test_kernel_matches_reference(V, block_v, k, full_q, dtype):
     argmax = np.argmax(np.asarray(logits[:, :k], np.float32), axis=-1)
     greedy = np.asarray(temperature[:, :k]) == 0
     drafts = jnp.asarray(np.where(greedy, argmax, drafts), jnp.int32)  # greedy sequences accept all
-    extra = dict(draft_probs=jnp.asarray(q), uniforms=jnp.asarray(rng.uniform(size=(S, k)), jnp.float32))
+    extra = {"draft_probs": jnp.asarray(q), "uniforms": jnp.asarray(rng.uniform(size=(S, k)), jnp.float32)}
   else:
     # Every row's own draw t_j (a sequence with no drafts commits row 0's and shows the rest);
     # the first c drafts of each sequence are those, then a wrong one.
@@ -202,7 +212,7 @@ def chi_square(counts):
 
 def reference_draw(logits, drafts, temperature, keys, probs, uniforms, point_mass=False):
   nd = jnp.ones(logits.shape[0], jnp.int32)
-  extra = {} if point_mass else dict(draft_probs=probs, uniforms=uniforms)
+  extra = {} if point_mass else {"draft_probs": probs, "uniforms": uniforms}
   return spec_accept_reference(logits, drafts, nd, temperature, keys, **extra)[1]
 
 
@@ -240,8 +250,8 @@ def test_lossless_check_rejects_a_wrong_residual():
 def test_bad_inputs_name_the_argument():
   S, k, V = 2, 2, 50
   logits = jnp.zeros((S, k + 1, V))
-  ok = dict(draft_ids=jnp.zeros((S, k), jnp.int32), num_drafts=jnp.zeros(S, jnp.int32),
-            temperature=jnp.zeros((S, k + 1)), keys=row_keys(np.zeros((S, k + 1)), np.zeros((S, k + 1))))
+  ok = {"draft_ids": jnp.zeros((S, k), jnp.int32), "num_drafts": jnp.zeros(S, jnp.int32),
+        "temperature": jnp.zeros((S, k + 1)), "keys": row_keys(np.zeros((S, k + 1)), np.zeros((S, k + 1)))}
   with pytest.raises(ValueError, match="draft_ids"):
     kernel(logits, **{**ok, "draft_ids": jnp.zeros((S, k + 1), jnp.int32)})
   with pytest.raises(ValueError, match="temperature"):
@@ -265,7 +275,7 @@ def test_kernel_lowers_to_triton(full_q):
     avals += [A((S, k, V), jnp.float32), A((S, k), jnp.float32)]
 
   def fn(logits, drafts, nd, temperature, key_data, thr, *q):
-    extra = dict(draft_probs=q[0], uniforms=q[1]) if q else {}
+    extra = {"draft_probs": q[0], "uniforms": q[1]} if q else {}
     return spec_accept(logits, drafts, nd, temperature, key_data, threshold=thr, **extra)
 
   try:
