@@ -45,7 +45,8 @@ def server(published):
     return events
 
   kv.drain_events = recording_drain
-  s = InferenceServer(llm, ServerConfig(port=0)).start_in_thread()
+  # No warm-up: the few step shapes these tests run compile on first use.
+  s = InferenceServer(llm, ServerConfig(port=0), warmup=False).start_in_thread()
   yield s
   s.stop_in_thread(5)
 
