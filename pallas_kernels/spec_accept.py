@@ -157,7 +157,7 @@ def _ieee_div(x, y):
   the approximate div.full.f32."""
   x, y = jnp.broadcast_arrays(x, y)
   return plgpu.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
@@ -297,7 +297,9 @@ def _key_data(keys: jax.Array) -> jax.Array:
 def _check_random_config() -> None:
   """The kernel hashes (key, i) for noise value i, and uses jax.random's low-range Gumbel: what
   jax.random.gumbel does under these flags (jax's defaults)."""
-  if not jax.config.jax_threefry_partitionable or jax.config.jax_high_dynamic_range_gumbel:
+  # A flag a later jax drops keeps its default behaviour for good.
+  flag = lambda name, default: getattr(jax.config, name, default)
+  if not flag("jax_threefry_partitionable", True) or flag("jax_high_dynamic_range_gumbel", False):
     raise ValueError("spec_accept draws jax.random.gumbel's noise only with jax_threefry_partitionable=True "
                      "and jax_high_dynamic_range_gumbel=False (jax's defaults)")
 
