@@ -146,13 +146,18 @@ def check_quantizable(specs: Any, quantization: str) -> None:
   Stacked expert weights [E, in, out] are not: their scales would be per
   (expert, channel), which neither the scales layout above nor `linear`
   (the grouped expert matmul is a ragged_dot) knows.
+  int4 is refused for MLA's wkv_b: models/mla.py reads it dequantized as values x scales
+  (its absorbed form contracts the output dims), which would drop int4's mins.
   """
   from jaxinfer.params import is_spec
   for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
+    where = f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf})"
     if quantizable(spec) and spec.num_experts:
       raise UnsupportedModelError(
           f"quantization={quantization!r} is not supported for mixture-of-experts weights "
-          f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf}); load this model unquantized")
+          f"{where}; load this model unquantized")
+    if quantization == "int4" and quantizable(spec) and spec.hf.endswith("kv_b_proj.weight"):
+      raise UnsupportedModelError(f"quantization='int4' is not supported for MLA {where}: use int8 or fp8")
 
 
 def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:

@@ -189,6 +189,13 @@ def test_fp8_check_passes_here_and_names_a_jax_without_float8(monkeypatch):
     check_fp8.__wrapped__()
 
 
+def test_int4_is_refused_for_mla_by_name():
+  # models/mla.py reads wkv_b as values x scales (no mins): refused rather than wrong.
+  cfg = read_config(tiny_dir("deepseek_v3"))
+  with pytest.raises(UnsupportedModelError, match=r"int4' is not supported for MLA .*kv_b_proj"):
+    param_specs(cfg, "int4")
+
+
 def test_unknown_quantization_is_a_clear_error():
   with pytest.raises(InvalidRequestError, match="quantization must be one of int8.*'int3'"):
     LLM(tiny_dir("llama3"), max_model_len=64, warmup=False, quantization="int3")
