@@ -74,10 +74,12 @@ to chance is log: Triton calls libdevice's __nv_logf, and XLA:GPU is
 believed to as well. Not yet run on a GPU: test_compiled_kernel_matches_xla_on_gpu
 and scripts/bench_kernels.py (integer_mismatches_vs_reference) check it there.
 
-Limit: parallelism is S programs. A batch of few sequences (batch 1 decode
-with a 49k vocab) keeps one SM busy hashing ~200k Gumbel values; splitting
-the vocab over programs with a final (max, argmax, logsumexp) merge is the
-remedy, not done here.
+Limit: parallelism is S programs, and a sampled sequence hashes one Gumbel
+value per logit (~120 integer ops each; greedy sequences skip the hash).
+Batch 1 with k = 3 and a 49k vocab is ~200k hashes on one SM, by estimate
+~0.2 ms on an H100, where XLA's sampler spreads the same work over the whole
+GPU; splitting the vocab over programs with a final (max, first argmax,
+logsumexp) merge is the remedy, not done here (unmeasured: no GPU was lent).
 """
 
 from __future__ import annotations
@@ -198,6 +200,7 @@ def _accept_kernel(nd_ref, draft_ref, temp_ref, thr_ref, k0_ref, k1_ref, u_ref, 
   t = jnp.where(greedy, 1.0, temp).astype(jnp.float32)  # x / 1 is x: greedy rows keep their logits
   thr = jnp.where(greedy, -jnp.inf, per_row(thr_ref))
   k0, k1 = per_row(k0_ref), per_row(k1_ref)
+  any_sampled = jnp.max(jnp.where(~greedy & row_ok, 1, 0)) > 0  # (Triton lowers no reduce_or)
   neg_inf = jnp.float32(-jnp.inf)
 
   def scaled(x, col_ok, t, thr):
@@ -212,7 +215,9 @@ def _accept_kernel(nd_ref, draft_ref, temp_ref, thr_ref, k0_ref, k1_ref, u_ref, 
     x = plgpu.load(logits_ref.at[s, pl.ds(0, K1p), pl.ds(b * block_v, block_v)],
                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # [K1p, C]
     sc = scaled(x, col_ok[None, :], t[:, None], thr[:, None])
-    noise = gumbel_noise(k0[:, None], k1[:, None], col[None, :])
+    # Greedy sequences skip the hash (~120 integer ops per logit): they are memory-bound.
+    noise = lax.cond(any_sampled, lambda c: gumbel_noise(k0[:, None], k1[:, None], c[None, :]),
+                     lambda c: jnp.zeros((K1p, block_v), jnp.float32), col)
     val = jnp.where(greedy[:, None], sc, noise + sc)  # -inf + noise = -inf
     best, arg = _first_argmax_update(best, arg, val, col)
     if full_q:
