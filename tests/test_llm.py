@@ -80,11 +80,16 @@ def test_bad_requests_raise_clear_errors(tiny_llms, prompt, params, error, messa
     tiny_llms["qwen2"].generate([prompt], params)
 
 
-def test_cli_generate_on_a_tiny_model():
+def test_cli_generate_on_a_tiny_model(tiny_llms):
+  # A 4-token step budget: the warm-up compiles 3 step buckets, not 10.
   r = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--model", str(tiny_dir("llama3")),
-                      "--max-tokens", "5", "--no-chat-template", "Hello"], capture_output=True, text=True)
+                      "--max-tokens", "5", "--temperature", "0", "--no-chat-template",
+                      "--max-num-batched-tokens", "4", "--max-num-seqs", "2", "--max-model-len", "64", "Hello"],
+                     capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
-  assert r.stdout.strip()
+  want = tiny_llms["llama3"].generate(["Hello"], SamplingParams(temperature=0, max_tokens=5),
+                                      apply_chat_template=False)[0].text
+  assert want.strip() and r.stdout == want.strip() + "\n"
 
 
 def test_cli_rejects_bad_sampling_value():

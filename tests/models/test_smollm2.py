@@ -41,19 +41,15 @@ def batch_golden():
   return json.loads((DATA / "golden" / "batch_smollm2-135m.json").read_text())
 
 
-@pytest.mark.parametrize("num_pages", [None, 40])  # 40 pages of 16: preemption must happen
-def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(default_checkpoint, num_pages):
-  from jaxinfer import LLM
+def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(smollm):
+  """On the session's default-config LLM: its programs are the ones the quickstart's
+  warm-up compiles, so CI compiles SmolLM2's step once per bucket for the whole suite."""
   g = batch_golden()
   prompts = [r["prompt_ids"] for r in g["records"]]
-  llm = LLM(default_checkpoint, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
-            num_pages=num_pages, warmup=False)
+  llm = smollm
   greedy = SamplingParams(temperature=0, max_tokens=g["max_new_tokens"], ignore_eos=True)
   first = llm.generate(prompts, greedy)
   assert [o.token_ids for o in first] == [r["greedy_ids"] for r in g["records"]]
-  if num_pages is not None:
-    assert llm.engine.stats()["preemptions"] > 0
-    return
   computed = llm.engine.num_computed_tokens
   second = llm.generate(prompts, greedy)
   assert [o.token_ids for o in second] == [r["greedy_ids"] for r in g["records"]]
