@@ -49,6 +49,20 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   chat prompts): weight-only agrees on the top-1 token at 97% of positions,
   mean |logit diff| 0.30; per-token int8 activations drop that to 90% and
   0.94. That loss outweighs a 1.4x gain at large batch, so weight-only it is.
+- fp8 and int4 (same benchmark, 2026-11-23, load ~8 on the 2 shared cores): per matmul,
+  at 1 token fp8 is 11-17x and int4 15-18x slower than float32, at 64 tokens 1.5-2.2x
+  and 2.4-2.6x slower (int8 weight-only 0.8-1.0x in the same run). The bottleneck is the
+  dequantizing loop fusion above; e4m3 -> f32 and s4 -> f32 (plus the group scale and
+  offset) are software conversions on this CPU, slower per element than int8's. So int4
+  does not pay for speed here at batch 1 or 64: what it buys is memory (the default model's
+  weights 184 MB held in int4 vs 513 MB in float32; int4 is jnp.int4, held packed by XLA
+  CPU, s4 layout E(4), and converted exactly under jax 0.10.2: tests/test_quant.py).
+- Quality (scripts/eval_quality.py, benchmarks/results/quality-2026-11-23.json, the
+  default model, perplexity on our own text): bfloat16 +0.15%, int8 +0.37%, fp8 +1.82%
+  against float32. int4 is +0.00%, bit-identical logits, because the default model is a
+  Q4_1 file: its float32 weights are Q4_1 blocks, which int4 (asymmetric, groups of 32)
+  recovers exactly; on a model not already 4-bit int4 loses more (tiny random smollm2:
+  mean |logit diff| 0.15 vs int8's 0.012 and fp8's 0.056).
 No quantized form pays for batch-1 decode under XLA CPU: that needs a kernel that
 reads the small values directly (issue 14).
 """

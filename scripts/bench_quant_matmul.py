@@ -39,6 +39,7 @@ Writes benchmarks/results/quant-matmul-<date>.json and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -204,6 +205,7 @@ def main() -> None:
   args = p.parse_args()
   from bench_peers import write_results
 
+  load_before = os.getloadavg()
   rows = [] if args.skip_matmuls else matmul_rows(args.layers, args.repeats)
   forms = [k for k in rows[0] if k.endswith(" us")] if rows else []
   if rows:
@@ -218,9 +220,17 @@ def main() -> None:
     for r in e2e:
       print(f"| {r['num_prompts']} | {r.get('quantization') or 'float32'} | {r['tokens_per_s']:.1f} | "
             f"{r['peak_rss_mb']:.0f} |")
+  load_after = os.getloadavg()
+  print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores, shared)")
   path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,
+                                            load_average_before=load_before, load_average_after=load_after,
                                             notes="best of --repeats; time per matmul (a chain of "
-                                                  "--layers distinct weights); machine shared"),
+                                                  "--layers distinct weights); machine shared. Bottleneck "
+                                                  "of every quantized form: the loop fusion that converts "
+                                                  "(int4: and scales and offsets) the whole weight into an "
+                                                  "f32 [in, out] buffer before the dot (compiled HLO, "
+                                                  "tests/test_quant.py); fp8 and int4 converts are software "
+                                                  "conversions on this CPU, slower than int8's"),
                        args.out)
   print(f"wrote {path}")
 

@@ -14,8 +14,9 @@ Per format (float32, bfloat16, and every quantization jaxinfer.quant knows):
 All formats stay loaded and are run window by window, so only one window of float32 logits
 is ever held ([window, 49152] float32, 100 MB at 512). The default model is the Q4_1 GGUF
 dequantized to float32 (jaxinfer.default_model): 'float32' here is those weights, and every
-quantized row requantizes them. --gguf adds the rows of the Q4_1 file itself loaded with each
-quantization (int4 keeps its Q4_1 blocks as they are).
+quantized row requantizes them. --gguf adds 'int4 (Q4_1 gguf)': the Q4_1 file itself loaded
+with quantization='int4', its blocks kept as they are (the same numbers as float32 up to
+float32 rounding, at 4 bits).
 
   python scripts/eval_quality.py                    # the table, and benchmarks/results/quality-<date>.json
   python scripts/eval_quality.py --formats float32,int8
@@ -70,6 +71,14 @@ def log_softmax_nll(logits, targets):
   return float(np.sum(lse - x[np.arange(len(targets)), targets]))
 
 
+def weight_bytes(params) -> int:
+  """Bytes of the weights as held: int4 packs two values per byte (XLA's s4 layout is E(4))."""
+  import jax
+  import numpy as np
+  return int(sum(x.size * (0.5 if np.dtype(x.dtype).name in ("int4", "uint4") else np.dtype(x.dtype).itemsize)
+                 for x in jax.tree.leaves(params)))
+
+
 def evaluate(models: dict, ids: list[int], window: int, prompts: list[list[int]], max_tokens: int) -> list[dict]:
   import numpy as np
 
@@ -105,7 +114,7 @@ def evaluate(models: dict, ids: list[int], window: int, prompts: list[list[int]]
              for o, r in zip(outs, ref_ids)]
     s = stats[name]
     ppl = float(np.exp(s["nll"] / s["n"]))
-    rows.append(dict(format=name, perplexity=ppl, tokens_scored=s["n"], max_abs_logit_diff=s["max_diff"],
+    rows.append(dict(format=name, weight_mb=weight_bytes(llm.runner.params) / 2**20, perplexity=ppl, tokens_scored=s["n"], max_abs_logit_diff=s["max_diff"],
                      mean_abs_logit_diff=s["sum_diff"] / s["n_logits"],
                      top1_agreement=s["agree"] / (s["n"] + len(windows)),
                      greedy_first_divergence=first, greedy_first_divergence_min=min(first),
@@ -122,8 +131,7 @@ def main() -> None:
   p.add_argument("--formats", default=None, help="comma-separated subset (float32 is always run)")
   p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
   p.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt")
-  p.add_argument("--gguf", action="store_true",
-                 help="also the default model's Q4_1 GGUF loaded with each quantization")
+  p.add_argument("--gguf", action="store_true", help="also the default model's Q4_1 GGUF loaded as int4 blocks")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   from bench_peers import write_results
@@ -141,16 +149,16 @@ def main() -> None:
   models = {}
   for label, dtype, q in formats(args.formats.split(",") if args.formats else None):
     models[label] = LLM(ckpt, dtype, quantization=q, **opts)
-    if args.gguf and q is not None:
+    if args.gguf and q == "int4":
       models[f"{label} (Q4_1 gguf)"] = LLM(default_gguf_path(), dtype, quantization=q, **opts)
   print(f"{len(ids)} tokens of text, windows of {args.window}; formats {list(models)}", flush=True)
   rows = evaluate(models, ids, args.window, prompts, args.max_tokens)
   load_after = os.getloadavg()
-  print(f"\n| format | perplexity | vs float32 | max / mean logit diff | top-1 agree | "
+  print(f"\n| format | weights MB | perplexity | vs float32 | max / mean logit diff | top-1 agree | "
         f"greedy first divergence min / mean (of {args.max_tokens}) | identical |")
-  print("|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['format']} | {r['perplexity']:.3f} | {r['perplexity_vs_float32_pct']:+.2f}% | "
+    print(f"| {r['format']} | {r['weight_mb']:.0f} | {r['perplexity']:.3f} | {r['perplexity_vs_float32_pct']:+.2f}% | "
           f"{r['max_abs_logit_diff']:.3f} / {r['mean_abs_logit_diff']:.4f} | {100 * r['top1_agreement']:.1f}% | "
           f"{r['greedy_first_divergence_min']} / {r['greedy_first_divergence_mean']:.1f} | "
           f"{r['greedy_identical']}/{len(PROMPTS)} |")
