@@ -7,8 +7,8 @@ A head comes from, first found:
      scripts/train_mtp.py writes;
   2. the checkpoint itself: a Hugging Face DeepSeek-V3/R1 directory whose tensors include
      layer `num_hidden_layers` (`model.layers.{L}.eh_proj.weight` and the rest);
-  3. the heads jaxinfer ships (jaxinfer/data/mtp/<model name>.safetensors), for the
-     default model.
+  3. the heads jaxinfer ships (jaxinfer/data/mtp/<model name>.safetensors, `shipped_paths`),
+     for the default model.
 
 Every source uses the same names (`mtp_specs`), so a trained head is a DeepSeek-style MTP
 layer. `shared_head.head` is read when present (DeepSeek's is a copy of lm_head) and
@@ -20,6 +20,7 @@ CheckpointError naming it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,7 +47,9 @@ def head_paths(model_path: str | Path) -> tuple[Path, Path]:
 
 
 def shipped_paths(cfg: ModelConfig) -> tuple[Path, Path]:
-  return SHIPPED_DIR / f"{cfg.name}.safetensors", SHIPPED_DIR / f"{cfg.name}.json"
+  """The shipped head of the model named cfg.name (lower case, runs of other characters as '-')."""
+  slug = re.sub(r"[^a-z0-9._]+", "-", cfg.name.lower()).strip("-")
+  return SHIPPED_DIR / f"{slug}.safetensors", SHIPPED_DIR / f"{slug}.json"
 
 
 def assemble_mtp(cfg: ModelConfig, source: str, fetch: Callable[[str], np.ndarray | None],

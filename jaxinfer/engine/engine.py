@@ -156,15 +156,21 @@ class LLMEngine:
 
   def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Tokenizer | None,
                engine_config: EngineConfig = EngineConfig(), *, mesh=None, sharding_rules=None,
-               progress: bool = False):
+               progress: bool = False, mtp_params: Any = None, model_path: str | Path | None = None):
+    """`mtp_params`: the MTP head (jaxinfer.models.mtp) for speculative method 'mtp'; without
+    it the head is looked for beside `model_path` and among the shipped heads
+    (jaxinfer.checkpoint.mtp_head), and a model with none is an InvalidRequestError."""
     ec = engine_config
+    if ec.speculative is not None and ec.speculative.method == "mtp" and mtp_params is None:
+      mtp_params = _find_mtp_head(cfg, params, model_path, mesh)
     self.config = cfg
     self.tokenizer = tokenizer
     self.engine_config = ec
     self.max_model_len = min(cfg.max_position_embeddings, ec.max_model_len or 4096)
     _enable_compilation_cache(ec.compilation_cache_dir)
     dtype = jax.tree.leaves(params)[0].dtype
-    cache_spec = CacheSpec.from_config(cfg, dtype)
+    # An MTP module's attention K/V is one more layer in every page.
+    cache_spec = CacheSpec.from_config(cfg, dtype, draft_layers=int(mtp_params is not None))
     per_page = cache_spec.page_bytes(ec.page_size)
     pages_per_seq = -(-self.max_model_len // ec.page_size)
     # A pool split along 'pages' (attention data parallelism: sharding_rules={"pages": "data"})
@@ -203,7 +209,8 @@ class LLMEngine:
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
-                              attention_impl=ec.attention_impl, num_speculative_tokens=k)
+                              attention_impl=ec.attention_impl, num_speculative_tokens=k,
+                              mtp_params=mtp_params)
     log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
              num_pages * per_page / 2**20, dtype)
     self.kv_cache_bytes = num_pages * per_page
@@ -255,7 +262,7 @@ class LLMEngine:
       raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn, quantization=quantization)
     engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
-                 sharding_rules=sharding_rules, progress=progress)
+                 sharding_rules=sharding_rules, progress=progress, model_path=model)
     engine.source = loaded.source
     return engine
 
@@ -481,6 +488,9 @@ class LLMEngine:
         if c:
           self._append(req, result, i, c)
           outputs.append(self._output(req))
+          if result.drafts is not None and result.drafts.shape[1] and req.finish_reason is None:
+            # MTP: drafted on device for exactly the tokens committed now (spec_decode.MtpDrafter).
+            self.drafter.record(req.request_id, len(req.token_ids), result.drafts[i].tolist())
       except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
@@ -501,7 +511,10 @@ class LLMEngine:
       # Never draft past max_tokens: the bonus token needs one slot of its own.
       room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
       if room > 0:
-        drafts = self.drafter.propose(req.token_ids, room)
+        if self.spec.method == "mtp":
+          drafts = self.drafter.take(req.request_id, req.token_ids, room)
+        else:
+          drafts = self.drafter.propose(req.token_ids, room)
         grammar = req.output.grammar
         if grammar is not None:  # the first draft the grammar rejects could never be accepted
           drafts = drafts[:grammar.valid_prefix(drafts)]
@@ -588,6 +601,8 @@ class LLMEngine:
 
   def _finish(self, req: Request, reason: str) -> None:
     """Ends a request: pages and sampler row freed, the engine forgets it, its matcher goes."""
+    if self.spec is not None and self.spec.method == "mtp":
+      self.drafter.forget(req.request_id)
     self.scheduler.finish(req, reason)
     self._requests.pop(req.request_id, None)
     req.output.grammar = None
@@ -652,6 +667,28 @@ class LLMEngine:
     for j, (p, a) in enumerate(zip(self.spec_proposed, self.spec_accepted)):
       stats[f"spec_acceptance_rate_{j + 1}"] = float(a / p) if p else 0.0
     return stats
+
+
+def _find_mtp_head(cfg: ModelConfig, params: Any, model_path: str | Path | None, mesh=None) -> Any:
+  """The MTP head for this model (device arrays in the params' dtype), or InvalidRequestError
+  saying how to train one."""
+  from jaxinfer.checkpoint.mtp_head import find_mtp_head
+  from jaxinfer.engine.spec_decode import TRAIN_MTP_COMMAND
+  found = find_mtp_head(model_path, cfg)
+  if found is None:
+    model = model_path if model_path is not None else "<checkpoint>"
+    raise InvalidRequestError(
+        f"speculative method 'mtp' needs an MTP head and model {cfg.name or cfg.architecture!r} has none "
+        f"(no DeepSeek MTP layer, nothing beside the checkpoint, none shipped); train one with: "
+        f"{TRAIN_MTP_COMMAND.format(model=model)} (or use method='ngram')")
+  source, weights = found
+  log.info("MTP head from %s", source)
+  dtype = jax.tree.leaves(params)[0].dtype
+  weights = jax.tree.map(lambda a: np.asarray(a).astype(dtype), weights)
+  if mesh is None:
+    return jax.device_put(weights, jax.devices()[0])
+  # One block: replicated on every device of the mesh, beside the sharded model.
+  return jax.device_put(weights, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:

@@ -64,6 +64,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
+from jaxinfer.models import mtp
 from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
@@ -131,7 +132,7 @@ class StepBatch(NamedTuple):
   samples: Any  # [S] bool: the sequence commits tokens this step (not a prefill chunk)
   draft_ids: Any  # [S, k]
   num_drafts: Any  # [S]
-  targets: Any  # [T] next prompt token of each row (prompt logprobs)
+  targets: Any  # [T] next known token of each row (prompt logprobs, the MTP module's input)
   allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token)
 
 
@@ -174,9 +175,10 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     tokens[t + n - nd:t + n] = s.draft_ids
     positions[t:t + n] = pos
     slots[t:t + n] = pages[pos // ps] * ps + pos % ps
-    if s.want_prompt_logprobs:
-      nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
-      targets[t:t + len(nxt)] = nxt
+    # Every row's next known token: prompt logprobs score it, and an MTP module reads it
+    # (the rows that sample get theirs from the sampler on device).
+    nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
+    targets[t:t + len(nxt)] = nxt
     kv_lens[i] = end
     page_indices[i, :len(pages)] = pages
     samples[i] = s.samples
@@ -219,6 +221,8 @@ class StepResult:
   # MoE: the step's real token copies routed to each expert, per MoE layer [layers, E]
   # ([0, 1] for a dense model)
   expert_tokens: np.ndarray | None = None
+  # MTP: k greedy drafts per sequence for the next step [S, k] (meaningful where it committed)
+  drafts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -226,15 +230,22 @@ class ModelRunner:
 
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
-               sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0):
+               sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0,
+               mtp_params: Any = None):
     """`mesh` and `sharding_rules` (overrides of jaxinfer.sharding.RULES) shard the KV cache
-    like the weights; without a mesh everything lives on the first device."""
+    like the weights; without a mesh everything lives on the first device. `mtp_params`
+    (jaxinfer.models.mtp): the step also drafts num_speculative_tokens tokens per sequence
+    with that MTP module, whose K/V is one more cache layer in the same pages."""
     from jaxinfer.sharding import make_rules
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
-    self.params = params
     self.dtype = jax.tree.leaves(params)[0].dtype
-    self.cache_spec = CacheSpec.from_config(cfg, self.dtype)
+    self.mtp = mtp_params is not None
+    if self.mtp and num_speculative_tokens < 1:
+      raise ValueError("an MTP module drafts num_speculative_tokens >= 1 tokens")
+    # The module rides in the params tree under 'mtp' (the decoder never reads it).
+    self.params = {**params, "mtp": mtp_params} if self.mtp else params
+    self.cache_spec = CacheSpec.from_config(cfg, self.dtype, draft_layers=int(self.mtp))
     self.page_size = page_size
     self.num_pages = num_pages
     self.max_num_seqs = max_num_seqs
@@ -253,6 +264,10 @@ class ModelRunner:
     # and scheduler see to that) and the step runs the model per shard (see `_step`).
     self.page_shards = self.cache_spec.page_shards(mesh, self.sharding_rules)
     self.shard_pages = num_pages // self.page_shards
+    if self.mtp and self.page_shards > 1:
+      from jaxinfer.errors import InvalidRequestError
+      raise InvalidRequestError("speculative method 'mtp' does not support attention data parallelism "
+                                "(sharding rules that split the KV pool's 'pages'); use method='ngram'")
     dp = None
     if self.page_shards > 1:
       from jaxinfer.sharding import mesh_axes
@@ -265,7 +280,8 @@ class ModelRunner:
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
     self._step = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
-                             _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp)),
+                             _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
+                             page_size if self.mtp else 0)),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
@@ -366,12 +382,13 @@ class ModelRunner:
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
                                                prompt_logprobs=prompt_lp)
     out = jax.device_get(out)
-    result = StepResult(*out[:5], prompt=out[6] if prompt_lp else None, expert_tokens=out[5])
+    result = StepResult(*out[:5], prompt=out[7] if prompt_lp else None, expert_tokens=out[5],
+                        drafts=out[6])
     if self._result_order is not None:  # attention DP: back from shard blocks to scheduled order
       (seq_rows, token_rows), self._result_order = self._result_order, None
       result = StepResult(*(a[seq_rows] for a in out[:5]),
-                          prompt=tuple(a[token_rows] for a in out[6]) if prompt_lp else None,
-                          expert_tokens=out[5])
+                          prompt=tuple(a[token_rows] for a in out[7]) if prompt_lp else None,
+                          expert_tokens=out[5], drafts=out[6][seq_rows])
     return result
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -582,10 +599,13 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
   return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
 
 
-def _step(cfg, attention_impl, decode_q_len, dp, params, cache, history, batch: StepBatch, *,
+def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, history, batch: StepBatch, *,
           prompt_logprobs: bool):
-  hidden, cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens,
-                                          batch.positions, cache, batch.paged)
+  """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
+  layer; the step then also returns its drafts for the next step (else [S, 0])."""
+  n = cfg.num_layers
+  hidden, model_cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens,
+                                                batch.positions, cache[:n], batch.paged)
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
@@ -597,8 +617,15 @@ def _step(cfg, attention_impl, decode_q_len, dp, params, cache, history, batch: 
   keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)
   counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))
   history = {"counts": counts, "prompt": history["prompt"]}
+  if mtp_page_size:
+    drafts, mtp_cache = mtp.propose(params["mtp"], params, cfg, hidden, batch.targets, batch.positions,
+                                    batch.paged, batch.logits_indices, batch.samples, batch.num_drafts,
+                                    ids, committed, cache[n], k, mtp_page_size, attention_impl=attention_impl)
+    cache = model_cache + [mtp_cache]
+  else:
+    drafts, cache = jnp.zeros((S, 0), jnp.int32), model_cache
   out = (ids, committed, lp.reshape(S, k + 1), top_ids.reshape(S, k + 1, -1),
-         top_lp.reshape(S, k + 1, -1), expert_tokens)
+         top_lp.reshape(S, k + 1, -1), expert_tokens, drafts)
   if prompt_logprobs:
     all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
     target_lp = jnp.take_along_axis(all_lp, batch.targets[:, None], axis=-1)[:, 0]

@@ -22,6 +22,13 @@ verify row j is masked by the grammar state after drafts 1..j, which is the
 mask that position would get without speculation once d_1..d_j are
 committed. So t_j is drawn from the same masked distribution either way.
 
+Drafters: 'ngram' proposes on the host from the request's own tokens
+(`NgramDrafter`); 'mtp' drafts on device inside the step itself (`MtpDrafter`,
+jaxinfer.models.mtp): after the target's forward, the MTP module reads the
+step's hidden states and committed tokens and returns k greedy drafts per
+sequence with the step's results, so drafting costs no extra program and no
+extra host round trip.
+
 Legend: S sequences, k drafts per sequence (static), V vocab.
 """
 
@@ -35,7 +42,9 @@ import numpy as np
 
 from jaxinfer.errors import InvalidRequestError
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "mtp")
+# How to get an MTP head for a model that ships none (quoted by the error that asks for one).
+TRAIN_MTP_COMMAND = "python scripts/train_mtp.py --model {model}"
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -46,6 +55,11 @@ class SpeculativeConfig:
   'ngram' (prompt lookup, no training): the continuation of the most recent
   earlier occurrence of the sequence's last n tokens (n from ngram_max down
   to ngram_min) in its own prompt and output.
+
+  'mtp': the model's multi-token-prediction module (DeepSeek-V3's layer
+  num_hidden_layers, or a head trained by scripts/train_mtp.py and saved
+  beside the checkpoint) drafts greedily, k times in a chain. The engine
+  refuses it for a model with no head, saying how to train one.
   """
 
   method: str = "ngram"
@@ -54,10 +68,6 @@ class SpeculativeConfig:
   ngram_max: int = 4
 
   def __post_init__(self):
-    if self.method == "mtp":
-      raise InvalidRequestError(
-          "speculative method 'mtp' needs an MTP head, which jaxinfer cannot load or train yet; "
-          "use method='ngram'")
     if self.method not in SPEC_METHODS:
       raise InvalidRequestError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
     k = self.num_speculative_tokens
@@ -110,7 +120,31 @@ class NgramDrafter:
     return []
 
 
-def make_drafter(cfg: SpeculativeConfig) -> Drafter:
+class MtpDrafter:
+  """MTP drafts: made on device by the step (jaxinfer.models.mtp.propose) and handed over here
+  per request; `propose` returns the ones the last step made for that request's tokens.
+
+  The step drafts for the tokens it has just committed, so drafts are only good for the
+  request's tokens as they stood after that step: they are keyed by the token count."""
+
+  def __init__(self):
+    self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (num tokens, drafts)
+
+  def record(self, request_id: str, num_tokens: int, drafts: Sequence[int]) -> None:
+    self._drafts[request_id] = (num_tokens, list(drafts))
+
+  def forget(self, request_id: str) -> None:
+    self._drafts.pop(request_id, None)
+
+  def take(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+    """Up to k drafts to follow token_ids, if the last step made them for exactly these tokens."""
+    n, drafts = self._drafts.pop(request_id, (-1, []))
+    return drafts[:k] if n == len(token_ids) else []
+
+
+def make_drafter(cfg: SpeculativeConfig) -> "Drafter | MtpDrafter":
+  if cfg.method == "mtp":
+    return MtpDrafter()
   return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
 
 
