@@ -43,6 +43,7 @@ class GenerateResult:
   finish_reason: str  # 'stop', 'length' or 'abort'
   usage: pb.Usage
   logprobs: list[pb.TokenLogprob]  # with logprobs=n
+  prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)  # with prompt_logprobs=n
 
   @classmethod
   def join(cls, responses: Sequence[pb.GenerateResponse]) -> "GenerateResult":
@@ -50,7 +51,8 @@ class GenerateResult:
     return cls(request_id=last.request_id, text="".join(r.text for r in responses),
                token_ids=[t for r in responses for t in r.token_ids],
                finish_reason=FINISH_REASON_NAMES.get(last.finish_reason, ""),
-               usage=last.usage, logprobs=[lp for r in responses for lp in r.logprobs])
+               usage=last.usage, logprobs=[lp for r in responses for lp in r.logprobs],
+               prompt_logprobs=[lp for r in responses for lp in r.prompt_logprobs])
 
 
 def build_request(prompt: Prompt, *, stream: bool, request_id: str = "",

@@ -16,7 +16,7 @@ from jaxinfer.structured import StructuredOutput
 
 # SamplingOptions fields that are `optional` in the proto: unset = the engine's default.
 _OPTIONAL = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "logprobs")
+             "frequency_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs")
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -45,8 +45,6 @@ def sampling_to_proto(params: SamplingParams | None = None, **overrides: Any) ->
     raise InvalidRequestError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
   values: dict[str, Any] = {}
   if params is not None:
-    if params.prompt_logprobs is not None:
-      raise InvalidRequestError("prompt_logprobs is not part of the gRPC API")
     values = {name: getattr(params, name) for name in known}
   values.update(overrides)
   if isinstance(values.get("stop"), str):
@@ -110,11 +108,17 @@ def response_from_output(request_id: str, out: RequestOutput, *, whole: bool,
   r = pb.GenerateResponse(request_id=request_id, token_ids=ids, text=text)
   if out.top_logprobs is not None:  # the request asked for logprobs
     for j in range(first, len(out.token_ids)):
-      top = sorted(out.top_logprobs[j].items(), key=lambda kv: -kv[1])
-      r.logprobs.add(token_id=out.token_ids[j], logprob=out.logprobs[j],
-                     top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+      r.logprobs.add(token_id=out.token_ids[j], logprob=out.logprobs[j], top=_top(out.top_logprobs[j]))
+  if out.prompt_logprobs is not None and first == 0 and ids:  # complete once a token is out
+    for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+      r.prompt_logprobs.add(token_id=t, logprob=entry[t], top=_top(entry))
   if out.finished:
     r.finish_reason = FINISH_REASONS[out.finish_reason]
     if usage is not None:
       r.usage.CopyFrom(usage)
   return r
+
+
+def _top(entry: dict[int, float]) -> list[pb.TopLogprob]:
+  """A {token: logprob} entry (the n best plus the chosen token), most likely first."""
+  return [pb.TopLogprob(token_id=t, logprob=lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])]

@@ -323,7 +323,8 @@ class RouterGeneration:
     self._request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=ids),
                                        sampling=sampling_to_proto(params), stream=True)
     self._out = RequestOutput(request_id, prompt, ids, "", [], [],
-                              top_logprobs=[] if params.logprobs is not None else None)
+                              top_logprobs=[] if params.logprobs is not None else None,
+                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
     self.arrival = time.monotonic()
     self.first_token_at: float | None = None
     self.last_token_at: float | None = None
@@ -429,6 +430,9 @@ class RouterGeneration:
     o.logprobs = o.logprobs + [lp.logprob for lp in r.logprobs]
     if o.top_logprobs is not None:
       o.top_logprobs = o.top_logprobs + [{t.token_id: t.logprob for t in lp.top} for lp in r.logprobs]
+    if r.prompt_logprobs and o.prompt_logprobs is not None:  # with the first token
+      o.prompt_logprobs = [None] + [{t.token_id: t.logprob for t in lp.top} | {lp.token_id: lp.logprob}
+                                    for lp in r.prompt_logprobs]
     o.new_token_ids, o.new_text = new_ids, r.text
     if r.finish_reason:
       o.finish_reason = FINISH_REASON_NAMES.get(r.finish_reason, "stop")
@@ -873,8 +877,6 @@ class RouterBackend(PromptMixin):
                                 f"send {prefill_worker!r} to a decode worker, not to the router")
     if not self.ready:
       raise Unavailable(f"the router is not ready ({self.state})")
-    if params.prompt_logprobs is not None:
-      raise InvalidRequestError("prompt_logprobs is not supported through the router")
     rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
     gen = RouterGeneration(self, rid, prompt, list(prompt_ids), params)
     gen._dispatch()

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from jaxinfer.serving import Client
+from jaxinfer.serving.client import GenerateResult
 from jaxinfer.serving.process import JaxinferProcess
 from jaxinfer.serving.proto import inference_pb2 as pb
 
@@ -99,6 +100,18 @@ def test_greedy_outputs_equal_one_worker(rc, workers, prompt):
   assert [t for d in deltas for t in d.token_ids] == want.token_ids
   assert "".join(d.text for d in deltas) == want.text
   assert deltas[-1].finish_reason == pb.FINISH_REASON_LENGTH and deltas[-1].usage.completion_tokens == 12
+  direct.close()
+
+
+def test_prompt_logprobs_through_the_router_equal_one_worker(rc, workers):
+  direct = Client(workers[0].address, timeout=120)
+  prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+  want = direct.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1)
+  got = rc.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1)
+  assert [lp.token_id for lp in want.prompt_logprobs] == prompt[1:]
+  assert got.prompt_logprobs == want.prompt_logprobs and got.logprobs == want.logprobs
+  streamed = GenerateResult.join(list(rc.stream(prompt, max_tokens=3, temperature=0, prompt_logprobs=2)))
+  assert streamed.prompt_logprobs == want.prompt_logprobs
   direct.close()
 
 

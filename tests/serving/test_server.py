@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import Client, InferenceServer, ServerConfig
+from jaxinfer.serving.client import GenerateResult
 from jaxinfer.serving.proto import inference_pb2 as pb
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=64, warmup=False)
@@ -87,6 +88,23 @@ def test_logprobs_stop_strings_and_seeds_match_the_engine(client, reference):
   deltas = list(client.stream("Hello", temperature=0, max_tokens=30, stop=[stop]))
   assert "".join(d.text for d in deltas) == ref.text
   assert deltas[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_prompt_logprobs_come_with_the_first_token(client, reference):
+  prompt = [1, 5, 9, 200, 17, 3]
+  ref = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))[0]
+  for got in (client.generate(prompt, params=SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)),
+              GenerateResult.join(list(client.stream(prompt, temperature=0, max_tokens=3, prompt_logprobs=2)))):
+    assert got.token_ids == ref.token_ids
+    assert [lp.token_id for lp in got.prompt_logprobs] == prompt[1:]
+    for lp, want, t in zip(got.prompt_logprobs, ref.prompt_logprobs[1:], prompt[1:]):
+      assert lp.logprob == pytest.approx(want[t], abs=1e-6)
+      assert {x.token_id: x.logprob for x in lp.top} == pytest.approx(want, abs=1e-6)
+      assert [x.logprob for x in lp.top] == sorted((x.logprob for x in lp.top), reverse=True)
+  deltas = list(client.stream(prompt, temperature=0, max_tokens=3, prompt_logprobs=2))
+  first = next(d for d in deltas if d.token_ids)
+  assert len(first.prompt_logprobs) == 5 and not any(d.prompt_logprobs for d in deltas if d is not first)
+  assert not client.generate(prompt, temperature=0, max_tokens=3).prompt_logprobs  # only when asked
 
 
 def test_64_concurrent_streams_are_batched_and_all_correct(server, reference):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&jaxinfer/serving/proto/inference.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8c\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x31\n\nstructured\x18\x0e \x01(\x0b\x32\x1d.jaxinfer.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x81\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x1d\n\x15prefill_cached_tokens\x18\x06 \x01(\x05\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\t\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x11\n\tnum_pages\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x17\n\x0fprefill_workers\x18\x0c \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb8\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&jaxinfer/serving/proto/inference.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbe\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x31\n\nstructured\x18\x0e \x01(\x0b\x32\x1d.jaxinfer.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x81\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x1d\n\x15prefill_cached_tokens\x18\x06 \x01(\x05\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\t\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x11\n\tnum_pages\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x17\n\x0fprefill_workers\x18\x0c \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb8\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxinfer.serving.proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2147
-  _globals['_FINISHREASON']._serialized_end=2267
+  _globals['_FINISHREASON']._serialized_start=2249
+  _globals['_FINISHREASON']._serialized_end=2369
   _globals['_CHATMESSAGE']._serialized_start=55
   _globals['_CHATMESSAGE']._serialized_end=99
   _globals['_CHAT']._serialized_start=101
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=153
   _globals['_TOKENIDS']._serialized_end=176
   _globals['_SAMPLINGOPTIONS']._serialized_start=179
-  _globals['_SAMPLINGOPTIONS']._serialized_end=703
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=706
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=835
-  _globals['_CHOICES']._serialized_start=837
-  _globals['_CHOICES']._serialized_end=863
-  _globals['_GENERATEREQUEST']._serialized_start=866
-  _globals['_GENERATEREQUEST']._serialized_end=1072
-  _globals['_TOPLOGPROB']._serialized_start=1074
-  _globals['_TOPLOGPROB']._serialized_end=1121
-  _globals['_TOKENLOGPROB']._serialized_start=1123
-  _globals['_TOKENLOGPROB']._serialized_end=1210
-  _globals['_USAGE']._serialized_start=1213
-  _globals['_USAGE']._serialized_end=1374
-  _globals['_GENERATERESPONSE']._serialized_start=1377
-  _globals['_GENERATERESPONSE']._serialized_end=1578
-  _globals['_TOKENIZEREQUEST']._serialized_start=1581
-  _globals['_TOKENIZEREQUEST']._serialized_end=1714
-  _globals['_TOKENIZERESPONSE']._serialized_start=1716
-  _globals['_TOKENIZERESPONSE']._serialized_end=1769
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1771
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1838
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1840
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1874
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1876
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1897
-  _globals['_MODELINFO']._serialized_start=1900
-  _globals['_MODELINFO']._serialized_end=2145
-  _globals['_INFERENCE']._serialized_start=2270
-  _globals['_INFERENCE']._serialized_end=2582
+  _globals['_SAMPLINGOPTIONS']._serialized_end=753
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=756
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=885
+  _globals['_CHOICES']._serialized_start=887
+  _globals['_CHOICES']._serialized_end=913
+  _globals['_GENERATEREQUEST']._serialized_start=916
+  _globals['_GENERATEREQUEST']._serialized_end=1122
+  _globals['_TOPLOGPROB']._serialized_start=1124
+  _globals['_TOPLOGPROB']._serialized_end=1171
+  _globals['_TOKENLOGPROB']._serialized_start=1173
+  _globals['_TOKENLOGPROB']._serialized_end=1260
+  _globals['_USAGE']._serialized_start=1263
+  _globals['_USAGE']._serialized_end=1424
+  _globals['_GENERATERESPONSE']._serialized_start=1427
+  _globals['_GENERATERESPONSE']._serialized_end=1680
+  _globals['_TOKENIZEREQUEST']._serialized_start=1683
+  _globals['_TOKENIZEREQUEST']._serialized_end=1816
+  _globals['_TOKENIZERESPONSE']._serialized_start=1818
+  _globals['_TOKENIZERESPONSE']._serialized_end=1871
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1873
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1940
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1942
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1976
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1978
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1999
+  _globals['_MODELINFO']._serialized_start=2002
+  _globals['_MODELINFO']._serialized_end=2247
+  _globals['_INFERENCE']._serialized_start=2372
+  _globals['_INFERENCE']._serialized_end=2684
 # @@protoc_insertion_point(module_scope)
