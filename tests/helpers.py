@@ -104,3 +104,18 @@ def write_llama_gguf(hf_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F3
   w.write_tensors_to_file()
   w.close()
   return out
+
+
+def lower_for_cuda(fn, *avals) -> str:
+  """The StableHLO text of fn lowered for CUDA (its pallas_calls as Triton custom calls)."""
+  import jax
+  import pytest
+  try:
+    lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+  except RuntimeError as e:
+    if "GPU" in str(e):
+      pytest.skip(f"this jax lowers Triton only with a GPU present: {e}")
+    raise
+  text = lowered.as_text()
+  assert "triton" in text  # the pallas_call became a Triton custom call
+  return text

@@ -101,23 +101,26 @@ def q8_0_file(tmp_path_factory):
   return write_llama_gguf(tiny_dir("smollm2"), tmp_path_factory.mktemp("g") / "q8.gguf", Q.Q8_0)
 
 
-def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
-  quantized = import_model(q8_0_file, "int8")
-  floats = import_model(q8_0_file)  # the gguf package's dequantizer, to float32
+def quantized_leaves(path, quantization):
+  """(spec, quantized leaf, the gguf package's float32 dequantization) per quantized weight,
+  and the model's layer count."""
+  quantized = import_model(path, quantization)
+  floats = import_model(path)
   specs = param_specs(quantized.config)
   pairs = zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(quantized.weights, is_leaf=is_quantized),
               jax.tree.leaves(floats.weights))
-  n = 0
-  for spec, q, f in pairs:
-    if not is_quantized(q):
-      continue
-    n += 1
+  return [(s, q, f) for s, q, f in pairs if is_quantized(q)], quantized.config.num_layers
+
+
+def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
+  leaves, num_layers = quantized_leaves(q8_0_file, "int8")
+  assert len(leaves) == 7 * num_layers
+  for spec, q, f in leaves:
     in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
     assert q.scales.shape[0] == in_size // 32  # one scale per Q8_0 block: group-wise, not per channel
     # The same numbers exactly (q8_0 dequantizes to int8 * fp16 scale, both exact in float32),
     # including attn_q / attn_k, whose rows (and scales) llama.cpp permuted.
     np.testing.assert_array_equal(dequantize(q, num_in_axes(spec)), f)
-  assert n == 7 * quantized.config.num_layers
 
 
 def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
@@ -243,16 +246,9 @@ def test_float_checkpoint_quantized_at_restore(tmp_path, quantization):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
 def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
-  quantized = import_model(gguf_files[qtype], "int4")
-  floats = import_model(gguf_files[qtype])  # the gguf package's dequantizer, to float32
-  specs = param_specs(quantized.config)
-  pairs = zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(quantized.weights, is_leaf=is_quantized),
-              jax.tree.leaves(floats.weights))
-  n = 0
-  for spec, q, f in pairs:
-    if not is_quantized(q):
-      continue
-    n += 1
+  leaves, num_layers = quantized_leaves(gguf_files[qtype], "int4")
+  assert len(leaves) == 7 * num_layers
+  for spec, q, f in leaves:
     in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
     assert q.values.dtype == jax.numpy.int4 and q.scales.shape[0] == q.mins.shape[0] == in_size // 32
     got = dequantize(q, num_in_axes(spec))
@@ -260,7 +256,6 @@ def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
       np.testing.assert_array_equal(got, f)
     else:  # (q - 8) d + (m + 8 d) vs d q + m: the float32 sum m + 8 d may round (weights ~0.1)
       np.testing.assert_allclose(got, f, atol=1e-7, rtol=0)
-  assert n == 7 * quantized.config.num_layers
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])

@@ -26,17 +26,7 @@ from pallas_kernels import (
 from pallas_kernels.ragged_paged_mla import BlockSizes as MlaBlockSizes
 from pallas_kernels.ragged_paged_mla import ragged_paged_mla
 
-
-def lower_for_cuda(fn, *avals):
-  try:
-    lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-  except RuntimeError as e:
-    if "GPU" in str(e):
-      pytest.skip(f"this jax lowers Triton only with a GPU present: {e}")
-    raise
-  text = lowered.as_text()
-  assert "triton" in text  # the pallas_call became a Triton custom call
-  return text
+from helpers import lower_for_cuda
 
 
 def ragged_avals(T, S, P, N, page_size, Hq, Hkv, D, dtype):
