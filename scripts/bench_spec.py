@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Speculative decoding on the default model: decode tokens/s without speculation and
-with n-gram drafts (k = 1, 2, 3), at batch 1 and batch 16, side by side in one run.
+"""Speculative decoding on the default model: decode tokens/s without speculation,
+with n-gram drafts and with the shipped MTP head (jaxinfer/data/mtp, trained by
+scripts/train_mtp.py) (k = 1, 2, 3 each), at batch 1 and batch 16, side by side in one run.
 
-  python scripts/bench_spec.py [--dtype float32] [--max-tokens 128] [--ks 1,2,3]
+  python scripts/bench_spec.py [--dtype float32] [--max-tokens 128] [--ks 1,2,3] [--methods ngram,mtp]
 
 Prompts are chats we ship here: half ask the model to rework a text given in
 the prompt (where prompt lookup finds drafts), half are open questions.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,11 +42,11 @@ PROMPTS = [
 ]
 
 
-def run(dtype: str, spec: dict | None, max_tokens: int, batches: list[int]) -> list[dict]:
+def run(dtype: str, spec: dict | None, max_tokens: int, batches: list[int], max_batched: int = 256) -> list[dict]:
   """One engine (one warm-up) per configuration, timed at each batch size."""
   from jaxinfer import LLM, SamplingParams
   llm = LLM(None, dtype=dtype, speculative=spec, max_num_seqs=max(16, *batches),
-            max_num_batched_tokens=256)
+            max_num_batched_tokens=max_batched)
   chats = [[{"role": "user", "content": p}] for p in PROMPTS]
   sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
   llm.generate(chats[:1], SamplingParams(temperature=0, max_tokens=4))  # first-use work out of the timing
@@ -81,15 +83,21 @@ def main() -> int:
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--ks", default="1,2,3")
   ap.add_argument("--batches", default="1,16")
+  ap.add_argument("--methods", default="ngram,mtp")
+  ap.add_argument("--max-batched-tokens", type=int, default=256, help="step bucket (fewer compiles when smaller)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   rows = []
   batches = [int(b) for b in args.batches.split(",")]
-  for k in [0] + [int(x) for x in args.ks.split(",")]:
-    spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
-    print(f"== k={k}", file=sys.stderr, flush=True)
-    rows += run(args.dtype, spec, args.max_tokens, batches)
-  rows.sort(key=lambda r: (r["batch"], r["k"]))
+  methods = args.methods.split(",")
+  load = [list(os.getloadavg())]
+  configs = [None] + [{"method": m, "num_speculative_tokens": int(k)} for m in methods for k in args.ks.split(",")]
+  for spec in configs:
+    print(f"== {spec}", file=sys.stderr, flush=True)
+    rows += run(args.dtype, spec, args.max_tokens, batches, args.max_batched_tokens)
+    load.append(list(os.getloadavg()))
+  order = ["none"] + methods
+  rows.sort(key=lambda r: (r["batch"], order.index(r["method"]), r["k"]))
   print(f"\nDecode with speculation, default model, {args.dtype}, greedy, {args.max_tokens} tokens per prompt")
   print("| batch | method | k | tok/s | speedup | steps | mean acceptance length | acceptance by position | same tokens |")
   print("|---|---|---|---|---|---|---|---|---|")
@@ -104,7 +112,9 @@ def main() -> int:
   for r in rows:
     del r["ids"]
   import bench_peers
-  out = bench_peers.write_results("spec", dict(dtype=args.dtype, rows=rows), args.out)
+  print(f"load average (1, 5, 15 min) before and after each configuration: {load}")
+  out = bench_peers.write_results("spec", dict(dtype=args.dtype, max_tokens=args.max_tokens, rows=rows,
+                                               load_average=load), args.out)
   print(f"wrote {out}")
   return 0
 
