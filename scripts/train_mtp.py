@@ -199,17 +199,19 @@ def check_against_engine(cfg, params, head, h, tokens, length, page_size=16):
 
 # ---- training ------------------------------------------------------------------------------
 
-def make_step(cfg, params, opt, chain_weight: float):
+def make_step(cfg, opt, chain_weight: float):
+  """Jitted (step, evaluate); the frozen model's params are an argument (closed over, XLA
+  would constant-fold the [V, D] embedding at compile time)."""
   import jax
   import jax.numpy as jnp
   import optax
   from jaxinfer.models.layers import rms_norm
   from jaxinfer.models.transformer import compute_logits
 
-  def logits(p, g):
+  def logits(p, params, g):
     return compute_logits(params, cfg, rms_norm(g, p["norm"], cfg.rms_norm_eps))
 
-  def one(p, h, tokens, probs, ids, length):
+  def one(p, params, h, tokens, probs, ids, length):
     """Per sequence: losses and argmax hits of step 1 and the chained step 2."""
     L = tokens.shape[0]
     pos = jnp.arange(L, dtype=jnp.int32)
@@ -218,7 +220,7 @@ def make_step(cfg, params, opt, chain_weight: float):
     t_probs, t_ids = jnp.roll(probs, -1, axis=0), jnp.roll(ids, -1, axis=0)
     valid1 = pos + 2 < length
     g = head_forward(p, params["embed"], cfg, h, nxt, pos, length)
-    lq = jax.nn.log_softmax(logits(p, g), axis=-1)  # [L, V]
+    lq = jax.nn.log_softmax(logits(p, params, g), axis=-1)  # [L, V]
     ce1 = -(t_probs * jnp.take_along_axis(lq, t_ids, axis=-1)).sum(-1)
     hit1 = jnp.argmax(lq, -1) == t_ids[:, 0]
     out = [(ce1, hit1, valid1)]
@@ -226,14 +228,14 @@ def make_step(cfg, params, opt, chain_weight: float):
       # Step 2 at position i + 1 reads g_i in place of h_{i+1}, and t_{i+2}; it predicts t_{i+3}.
       g_prev = jnp.concatenate([h[:1], g[:-1]], axis=0)
       g2 = head_forward(p, params["embed"], cfg, g_prev, nxt, pos, length)
-      lq2 = jax.nn.log_softmax(logits(p, g2), axis=-1)
+      lq2 = jax.nn.log_softmax(logits(p, params, g2), axis=-1)
       ce2 = -(t_probs * jnp.take_along_axis(lq2, t_ids, axis=-1)).sum(-1)
       hit2 = (jnp.argmax(lq2, -1) == t_ids[:, 0]) & jnp.roll(hit1, 1)  # draft 2 counts after draft 1
       out.append((ce2, hit2, valid1 & (pos >= 1)))
     return out
 
-  def loss_fn(p, batch):
-    per = jax.vmap(one, in_axes=(None, 0, 0, 0, 0, 0))(p, *batch)
+  def loss_fn(p, params, batch):
+    per = jax.vmap(one, in_axes=(None, None, 0, 0, 0, 0, 0))(p, params, *batch)
     total, metrics = 0.0, []
     for j, (ce, hit, valid) in enumerate(per):
       n = jnp.maximum(valid.sum(), 1)
@@ -243,14 +245,14 @@ def make_step(cfg, params, opt, chain_weight: float):
     return total, jnp.stack(metrics)
 
   @jax.jit
-  def step(p, state, batch):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, batch)
+  def step(p, state, params, batch):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, params, batch)
     updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state, metrics
 
   @jax.jit
-  def evaluate(p, batch):
-    return loss_fn(p, batch)[1]
+  def evaluate(p, params, batch):
+    return loss_fn(p, params, batch)[1]
 
   return step, evaluate
 
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
   sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(total_steps, 100), args.lr * 0.1)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
   state = opt.init(head)
-  step, evaluate = make_step(cfg, params, opt, args.chain_weight)
+  step, evaluate = make_step(cfg, opt, args.chain_weight)
 
   def eval_metrics(p):
     out = []
@@ -341,7 +343,7 @@ def main(argv=None) -> int:
       sel = eval_idx[lo:lo + args.batch]
       if len(sel) < args.batch:  # same shape: one program
         sel = np.concatenate([sel, eval_idx[:args.batch - len(sel)]])
-      out.append(np.asarray(evaluate(p, tuple(a[sel] for a in data))))
+      out.append(np.asarray(evaluate(p, params, tuple(a[sel] for a in data))))
     return np.mean(out, axis=0).tolist()
 
   def row(step_no, m, t):
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
       order, pos = rng.permutation(train_idx), 0
     sel = np.sort(order[pos:pos + args.batch])
     pos += args.batch
-    head, state, m = step(head, state, tuple(a[sel] for a in data))
+    head, state, m = step(head, state, params, tuple(a[sel] for a in data))
     n_steps += 1
     m = np.asarray(m).tolist()
     train_log.append(m)
