@@ -197,8 +197,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
-  p.add_argument("--speculative-method", default=None, choices=["ngram"],
-                 help="speculative decoding: ngram = prompt lookup (default: off)")
+  p.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],
+                 help="speculative decoding: ngram = prompt lookup, mtp = the model's MTP head (default: off)")
   p.add_argument("--num-speculative-tokens", type=int, default=3,
                  help="drafts per step with --speculative-method (1-8)")
   p.add_argument("--mesh", default=None, metavar="DATA,EXPERT,MODEL",

@@ -49,9 +49,11 @@ class LLM:
     them, or None to replicate: e.g. {"kv_heads": None} replicates the KV
     heads when there are fewer than the 'model' axis splits (what vLLM does
     implicitly; here a ShardingError names the tensor and suggests this).
-    `quantization='int8'` stores linear weights as int8 with per-channel
-    scales (quantized at load; a checkpoint converted with `--quantize int8`
-    or a GGUF's Q8_0 tensors load as int8 directly); see jaxinfer.quant.
+    `quantization` ('int8', 'fp8' or 'int4') stores linear weights quantized:
+    int8 / fp8 e4m3 with per-channel scales, int4 in groups of 32 with scales
+    and mins (quantized at load; a checkpoint converted with `--quantize`, a
+    GGUF's Q8_0 tensors as int8 and its Q4_0 / Q4_1 tensors as int4 load
+    directly); see jaxinfer.quant.
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,

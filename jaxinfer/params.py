@@ -139,8 +139,9 @@ def is_spec(x: Any) -> bool:
 def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
   """The parameter pytree of the decoder, with a WeightSpec at every leaf.
 
-  quantization='int8': each linear weight but the LM head is a
-  `QuantizedWeight` of two specs (int8 values, per-channel float32 scales).
+  quantization ('int8', 'fp8', 'int4'): each linear weight but the LM head is a
+  `QuantizedWeight` of specs (values in the format's dtype, float32 scales, and
+  int4's mins; jaxinfer/quant.py).
   """
   if quantization is not None:
     from jaxinfer.quant import check_quantizable, parse_quantization, quantizable, quantized_spec
@@ -148,7 +149,8 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
     check_model_quantizable(cfg, quantization)
-    return jax.tree.map(lambda s: quantized_spec(s) if quantizable(s) else s, specs, is_leaf=is_spec)
+    return jax.tree.map(lambda s: quantized_spec(s, quantization=quantization) if quantizable(s) else s, specs,
+                        is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
       "embed": WeightSpec((V, D), ("vocab", "embed"), "normal", "model.embed_tokens.weight",
@@ -325,7 +327,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
     from jaxinfer.quant import cast_floats, parse_quantization, quantize_tree
     parse_quantization(quantization)
     floats = jax.device_get(init_params(cfg, key, jnp.float32))
-    return jax.device_put(cast_floats(quantize_tree(param_specs(cfg), floats), dtype))
+    return jax.device_put(cast_floats(quantize_tree(param_specs(cfg), floats, quantization), dtype))
   specs = param_specs(cfg)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))

@@ -168,6 +168,20 @@ def test_quantized_specs_abstract_and_init_agree():
   assert abstract["layers"][0]["attn_norm"].dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization):
+  from jaxinfer.checkpoint import import_model
+  dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}[quantization]
+  cfg = _cfg()
+  trees = (abstract_params(cfg, jnp.float32, quantization=quantization),
+           init_params(cfg, jax.random.key(0), jnp.float32, quantization=quantization),
+           import_model(tiny_dir("llama3"), quantization).weights)
+  for tree in trees:
+    w = tree["layers"][0]["w_gate"]
+    assert is_quantized(w) and w.values.dtype == dtype
+    assert (w.mins is not None) == (quantization == "int4")
+
+
 def test_quantized_shardings_follow_the_logical_axes():
   cfg = _cfg()
   mesh = make_mesh(model=2)

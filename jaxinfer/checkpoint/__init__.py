@@ -72,7 +72,7 @@ def import_model(path: str | Path, quantization: str | None = None) -> ImportedM
   model = read_gguf(path, quantization) if kind == "gguf" else read_hf_dir(path)
   check_model_quantizable(model.config, quantization)
   if quantization:
-    model.weights = quantize_tree(param_specs(model.config), model.weights)
+    model.weights = quantize_tree(param_specs(model.config), model.weights, quantization)
   return model
 
 

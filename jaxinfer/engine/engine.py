@@ -247,7 +247,7 @@ class LLMEngine:
     mesh: shard weights and KV cache by their logical axes (jaxinfer.sharding);
     sharding_rules: overrides of jaxinfer.sharding.RULES, e.g. {"kv_heads": None}.
     A model the mesh cannot split as the rules ask is a ShardingError naming the tensor.
-    quantization='int8': linear weights int8 (see jaxinfer.quant)."""
+    quantization ('int8', 'fp8', 'int4'): linear weights quantized (see jaxinfer.quant)."""
     from jaxinfer.checkpoint import load_model
     from jaxinfer.sharding import param_shardings
     if model is None:
