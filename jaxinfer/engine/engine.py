@@ -116,6 +116,7 @@ class RequestOutput:
   prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
   num_remote_cached_tokens: int = 0  # remote KV: prompt tokens the remote worker had in its prefix cache
+  num_accepted_draft_tokens: int = 0  # speculative decoding: drafts the target accepted into the output
   index: int = 0  # LLM.stream: the prompt's position in the call's prompts
   error: str | None = None  # with finish_reason 'error'
 
@@ -141,6 +142,7 @@ class _Output:
     self.sent_chars = 0
     self.stopped_by_text = False
     self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
+    self.accepted_drafts = 0  # speculative decoding: accepted drafts that joined the output
 
   def visible_text(self, finished: bool) -> str:
     if self.detok is None:
@@ -486,7 +488,10 @@ class LLMEngine:
         self.kv.cache_blocks(req.request_id, req.token_ids + accepted if accepted else req.token_ids,
                              req.num_computed)
         if c:
+          before = len(req.token_ids)
           self._append(req, result, i, c)
+          # The committed run is the accepted drafts, then one token; a stop inside it keeps m.
+          req.output.accepted_drafts += min(len(accepted), len(req.token_ids) - before)
           outputs.append(self._output(req))
           if result.drafts is not None and result.drafts.shape[1] and req.finish_reason is None:
             # MTP: drafted on device for exactly the tokens committed now (spec_decode.MtpDrafter).
@@ -618,7 +623,8 @@ class LLMEngine:
         new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
         top_logprobs=list(out.top) if out.top is not None else None,
         prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
-        num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens)
+        num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens,
+        num_accepted_draft_tokens=out.accepted_drafts)
     out.sent_tokens, out.sent_chars = len(ids), len(text)
     return o
 

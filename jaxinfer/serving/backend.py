@@ -103,6 +103,18 @@ class Usage:
   time_to_first_token_s: float  # 0 when no token came
   latency_s: float  # arrival to the last token (or now)
   prefill_cached_tokens: int = 0  # a decode worker's: what its prefill worker had cached
+  accepted_draft_tokens: int = 0  # speculative decoding: drafts the target accepted
+
+  @classmethod
+  def of(cls, out: RequestOutput, arrival: float, first_token_at: float | None,
+         last_token_at: float | None) -> "Usage":
+    """A request's usage from its output and its times (time.monotonic())."""
+    last = last_token_at or time.monotonic()
+    return cls(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+               cached_tokens=out.num_cached_tokens,
+               time_to_first_token_s=(first_token_at - arrival) if first_token_at is not None else 0.0,
+               latency_s=last - arrival, prefill_cached_tokens=out.num_remote_cached_tokens,
+               accepted_draft_tokens=out.num_accepted_draft_tokens)
 
 
 class Generation(Protocol):
@@ -311,12 +323,7 @@ class EngineGeneration:
 
   def usage(self, out: RequestOutput) -> Usage:
     s = self._stream
-    first = s.first_token_at
-    last = s.last_token_at or time.monotonic()
-    return Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                 cached_tokens=out.num_cached_tokens,
-                 time_to_first_token_s=(first - s.arrival) if first is not None else 0.0,
-                 latency_s=last - s.arrival, prefill_cached_tokens=out.num_remote_cached_tokens)
+    return Usage.of(out, s.arrival, s.first_token_at, s.last_token_at)
 
 
 class PromptMixin:

@@ -438,6 +438,7 @@ class RouterGeneration:
       o.finish_reason = FINISH_REASON_NAMES.get(r.finish_reason, "stop")
       o.num_cached_tokens = r.usage.cached_tokens
       o.num_remote_cached_tokens = r.usage.prefill_cached_tokens
+      o.num_accepted_draft_tokens = r.usage.accepted_draft_tokens
       if route.prefill is None:
         self._b.metrics.actual_cached_tokens.labels(route.worker).inc(r.usage.cached_tokens)
       else:  # the prediction was about the prefill worker's cache: compare with what it had
@@ -467,11 +468,7 @@ class RouterGeneration:
       self._call.cancel()
 
   def usage(self, out: RequestOutput) -> Usage:
-    first, last = self.first_token_at, self.last_token_at or time.monotonic()
-    return Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                 cached_tokens=out.num_cached_tokens,
-                 time_to_first_token_s=(first - self.arrival) if first is not None else 0.0,
-                 latency_s=last - self.arrival, prefill_cached_tokens=out.num_remote_cached_tokens)
+    return Usage.of(out, self.arrival, self.first_token_at, self.last_token_at)
 
 
 class RouterBackend(PromptMixin):

@@ -144,7 +144,8 @@ def _prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
 def _usage_to_proto(u: Usage) -> pb.Usage:
   return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                   cached_tokens=u.cached_tokens, time_to_first_token_s=u.time_to_first_token_s,
-                  latency_s=u.latency_s, prefill_cached_tokens=u.prefill_cached_tokens)
+                  latency_s=u.latency_s, prefill_cached_tokens=u.prefill_cached_tokens,
+                  accepted_draft_tokens=u.accepted_draft_tokens)
 
 
 class _Servicer(pb_grpc.InferenceServicer):

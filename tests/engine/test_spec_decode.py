@@ -186,12 +186,26 @@ def test_cli_generates_with_speculation_and_rejects_a_bad_count(capsys):
   assert "num_speculative_tokens must be an int in [1, 8], got 0" in capsys.readouterr().err
 
 
-def test_acceptance_stats_reach_prometheus():
+def test_acceptance_stats_reach_prometheus_and_each_requests_usage():
+  from jaxinfer.serving import Client, InferenceServer, ServerConfig
   from jaxinfer.serving.metrics import Metrics
   llm = make_llm(speculative=ngram(3))
   g = batch_golden("llama3")
-  llm.generate([r["prompt_ids"] for r in g["records"][:4]], greedy(30))
+  prompts = [r["prompt_ids"] for r in g["records"][:4]]
+  outs = llm.generate(prompts, greedy(30))
   stats = llm.engine.stats()
+  # Never drafted past max_tokens, no stop: every accepted draft joined an output.
+  assert sum(o.num_accepted_draft_tokens for o in outs) == stats["spec_accepted_tokens"]
+  server = InferenceServer(llm, ServerConfig(port=0, metrics_port=0), warmup=False).start_in_thread()
+  try:
+    with Client(f"127.0.0.1:{server.port}", timeout=120) as c:
+      for p, o in zip(prompts, outs):
+        got = c.generate(p, temperature=0, max_tokens=30, ignore_eos=True)
+        assert got.token_ids == o.token_ids
+        assert got.usage.accepted_draft_tokens == o.num_accepted_draft_tokens
+  finally:
+    server.stop_in_thread(5)
+  assert sum(o.num_accepted_draft_tokens for o in outs) > 0
   m = Metrics()
   m.set_engine_stats(stats)
   text = m.exposition().decode()
