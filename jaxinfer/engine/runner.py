@@ -70,7 +70,8 @@ from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer.engine.spec_decode import accept
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, top_logprobs
+from pallas_kernels.spec_accept import spec_accept
 
 log = logging.getLogger(__name__)
 
@@ -599,6 +600,46 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
   return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
 
 
+def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
+  """(ids [S, k + 1], accepted drafts [S], logprobs [L], top-n ids and logprobs [L, N]).
+
+  Every verify row draws its token with fold_in(seed, position) and drafts are accepted
+  while they match (spec_decode.accept). With the Pallas attention (GPU), a speculative
+  batch of plain rows (no penalty, grammar mask or truncation) runs the fused kernel
+  pallas_kernels.spec_accept instead, which draws the same tokens from the same keys and
+  reads each logit row once; other batches, and every batch elsewhere, run sample() then
+  accept().
+  """
+  sp = batch.sampling
+  S, k = batch.draft_ids.shape
+  L, V = logits.shape
+
+  def general(x):
+    ids, lp, top_ids, top_lp = sample(x, sp, history["counts"], history["prompt"], batch.rows, batch.allowed)
+    ids = ids.reshape(S, k + 1)
+    return ids, accept(ids, batch.draft_ids, batch.num_drafts), lp, top_ids, top_lp
+
+  if k == 0 or attention_impl not in ("pallas", "pallas_interpret"):
+    return general(logits)
+
+  def fused(x):
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
+    accepted, ids = spec_accept(x.reshape(S, k + 1, V), batch.draft_ids, batch.num_drafts,
+                                sp.temperature.reshape(S, k + 1), keys.reshape(S, k + 1),
+                                interpret=attention_impl == "pallas_interpret")
+    x = x.astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    log_z = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True))
+    lp = (jnp.take_along_axis(x, ids.reshape(L, 1), axis=-1) - top) - log_z
+    top_lp, top_ids = top_logprobs(x, top, log_z, sp.want_logprobs)
+    return ids, accepted, lp[:, 0], top_ids, top_lp
+
+  truncated = (sp.temperature > 0) & (((sp.top_k > 0) & (sp.top_k < V)) | (sp.top_p < 1) | (sp.min_p > 0))
+  penalized = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
+  plain = ~jnp.any(truncated | penalized | jnp.any(batch.allowed != -1, axis=-1))
+  return jax.lax.cond(plain, fused, general, logits)
+
+
 def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, history, batch: StepBatch, *,
           prompt_logprobs: bool):
   """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
@@ -608,11 +649,9 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
                                                 batch.positions, cache[:n], batch.paged)
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
-  ids, lp, top_ids, top_lp = sample(logits, batch.sampling, history["counts"], history["prompt"],
-                                    batch.rows, batch.allowed)
   S, k = batch.draft_ids.shape
-  ids = ids.reshape(S, k + 1)
-  committed = jnp.where(batch.samples, accept(ids, batch.draft_ids, batch.num_drafts) + 1, 0)  # [S]
+  ids, accepted, lp, top_ids, top_lp = _sample_and_accept(logits, batch, history, attention_impl)
+  committed = jnp.where(batch.samples, accepted + 1, 0)  # [S]
   # The committed tokens join the output: later steps penalize them.
   keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)
   counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))

@@ -106,6 +106,24 @@ def test_seeded_sampling_commits_the_same_tokens_with_and_without_drafts():
   assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
+def test_the_fused_accept_kernel_in_the_step_commits_what_sample_and_accept_do():
+  """With the Pallas attention (here in interpret mode) a plain speculative batch runs
+  pallas_kernels.spec_accept in the step: greedy and seeded requests commit the same tokens
+  and logprobs as the XLA path's sample() + accept()."""
+  opts = dict(speculative=ngram(3), max_num_seqs=4, max_num_batched_tokens=16)
+  g = batch_golden("llama3")
+  prompts = [r["prompt_ids"] for r in g["records"][4:8]]
+  params = [SamplingParams(temperature=(0.0, 0.9)[i % 2], seed=40 + i, max_tokens=24, ignore_eos=True,
+                           logprobs=1) for i in range(4)]
+  want = make_llm(attention_impl="xla", **opts).generate(prompts, params)
+  kernel = make_llm(attention_impl="pallas_interpret", **opts)
+  got = kernel.generate(prompts, params)
+  for w, o in zip(want, got):
+    assert o.token_ids == w.token_ids
+    np.testing.assert_allclose(o.logprobs, w.logprobs, atol=1e-5)
+  assert kernel.engine.stats()["spec_accepted_tokens"] > 0
+
+
 class FixedDrafter:
   """Drafts chosen by the test: the model's own greedy continuation ('good') or a token
   the model never samples ('poor')."""
