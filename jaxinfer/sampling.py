@@ -134,6 +134,16 @@ class SamplingBatch(NamedTuple):
   position: jax.Array  # int32: the position of the token being sampled
   want_logprobs: jax.Array  # bool: compute the top-n logprobs for this row
 
+  def penalized(self) -> jax.Array:
+    """[B] bool: the row has a repetition, presence or frequency penalty."""
+    return (self.repetition_penalty != 1) | (self.presence_penalty != 0) | (self.frequency_penalty != 0)
+
+  def truncated(self, vocab_size: int) -> jax.Array:
+    """[B] bool: the row samples from a truncated distribution (top-k below the vocab,
+    top-p or min-p)."""
+    top_k = jnp.where(self.top_k < vocab_size, self.top_k, 0)  # keeping >= V tokens is keeping all
+    return (self.temperature > 0) & ((top_k > 0) | (self.top_p < 1) | (self.min_p > 0))
+
   @classmethod
   def from_params(cls, params: "Sequence[SamplingParams | None]", seeds: Sequence[int],
                   positions: Sequence[int]) -> "SamplingBatch":
@@ -192,10 +202,7 @@ def sample(logits: jax.Array, sp: SamplingBatch, counts_table: jax.Array, prompt
   """
   B, V = logits.shape
   logits = logits.astype(jnp.float32)
-  # log_softmax = (x - top) - log_z; only the picked entries are ever formed.
-  top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
-  log_z = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # [B, 1]
-  penalized = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
+  penalized = sp.penalized()
 
   def pick(scores):
     greedy = first_argmax(scores)
@@ -215,9 +222,19 @@ def sample(logits: jax.Array, sp: SamplingBatch, counts_table: jax.Array, prompt
 
   special = jnp.any(penalized) if allowed is None else jnp.any(penalized) | jnp.any(allowed != -1)
   ids = jax.lax.cond(special, processed, pick, logits)
+  return (ids, *chosen_logprobs(logits, ids, sp.want_logprobs))
+
+
+def chosen_logprobs(logits: jax.Array, ids: jax.Array, want: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logprob of ids [B], top-n ids [B, N], top-n logprobs [B, N]) under the raw logits [B, V]
+  (float32); the top n only for rows that want them (see top_logprobs)."""
+  # log_softmax = (x - top) - log_z; only the picked entries are ever formed.
+  top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+  log_z = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # [B, 1]
   lp = (jnp.take_along_axis(logits, ids[:, None], axis=-1) - top) - log_z
-  top_lp, top_ids = top_logprobs(logits, top, log_z, sp.want_logprobs)
-  return ids, lp[:, 0], top_ids, top_lp
+  top_lp, top_ids = top_logprobs(logits, top, log_z, want)
+  return lp[:, 0], top_ids, top_lp
 
 
 def apply_token_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -244,7 +261,7 @@ def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: i
   sampling = sp.temperature > 0
   t = jnp.where(sampling, sp.temperature, 1.0)[:, None]  # [B, 1]
   top_k = jnp.where(sp.top_k < V, sp.top_k, 0)  # keeping >= V tokens is keeping all
-  truncated = sampling & ((top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0))
+  truncated = sp.truncated(V)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
 
   def with_candidates(scores):

@@ -70,7 +70,7 @@ from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer.engine.spec_decode import accept
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, sample, top_logprobs
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, chosen_logprobs, sample
 from pallas_kernels.spec_accept import spec_accept
 
 log = logging.getLogger(__name__)
@@ -627,16 +627,9 @@ def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
     accepted, ids = spec_accept(x.reshape(S, k + 1, V), batch.draft_ids, batch.num_drafts,
                                 sp.temperature.reshape(S, k + 1), keys.reshape(S, k + 1),
                                 interpret=attention_impl == "pallas_interpret")
-    x = x.astype(jnp.float32)
-    top = jnp.max(x, axis=-1, keepdims=True)
-    log_z = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True))
-    lp = (jnp.take_along_axis(x, ids.reshape(L, 1), axis=-1) - top) - log_z
-    top_lp, top_ids = top_logprobs(x, top, log_z, sp.want_logprobs)
-    return ids, accepted, lp[:, 0], top_ids, top_lp
+    return (ids, accepted, *chosen_logprobs(x.astype(jnp.float32), ids.reshape(L), sp.want_logprobs))
 
-  truncated = (sp.temperature > 0) & (((sp.top_k > 0) & (sp.top_k < V)) | (sp.top_p < 1) | (sp.min_p > 0))
-  penalized = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
-  plain = ~jnp.any(truncated | penalized | jnp.any(batch.allowed != -1, axis=-1))
+  plain = ~jnp.any(sp.truncated(V) | sp.penalized() | jnp.any(batch.allowed != -1, axis=-1))
   return jax.lax.cond(plain, fused, general, logits)
 
 
