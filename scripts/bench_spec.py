@@ -99,16 +99,21 @@ def main() -> int:
   order = ["none"] + methods
   rows.sort(key=lambda r: (r["batch"], order.index(r["method"]), r["k"]))
   print(f"\nDecode with speculation, default model, {args.dtype}, greedy, {args.max_tokens} tokens per prompt")
-  print("| batch | method | k | tok/s | speedup | steps | mean acceptance length | acceptance by position | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  # speedup = tokens per step x (baseline step time / this step time): the two columns
+  # after it say which of the two held it back.
+  print("| batch | method | k | tok/s | speedup | steps | ms / step | step cost vs none | mean acceptance length "
+        "| acceptance by position | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     base = next(b for b in rows if b["batch"] == r["batch"] and b["k"] == 0)
     r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
     r["same_tokens_as_without"] = r["ids"] == base["ids"]
+    r["ms_per_step"] = 1000 * r["seconds"] / r["steps"]
+    r["step_cost_vs_none"] = r["ms_per_step"] / (1000 * base["seconds"] / base["steps"])
     acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_rate", [])) or "-"
     mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
     print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-          f"{r['steps']} | {mal} | {acc} | {r['same_tokens_as_without']} |")
+          f"{r['steps']} | {r['ms_per_step']:.1f} | {r['step_cost_vs_none']:.2f}x | {mal} | {acc} | {r['same_tokens_as_without']} |")
   for r in rows:
     del r["ids"]
   import bench_peers

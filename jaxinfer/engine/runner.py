@@ -327,7 +327,23 @@ class ModelRunner:
   # ---- compile discipline ----------------------------------------------------------
 
   def num_seqs_bucket(self, num_tokens_bucket: int) -> int:
-    return min(num_tokens_bucket, self.max_num_seqs)
+    """The sequence rows of the T-token program. Every sequence brings at least one token,
+    so the largest bucket holds min(T, max_num_seqs): any step the scheduler can form.
+    Smaller ones hold T // (k + 1): a speculating sequence verifies k + 1 tokens, and rows
+    sized by tokens alone would leave k of every k + 1 padded, each still paying its k + 1
+    LM-head rows (on CPU the LM head is most of a small step). k = 0: T rows, as before."""
+    T = num_tokens_bucket
+    if T == self.token_buckets[-1]:
+      return min(T, self.max_num_seqs)
+    return min(max(1, T // (1 + self.num_speculative_tokens)), self.max_num_seqs)
+
+  def step_bucket(self, num_tokens: int, num_seqs: int) -> int:
+    """The smallest token bucket whose program holds num_tokens tokens of num_seqs sequences."""
+    for T in self.token_buckets:
+      if num_tokens <= T and num_seqs <= self.num_seqs_bucket(T):
+        return T
+    raise ValueError(f"{num_tokens} tokens of {num_seqs} sequences exceed the largest step "
+                     f"({self.token_buckets[-1]} tokens of {self.num_seqs_bucket(self.token_buckets[-1])})")
 
   def compiled_programs(self) -> int:
     """Distinct programs compiled so far (each padded shape compiles once)."""
@@ -363,13 +379,14 @@ class ModelRunner:
     lp = any(s.want_prompt_logprobs for s in seqs)
     if self.page_shards == 1:
       if T is None:
-        T = bucket(sum(s.num_new for s in seqs), self.token_buckets)
+        T = self.step_bucket(sum(s.num_new for s in seqs), len(seqs))
       return T, lp, pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
                          self.page_size, self.scratch_row, self.cfg.vocab_size)
     shards = [s.pages[0] // self.shard_pages for s in seqs]
     if T is None:
       load = np.bincount(shards, [s.num_new for s in seqs], self.page_shards) if seqs else [0]
-      T = bucket(int(max(load)), self.token_buckets)
+      count = np.bincount(shards, minlength=self.page_shards) if seqs else [0]
+      T = self.step_bucket(int(max(load)), int(max(count)))
     batch, self._result_order = pack_shards(
         seqs, shards, self.page_shards, self.shard_pages, T, self.num_seqs_bucket(T),
         self.num_speculative_tokens, self.pages_per_seq, self.page_size, self.scratch_row,

@@ -57,6 +57,21 @@ def greedy(n):
   return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def test_a_speculating_step_pads_sequence_rows_by_k_plus_one_tokens():
+  """A decoding sequence verifies k + 1 tokens, so a T-token program holds T // (k + 1)
+  sequences (each padded row would cost k + 1 LM-head rows); the largest holds any step."""
+  runner = make_llm(speculative=ngram(3)).runner
+  assert runner.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+  assert [runner.num_seqs_bucket(T) for T in runner.token_buckets] == [1, 1, 1, 2, 4, 8, 16]
+  assert runner.step_bucket(4, 1) == 4  # one sequence verifying 3 drafts
+  assert runner.step_bucket(4, 4) == 16  # four one-token prefill chunks: more sequence rows
+  assert runner.step_bucket(16, 16) == 64
+  with pytest.raises(ValueError, match="exceed the largest step"):
+    runner.step_bucket(65, 1)
+  plain = make_llm().runner
+  assert [plain.num_seqs_bucket(T) for T in plain.token_buckets] == [1, 2, 4, 8, 16, 16, 16]
+
+
 # The small pool compiles the step again (another cache shape): once is enough.
 @pytest.mark.parametrize("family,k,preempt", [("llama3", 1, False), ("llama3", 3, True), ("mistral", 2, False)])
 def test_greedy_with_ngram_drafts_equals_transformers(family, k, preempt):
