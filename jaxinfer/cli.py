@@ -39,7 +39,7 @@ def _generate(args: argparse.Namespace) -> None:
                           repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty)
-  llm = _load_llm(args, progress=args.input is not None)
+  llm = _load_llm(args, progress=args.input is not None, warmup=args.warmup)
   if _follow(llm):
     return
   try:
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--input", help="JSON Lines of requests (see jaxinfer.offline)")
   gen.add_argument("--output", help="JSON Lines results, appended; ids already there are skipped")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
+  gen.add_argument("--warmup", action="store_true",
+                   help="compile every step bucket before generating (default: each when first used; "
+                        "the same bounded set of programs, and a short job compiles only what it runs)")
   _add_model_options(gen)
   gen.add_argument("--max-tokens", type=int, default=128)
   gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
