@@ -61,17 +61,3 @@ def tiny_llms():
   return {f: LLM(tiny_dir(f), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, warmup=False)
           for f in FAMILIES}
 
-
-# The files that run the default model in its default engine config. Under xdist they
-# go to one worker, one after another, so the first compiles that config's step programs
-# and the rest read them from the persistent compilation cache (on two workers at once,
-# both would compile them). Every other file is its own group: its module fixtures
-# (engines, server processes) are built once.
-DEFAULT_MODEL_FILES = {"test_llm.py", "test_notebook.py", "test_smollm2.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-  for item in items:
-    name = item.path.name
-    group = "default-model" if name in DEFAULT_MODEL_FILES else str(item.path.relative_to(config.rootpath))
-    item.add_marker(pytest.mark.xdist_group(group))
