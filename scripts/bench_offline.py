@@ -316,43 +316,31 @@ def main() -> int:
   peers = [] if args.peers == "none" else args.peers.split(",")
   workloads = {"batch": prompts, "batch1": prompts[:1]}
   rows, notes = [], []
+  # (precision, jaxinfer dtype, quantization, peers): each dtype against every peer, each
+  # quantized format against llama.cpp on the matching GGUF type (the only peer that has one).
+  formats = [] if args.formats == "none" else args.formats.split(",")
+  cases = ([(d, d, None, peers) for d in args.dtypes.split(",")]
+           + [(f, "float32", f, [p for p in peers if p == "llama.cpp"]) for f in formats])
   for wl in args.workloads.split(","):
-    for dtype in args.dtypes.split(","):
-      label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
-      print(f"== {label}, {dtype}: jaxinfer", file=sys.stderr, flush=True)
-      ours = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout)
+    label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
+    for precision, dtype, quantization, case_peers in cases:
+      print(f"== {label}, {precision}: jaxinfer", file=sys.stderr, flush=True)
+      ours = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
+                          quantization=quantization)
       ours.update(workload=label, ratio_to_jaxinfer=1.0)
       rows.append(ours)
-      for peer in peers:
-        print(f"== {label}, {dtype}: {peer}", file=sys.stderr, flush=True)
+      for peer in case_peers:
+        print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
         try:
-          r = bench_peers.run_peer(peer, dtype, workloads[wl], args.max_tokens, timeout_s=args.timeout)
+          r = bench_peers.run_peer(peer, precision, workloads[wl], args.max_tokens, timeout_s=args.timeout)
         except Exception as e:  # a peer failing must not lose the rest of the run
-          notes.append(f"{peer} {dtype} {label}: failed: {str(e)[:300]}")
+          notes.append(f"{peer} {precision} {label}: failed: {str(e)[:300]}")
           continue
         if r is None:
           notes.append(f"{peer}: not installed, skipped")
           continue
         r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
         rows.append(r)
-      print(table(rows), file=sys.stderr, flush=True)
-    for fmt in [] if args.formats == "none" else args.formats.split(","):
-      label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
-      print(f"== {label}, {fmt}: jaxinfer", file=sys.stderr, flush=True)
-      ours = run_jaxinfer("float32", workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
-                          quantization=fmt)
-      ours.update(workload=label, ratio_to_jaxinfer=1.0)
-      rows.append(ours)
-      if "llama.cpp" in peers:
-        print(f"== {label}, {fmt}: llama.cpp", file=sys.stderr, flush=True)
-        try:
-          r = bench_peers.run_peer("llama.cpp", fmt, workloads[wl], args.max_tokens, timeout_s=args.timeout)
-        except Exception as e:
-          notes.append(f"llama.cpp {fmt} {label}: failed: {str(e)[:300]}")
-          r = None
-        if r is not None:
-          r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
-          rows.append(r)
       print(table(rows), file=sys.stderr, flush=True)
   result = {
       "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

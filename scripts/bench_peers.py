@@ -373,7 +373,7 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
   spec: dict[str, Any] = {"system": name, "dtype": dtype, "n_threads": n_threads}
   if name == "llama.cpp":
     spec["gguf_type"] = LLAMACPP_GGUF[dtype]
-    key = {"float32": "f32_gguf", "bfloat16": "f16_gguf", "int8": "q8_0_gguf", "int4": "q4_1_gguf"}[dtype]
+    key = f"{LLAMACPP_GGUF[dtype].lower()}_gguf"  # peer_model_paths' name for that file
     if key == "q8_0_gguf" and not paths[key].is_file():
       print(f"bench_peers: writing {paths[key]} ...", file=sys.stderr, flush=True)
       _run_worker(ref_python(ref_python_path), "gguf",
