@@ -223,6 +223,15 @@ def _run_worker(python: str, command: str, spec: dict[str, Any], timeout_s: floa
   return result
 
 
+def _write_gguf(python: str, src: Path, dst: Path, ftype: str, timeout_s: float,
+                verbose: bool) -> None:
+  """`src` re-encoded as `ftype` into `dst` by the reference venv's gguf package."""
+  print(f"bench_peers: writing {dst} ...", file=sys.stderr, flush=True)
+  r = _run_worker(python, "gguf", {"src": str(src), "dst": str(dst), "type": ftype}, timeout_s,
+                  verbose=verbose)
+  print(f"bench_peers: ... {r['seconds']} s", file=sys.stderr, flush=True)
+
+
 def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
                         out_dir: str | os.PathLike[str] | None = None,
                         ref_python_path: str | os.PathLike[str] | None = None,
@@ -254,10 +263,7 @@ def prepare_peer_models(gguf_path: str | os.PathLike[str] | None = None,
   paths["f32_gguf"].parent.mkdir(parents=True, exist_ok=True)
   for key, ftype in (("f32_gguf", "F32"), ("f16_gguf", "F16")):
     if not paths[key].is_file():
-      print(f"bench_peers: writing {paths[key]} ...", file=sys.stderr, flush=True)
-      r = _run_worker(python, "gguf", {"src": str(src), "dst": str(paths[key]), "type": ftype},
-                      timeout_s, verbose=verbose)
-      print(f"bench_peers: ... {r['seconds']} s", file=sys.stderr, flush=True)
+      _write_gguf(python, src, paths[key], ftype, timeout_s, verbose)
   if not _hf_dir_complete(paths["hf_dir"]):
     print(f"bench_peers: writing {paths['hf_dir']} ...", file=sys.stderr, flush=True)
     if paths["hf_dir"].exists():  # a broken earlier attempt
@@ -375,10 +381,7 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
     spec["gguf_type"] = LLAMACPP_GGUF[dtype]
     key = f"{LLAMACPP_GGUF[dtype].lower()}_gguf"  # peer_model_paths' name for that file
     if key == "q8_0_gguf" and not paths[key].is_file():
-      print(f"bench_peers: writing {paths[key]} ...", file=sys.stderr, flush=True)
-      _run_worker(ref_python(ref_python_path), "gguf",
-                  {"src": str(paths["q4_1_gguf"]), "dst": str(paths[key]), "type": "Q8_0"}, 900.0,
-                  verbose=verbose)
+      _write_gguf(ref_python(ref_python_path), paths["q4_1_gguf"], paths[key], "Q8_0", 900.0, verbose)
     spec["model"] = str(paths[key])
   else:
     spec["model"] = str(paths["hf_dir"])

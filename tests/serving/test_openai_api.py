@@ -65,6 +65,22 @@ def pool_is_full(server, timeout=10.0):
     time.sleep(0.02)
 
 
+def metric(text, name, missing_is_zero=False):
+  """A sample's value in /metrics text; `name` may carry labels: 'x_total{code="A"}'."""
+  m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+  if m is None and missing_is_zero:  # a labelled counter appears at its first increment
+    return 0.0
+  assert m, f"{name} missing from /metrics"
+  return float(m.group(1))
+
+
+def metrics(url):
+  return httpx.get(f"{url}/metrics").text
+
+
+REJECTED = 'jaxinfer_rejected_requests_total{code="%s"}'
+
+
 GREEDY = dict(temperature=0, max_tokens=12, extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
 
 
@@ -281,6 +297,8 @@ def test_disconnect_mid_stream_frees_pages(url, server):
 
 
 def test_admission_limit_is_429_then_the_waiting_requests_finish(url, client, server):
+  busy = REJECTED % "RESOURCE_EXHAUSTED"
+  before = metric(metrics(url), busy, missing_is_zero=True)
   gate = threading.Event()
   held = server.engine_loop.call(lambda e: gate.wait(60))  # the engine thread stops taking steps
   results = []
@@ -308,23 +326,21 @@ def test_admission_limit_is_429_then_the_waiting_requests_finish(url, client, se
   assert [r.status_code for r in results] == [200] * MAX_WAITING
   assert all(r.json()["usage"]["completion_tokens"] == 6 for r in results)
   assert server.backend.waiting_requests == 0
-
-
-def metric(text, name):
-  m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-  assert m, f"{name} missing from /metrics"
-  return float(m.group(1))
+  assert metric(metrics(url), busy) - before == 1
 
 
 def test_metrics_endpoint(url, client):
-  before = httpx.get(f"{url}/metrics").text
+  """Counts this test's own requests (other tests of the module may run before or after it)."""
+  before = metrics(url)
   client.completions.create(model="llama3", prompt=[1, 2, 3, 4, 5], max_tokens=7, temperature=0,
                             extra_body=dict(ignore_eos=True))
-  after = httpx.get(f"{url}/metrics").text
+  with pytest.raises(openai.BadRequestError):
+    client.completions.create(model="llama3", prompt=[1], max_tokens=2, temperature=-1.0)
+  after = metrics(url)
   assert metric(after, "jaxinfer_generation_tokens_total") - metric(before, "jaxinfer_generation_tokens_total") == 7
   assert metric(after, "jaxinfer_prompt_tokens_total") - metric(before, "jaxinfer_prompt_tokens_total") == 5
-  assert 'jaxinfer_rejected_requests_total{code="INVALID_ARGUMENT"}' in after  # the 400s above
-  assert 'jaxinfer_rejected_requests_total{code="RESOURCE_EXHAUSTED"}' in after  # the 429
+  bad = REJECTED % "INVALID_ARGUMENT"
+  assert metric(after, bad) - metric(before, bad, missing_is_zero=True) == 1
 
 
 def test_warming_up_is_503(reference):
