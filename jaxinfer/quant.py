@@ -346,7 +346,47 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   x = x.astype(jnp.float32)
   if scales.shape[0] > 1 or mins is not None:
     return jnp.dot(x, dequantize_groups(q, scales, mins))
+  if q.dtype == jnp.int8 and jax.default_backend() == "cpu" and q.shape[0] <= SPLIT_INT8_MAX_IN:
+    return split_int8_matmul(x, q, scales[0])
   return jnp.dot(x, q.astype(jnp.float32)) * scales[0]
+
+
+# |hi|, |lo| <= 127 and |q| <= 127: a dot over I inputs stays inside int32 while I * 127^2 < 2^31.
+SPLIT_INT8_MAX_IN = (2**31 - 1) // (127 * 127)
+SPLIT_INT8_LO = 254.0  # lo's weight: hi + lo / 254 recovers x / a to within 1 / 508
+
+
+def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, I] float32 -> (int8 limbs [2M, I], float32 scale a [M, 1]), per token (row).
+
+  x = a * (hi + lo / 254) to within max|x| / 64516 (2^-16 of the row's largest value):
+  a = max|x| / 127, hi = round(x / a) and lo = round((x / a - hi) * 254), both in [-127, 127].
+  The rows are [hi_0 .. hi_{M-1}, lo_0 .. lo_{M-1}].
+  """
+  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  a = jnp.where(amax > 0, amax / 127.0, 1.0)
+  y = x / a
+  hi = jnp.round(y)
+  lo = jnp.round((y - hi) * SPLIT_INT8_LO)
+  return jnp.concatenate([hi, lo]).astype(jnp.int8), a
+
+
+def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  """x [M, I] float32, q [I, O] int8, per-channel scale [O] -> float32 [M, O]: x @ (q * scale).
+
+  The int8 weight is read as int8: XLA CPU hands an int8 x int8 -> int32 dot of two or
+  more rows to its YNNPACK fusion, while any float or one-row form of the same product
+  first writes a widened [I, O] copy of the weight (tests/test_quant.py asserts both).
+  So the activations are split into two int8 limbs (split_activations) and one dot of
+  the [2M, I] limbs accumulates in int32, exactly: the result is x @ dequantized(q) with
+  x carried to 2^-16 of its row maximum (a weight-only product within ~1e-5 relative),
+  and, integer sums being exact in any order, it does not depend on the batch.
+  """
+  M = x.shape[0]
+  limbs, a = split_activations(x)
+  acc = jax.lax.dot_general(limbs, q, (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.int32).astype(jnp.float32)
+  return (acc[:M] + acc[M:] * (1.0 / SPLIT_INT8_LO)) * a * scale
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:

@@ -10,9 +10,12 @@ at the cost of a row reduction), and reports the time per matmul.
 
 Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   float32           x @ W
-  int8 weight-only  (x @ float(Q)) * s        what jaxinfer.quant.linear runs; XLA CPU
-                                              materializes float(Q) per call
-  int8 x int8       (q(x) @ Q, int32) * a * s  per-token int8 activations (not used: accuracy)
+  int8 split        ([hi; lo] @ Q, int32) * a * s  what jaxinfer.quant.linear runs on CPU: x in two
+                                              int8 limbs per token (x = a (hi + lo / 254)), one
+                                              int8 x int8 dot of 2T rows that reads Q as int8
+  int8 weight-only  (x @ float(Q)) * s        the GPU path; XLA CPU materializes float(Q) per call
+  int8 x int8       (q(x) @ Q, int32) * a * s  one int8 limb per token (not used: accuracy, and
+                                              at T = 1 XLA CPU widens Q to s32 per call)
   q8_0 groups       int8 x int8 with one scale per 32 inputs (GGUF Q8_0 as loaded): one
                     int32 dot per group (a batch dimension), scaled, summed (not used)
   q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
@@ -21,9 +24,8 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
                                                int4, GGUF Q4_0 / Q4_1 as loaded): dequantized whole
 
 --accuracy: float32 vs int8 next-token logits of the default model over chat
-prompts (teacher-forced), weight-only (the library) and with per-token int8
-activations (the 'int8 x int8' form patched in), the measurement that chose
-weight-only.
+prompts (teacher-forced): the library's split form, weight-only and one-limb
+int8 activations ('int8 x int8') patched in, the measurement that chose the split.
 
 --e2e also times LLM.generate on the default model, float32, int8, fp8 and int4, each in
 its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
@@ -67,12 +69,13 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxinfer.quant import quantize_fp8, quantize_int4, quantize_int8, quantized_matmul
+  from jaxinfer.quant import quantize_fp8, quantize_int4, quantize_int8, quantized_matmul, split_int8_matmul
 
   rng = np.random.default_rng(0)
   forms = {
       "float32": lambda x, w: x @ w["f"],
-      "int8 weight-only": lambda x, w: quantized_matmul(x, w["q"], w["s"]),
+      "int8 split": lambda x, w: split_int8_matmul(x, w["q"], w["s"][0]),
+      "int8 weight-only": lambda x, w: _weight_only(x, w["q"], w["s"]),
       "int8 x int8": lambda x, w: _int8_dot(x, w["q"], w["s"]),
       "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
       "q8_0 dequant": lambda x, w: quantized_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
@@ -90,7 +93,7 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       weights.append({"f": jnp.asarray(f), "q": jnp.asarray(q.values), "s": jnp.asarray(q.scales),
                       "g": jnp.asarray(groups), "f8": jnp.asarray(f8.values), "s8": jnp.asarray(f8.scales),
                       "i4": jnp.asarray(i4.values), "s4": jnp.asarray(i4.scales), "m4": jnp.asarray(i4.mins)})
-    for T in (1, 64):
+    for T in (1, 16, 64):
       x = jnp.asarray(rng.standard_normal((T, I)).astype(np.float32))
       row = {"shape": name, "in": I, "out": O, "tokens": T, "layers": layers}
       for form, mm in forms.items():
@@ -109,6 +112,12 @@ def _quantize_activations(x):
   amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
   a = jnp.where(amax > 0, amax / 127.0, 1.0)
   return jnp.clip(jnp.round(x32 / a), -127, 127).astype(jnp.int8), a
+
+
+def _weight_only(x, q, scales):
+  """Float activations x the int8 weight converted for the dot, per-channel scales after it."""
+  import jax.numpy as jnp
+  return jnp.dot(x.astype(jnp.float32), q.astype(jnp.float32)) * scales[0]
 
 
 def _int8_dot(x, q, scales):
@@ -155,7 +164,8 @@ def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
 
 def accuracy_rows(num_prompts: int) -> list[dict]:
   """float32 vs int8 next-token logits of the default model over chat prompts (teacher-forced):
-  weight-only (jaxinfer.quant as it is), then with per-token int8 activations patched in."""
+  the split form (jaxinfer.quant as it is), then weight-only and one-limb int8 activations
+  patched in."""
   import numpy as np
 
   import bench_offline
@@ -167,7 +177,8 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
   del ref
   rows = []
   library = quant.quantized_matmul
-  for form, mm in (("int8 weight-only", library),
+  for form, mm in (("int8 split", library),
+                   ("int8 weight-only", lambda x, q, s, m=None: library(x, q, s, m) if s.shape[0] > 1 else _weight_only(x, q, s)),
                    ("int8 x int8", lambda x, q, s, m=None: library(x, q, s, m) if s.shape[0] > 1 else _int8_dot(x, q, s))):
     quant.quantized_matmul = mm  # linear() looks it up at trace time; a fresh LLM traces anew
     try:
@@ -225,12 +236,14 @@ def main() -> None:
   path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,
                                             load_average_before=load_before, load_average_after=load_after,
                                             notes="best of --repeats; time per matmul (a chain of "
-                                                  "--layers distinct weights); machine shared. Bottleneck "
-                                                  "of every quantized form: the loop fusion that converts "
+                                                  "--layers distinct weights). Bottleneck of every "
+                                                  "weight-only form: the loop fusion that converts "
                                                   "(int4: and scales and offsets) the whole weight into an "
                                                   "f32 [in, out] buffer before the dot (compiled HLO, "
                                                   "tests/test_quant.py); fp8 and int4 converts are software "
-                                                  "conversions on this CPU, slower than int8's"),
+                                                  "conversions on this CPU, slower than int8's. int8 split "
+                                                  "escapes it: an s8 x s8 dot of >= 2 rows runs in XLA "
+                                                  "CPU's YNNPACK fusion over the int8 weight"),
                        args.out)
   print(f"wrote {path}")
 

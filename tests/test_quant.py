@@ -84,8 +84,15 @@ def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in, qu
   # Weight-only: x @ the dequantized weight up to float32 rounding (per channel with the scales
   # after the contraction, group-wise int4 dequantized first); a wrong scale, min or group
   # layout would be off by whole units.
-  ref = x2.astype(np.float64) @ dequantize(q, n_in).reshape(in_size, -1).astype(np.float64)
-  np.testing.assert_allclose(y.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
+  w2 = dequantize(q, n_in).reshape(in_size, -1).astype(np.float64)
+  ref = x2.astype(np.float64) @ w2
+  if quantization == "int8":
+    # The CPU's split int8 activations carry each token's x to within max|x| / 64516, so each
+    # output is off by at most that times sum_i |w_io| (plus float32 rounding).
+    bound = np.abs(x2).max(-1, keepdims=True) / 64516 * np.abs(w2).sum(0) + 1e-5
+    assert np.all(np.abs(y.reshape(ref.shape) - ref) <= bound)
+  else:
+    np.testing.assert_allclose(y.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
   G = q.scales.shape[0]
   mins = None if q.mins is None else q.mins.reshape(G, -1)
   np.testing.assert_allclose(ref, quantized_matmul_reference(x2, q.values.reshape(in_size, -1),
@@ -118,12 +125,12 @@ def _hlo(f, *args) -> str:
   return jax.jit(f).lower(*args).compile().as_text()
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
-def test_xla_cpu_materializes_a_float_copy_of_the_weight(quantization):
-  # What quant.linear compiles to: XLA CPU does not fuse the convert into the dot, it writes
-  # the whole float32 [576, 1536] weight (a convert fusion; for int4 it also applies the
-  # group scales and mins) and feeds that to the dot; int8 / fp8's per-channel scales
-  # multiply the [1, 1536] output after it.
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_xla_cpu_materializes_a_float_copy_of_fp8_and_int4_weights(quantization):
+  # What quant.linear compiles to for fp8 and int4: XLA CPU does not fuse the convert into
+  # the dot, it writes the whole float32 [576, 1536] weight (a convert fusion; for int4 it
+  # also applies the group scales and mins) and feeds that to the dot; fp8's per-channel
+  # scales multiply the [1, 1536] output after it.
   x = jnp.ones((1, 576), jnp.float32)
   w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, quantization))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
@@ -134,16 +141,57 @@ def test_xla_cpu_materializes_a_float_copy_of_the_weight(quantization):
   assert len(dots) == 1 and copy in dots[0] and "= f32[1,1536]" in dots[0], dots
 
 
-def test_int8_activations_do_not_escape_the_copy_either():
-  # The alternative (per-token int8 activations x int8 weights, int32 accumulation): XLA CPU
-  # widens the int8 weight to an s32 [576, 1536] copy for its dot, so it reads no fewer bytes.
-  xq = jnp.ones((1, 576), jnp.int8)
+def _widened_copies(lines):
+  """Fusions whose result is a [576, 1536] array: a copy of the weight written per call."""
+  return [l for l in lines if "fusion(" in l and "[576,1536]" in l.split("=")[1].split("(")[0]]
+
+
+def test_int8_is_read_as_int8_by_a_dot_of_the_two_activation_limbs():
+  # One token's int8 linear on the CPU: a [2, 576] s8 x [576, 1536] s8 -> s32 dot (hi and
+  # lo limbs) over the int8 parameter itself; no [576, 1536] copy of the weight is written.
+  x = jnp.ones((1, 576), jnp.float32)
+  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int8"))
+  lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
+  assert not _widened_copies(lines), lines
+  dots = [l for l in lines if " dot(" in l]
+  assert len(dots) == 1 and "= s32[2,1536]" in dots[0], dots
+  assert any(l.strip().startswith("%param_1 = s8[576,1536]") for l in lines), lines
+
+
+def test_a_one_row_int8_dot_widens_the_weight_and_two_rows_do_not():
+  # Why the limbs: XLA CPU lowers a one-row int8 x int8 dot (a matrix-vector product)
+  # through an s32 [576, 1536] copy of the weight, and two rows through no copy at all.
   q = jnp.ones((576, 1536), jnp.int8)
-  lines = _hlo(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                                                 preferred_element_type=jnp.int32), xq, q).splitlines()
-  widened = [l for l in lines if "= s32[576,1536]" in l and "fusion(" in l]
-  assert len(widened) == 1, lines
-  assert any(" dot(" in l and widened[0].split("=")[0].strip() in l for l in lines)
+
+  def dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+
+  one = _hlo(dot, jnp.ones((1, 576), jnp.int8), q).splitlines()
+  two = _hlo(dot, jnp.ones((2, 576), jnp.int8), q).splitlines()
+  assert [l.split("=")[1].split()[0] for l in _widened_copies(one)] == ["s32[576,1536]{1,0}"], one
+  assert not _widened_copies(two), two
+
+
+def test_split_int8_matmul_is_exact_at_the_limits_and_batch_invariant():
+  # Every limb and value at +-127 over the widest input SmolLM2 has: the int32 sums are exact.
+  from jaxinfer.quant import split_activations, split_int8_matmul
+  x = np.full((3, 1536), 127.0, np.float32)
+  x[1] = -127.0
+  x[2, ::2] = -127.0
+  limbs, a = split_activations(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(limbs)[:3], x.astype(np.int8))
+  assert not np.asarray(limbs)[3:].any() and np.all(np.asarray(a) == 1.0)
+  q = np.full((1536, 8), -127, np.int8)
+  y = np.asarray(split_int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.ones((8,), jnp.float32)))
+  np.testing.assert_array_equal(y, x.astype(np.float64) @ q.astype(np.float64))
+  # A row's result does not depend on the rows beside it (integer sums in any order).
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((16, 576)).astype(np.float32)
+  w = quantize_int8(rng.standard_normal((576, 96)).astype(np.float32), 1)
+  f = jax.jit(quantized_matmul)
+  together = np.asarray(f(x, w.values, w.scales))
+  alone = np.concatenate([np.asarray(f(x[i:i + 1], w.values, w.scales)) for i in range(16)])
+  np.testing.assert_array_equal(together, alone)
 
 
 # ---- specs, abstract params, shardings, init -----------------------------------------------------
@@ -249,11 +297,13 @@ def test_int8_greedy_batch_invariance(int8_llms):
 
 def test_int8_sharded_over_a_mesh_matches_one_device(int8_llms):
   # Shardings of the quantized tree come from the logical axes (values like the weight, scales
-  # like its outputs); a tensor-parallel int8 model computes the same int32 sums.
+  # like its outputs); a tensor-parallel int8 model computes the same int32 sums (a row-parallel
+  # weight's partial sums are all-reduced as s32), and only the float epilogue that scales them
+  # rounds in another order (~1e-5 relative per layer).
   mesh = make_mesh(model=2)
   sharded = LLM(tiny_dir("smollm2"), max_model_len=256, max_num_seqs=8, warmup=False, quantization="int8",
                 mesh=mesh, sharding_rules={"kv_heads": None})  # 1 KV head: replicated on purpose
   w = sharded.runner.params["layers"][0]["w_gate"]
   assert w.values.sharding.spec == jax.sharding.PartitionSpec(None, "model")
   ids = golden("smollm2")["token_ids"].tolist()
-  np.testing.assert_allclose(sharded.logits(ids), int8_llms["smollm2"].logits(ids), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(sharded.logits(ids), int8_llms["smollm2"].logits(ids), atol=1e-3, rtol=0)
