@@ -320,7 +320,7 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   same order ('TD,DHd->THd', 'THd,HdD->TD', '...F,FD->...D').
   """
   if not is_quantized(w):
-    return jnp.einsum(eq, x, w)
+    return float_linear(eq, x, w)
   xs, ws, out = _split_eq(eq)
   n = sum(1 for c in ws if c in xs and c not in out)
   if not (n and xs.endswith(ws[:n]) and out == xs[:len(xs) - n] + ws[n:]):
@@ -332,6 +332,27 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   y = quantized_matmul(x.reshape(-1, in_size), w.values.reshape(in_size, -1), w.scales.reshape(G, -1),
                        None if w.mins is None else w.mins.reshape(G, -1))
   return y.reshape(*lead, *out_shape).astype(x.dtype)
+
+
+def float_linear(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """einsum(eq, x, w) accumulated in float32, in x's dtype.
+
+  For bfloat16 on the CPU this decides the speed (scripts/bench_quant_matmul.py):
+  XLA CPU runs a bf16 x bf16 dot with a float32 result in its YNNPACK fusion over the
+  bf16 weight, but one with a bf16 result, or with a single row (a matrix-vector
+  product), through a float32 copy of the whole weight written per call. So the dot
+  asks for float32, and a one-row bf16 product runs as two equal rows (one is dropped).
+  Float32 weights are unchanged: their one-row product is XLA's own matrix-vector kernel,
+  which reads the weight once at memory bandwidth.
+  """
+  xs, ws, out = _split_eq(eq)
+  n = sum(1 for c in ws if c in xs and c not in out)  # contracted axes: they end x
+  one_row = (x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" and x.ndim > n
+             and math.prod(x.shape[:x.ndim - n]) == 1)
+  if one_row:  # axis 0 is a row axis of size 1
+    x = jnp.concatenate([x, x])
+  y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  return y[:1] if one_row else y
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:

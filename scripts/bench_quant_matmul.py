@@ -16,6 +16,9 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   int8 weight-only  (x @ float(Q)) * s        the GPU path; XLA CPU materializes float(Q) per call
   int8 x int8       (q(x) @ Q, int32) * a * s  one int8 limb per token (not used: accuracy, and
                                               at T = 1 XLA CPU widens Q to s32 per call)
+  bf16 einsum       x @ W in bfloat16       bf16 result: XLA CPU writes a float32 copy of W per call
+  bf16 linear       x @ W in bfloat16       jaxinfer.quant.float_linear: float32 accumulation (and
+                                              one row run as two), which XLA CPU's YNNPACK runs on W
   q8_0 groups       int8 x int8 with one scale per 32 inputs (GGUF Q8_0 as loaded): one
                     int32 dot per group (a batch dimension), scaled, summed (not used)
   q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
@@ -69,7 +72,8 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxinfer.quant import quantize_fp8, quantize_int4, quantize_int8, quantized_matmul, split_int8_matmul
+  from jaxinfer.quant import (float_linear, quantize_fp8, quantize_int4, quantize_int8, quantized_matmul,
+                              split_int8_matmul)
 
   rng = np.random.default_rng(0)
   forms = {
@@ -77,6 +81,8 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       "int8 split": lambda x, w: split_int8_matmul(x, w["q"], w["s"][0]),
       "int8 weight-only": lambda x, w: _weight_only(x, w["q"], w["s"]),
       "int8 x int8": lambda x, w: _int8_dot(x, w["q"], w["s"]),
+      "bf16 einsum": lambda x, w: jnp.einsum("TD,DF->TF", x.astype(jnp.bfloat16), w["b"]).astype(x.dtype),
+      "bf16 linear": lambda x, w: float_linear("TD,DF->TF", x.astype(jnp.bfloat16), w["b"]).astype(x.dtype),
       "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
       "q8_0 dequant": lambda x, w: quantized_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
       "fp8 weight-only": lambda x, w: quantized_matmul(x, w["f8"], w["s8"]),
@@ -90,7 +96,7 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       q = quantize_int8(f, 1)
       groups = np.repeat(q.scales, I // 32, axis=0)  # same numbers, the Q8_0 layout of scales
       f8, i4 = quantize_fp8(f, 1), quantize_int4(f, 1)
-      weights.append({"f": jnp.asarray(f), "q": jnp.asarray(q.values), "s": jnp.asarray(q.scales),
+      weights.append({"f": jnp.asarray(f), "b": jnp.asarray(f, jnp.bfloat16), "q": jnp.asarray(q.values), "s": jnp.asarray(q.scales),
                       "g": jnp.asarray(groups), "f8": jnp.asarray(f8.values), "s8": jnp.asarray(f8.scales),
                       "i4": jnp.asarray(i4.values), "s4": jnp.asarray(i4.scales), "m4": jnp.asarray(i4.mins)})
     for T in (1, 16, 64):

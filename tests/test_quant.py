@@ -172,6 +172,26 @@ def test_a_one_row_int8_dot_widens_the_weight_and_two_rows_do_not():
   assert not _widened_copies(two), two
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_bfloat16_linear_reads_the_bfloat16_weight(rows):
+  # quant.float_linear: a float32-accumulating dot (one row run as two) over the bf16 weight
+  # itself; a bf16-result or one-row bf16 dot would write a float32 [576, 1536] copy per call.
+  x = jnp.ones((rows, 576), jnp.bfloat16)
+  w = jnp.ones((576, 1536), jnp.bfloat16)
+  lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
+  assert not _widened_copies(lines), lines
+  plain = _hlo(lambda x, w: jnp.einsum("TD,DF->TF", x, w), x, w).splitlines()
+  assert [l.split("=")[1].split()[0] for l in _widened_copies(plain)] == ["f32[576,1536]{1,0}"], plain
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((rows, 3, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((3, 64, 40)), jnp.bfloat16)
+  y = linear("THd,HdD->TD", x, w)
+  ref = np.einsum("THd,HdD->TD", np.asarray(x, np.float64), np.asarray(w, np.float64))
+  assert y.dtype == jnp.bfloat16 and y.shape == ref.shape
+  # float32 sums rounded once to bfloat16 (8 bits of mantissa): within 2^-8 of each value.
+  assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= np.abs(ref) * 2.0 ** -8 + 1e-4)
+
+
 def test_split_int8_matmul_is_exact_at_the_limits_and_batch_invariant():
   # Every limb and value at +-127 over the widest input SmolLM2 has: the int32 sums are exact.
   from jaxinfer.quant import split_activations, split_int8_matmul
