@@ -25,11 +25,20 @@ Embeddings and the LM head stay in the model dtype (not measured quantized): the
 is a gather, not a matmul, and SmolLM2 ties it to the LM head, so quantizing one would
 quantize both; the LM head's [V, D] product is what the sampler reads.
 
-`linear(eq, x, w)` is the model's only matmul over linear weights. It is weight-only: the
-activations stay float, the values are converted for the dot and the per-channel scales
-multiply its output (exact factoring: sum_i x_i q_io s_o = s_o sum_i x_i q_io). Group-wise
-scales (Q8_0, int4) vary along the contraction, so those weights are dequantized whole
-first (in the same jitted step).
+`linear(eq, x, w)` is the model's only matmul over linear weights. Per-channel int8 on the
+CPU runs `split_int8_matmul`: each token's activations become two int8 limbs
+(x = a (hi + lo / 254), 2^-16 of the row's largest value) and one s8 x s8 -> s32 dot of
+the 2T limb rows reads the int8 weight itself in XLA CPU's YNNPACK fusion; the int32
+sums are exact, the scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Every
+other form is weight-only: activations stay float, the values are converted for the dot
+and per-channel scales multiply its output. Group-wise scales (Q8_0, int4) vary along the
+contraction, so those weights are dequantized whole first (in the same jitted step).
+
+Update 2026-11-23 (supersedes the int8 and speed points below): a one-row s8 x s8 dot is
+widened, but two or more rows are not (tests/test_quant.py asserts both), which the split
+limbs exploit. End to end on the default model, 64 new tokens, idle 2-core EPYC: batch 1
+float32 28.7, int8 31.2 tok/s (weight-only was 5.2); 64 prompts float32 234.7, int8 223.4.
+The same holds for bfloat16 (float_linear).
 
 What was measured to choose this (scripts/bench_quant_matmul.py, SmolLM2-135M
 shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
@@ -63,8 +72,9 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   Q4_1 file: its float32 weights are Q4_1 blocks, which int4 (asymmetric, groups of 32)
   recovers exactly; on a model not already 4-bit int4 loses more (tiny random smollm2:
   mean |logit diff| 0.15 vs int8's 0.012 and fp8's 0.056).
-No quantized form pays for batch-1 decode under XLA CPU: that needs a kernel that
-reads the small values directly (issue 14).
+Still, int8 is not 2x float32 at batch 1: the float32 LM head (113 MB per token, tied to
+the embedding) is read either way, and YNNPACK's small-row dot costs more per byte than
+XLA's float32 matrix-vector kernel.
 """
 
 from __future__ import annotations
