@@ -372,7 +372,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   scales (exact factoring). Group-wise (Q8_0, int4): the scales differ along
   the contraction, so the weight is dequantized first (a batched int32 dot per
   group measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
-  Activations are never quantized (see the module doc for why).
+  Per-channel int8 on the CPU runs split_int8_matmul (exact int32 sums of two int8
+  activation limbs); elsewhere activations stay float.
   """
   x = x.astype(jnp.float32)
   if scales.shape[0] > 1 or mins is not None:
