@@ -317,10 +317,11 @@ def check_quantized(name: str, values_shape: tuple[int, ...], values_dtype, scal
 
 # ---- the matmul -------------------------------------------------------------------------------
 
-def _split_eq(eq: str) -> tuple[str, str, str]:
+def _split_eq(eq: str) -> tuple[str, str, str, int]:
+  """x's letters, w's letters, the output's, and how many axes are contracted."""
   lhs, out = eq.replace(" ", "").split("->")
   xs, ws = lhs.split(",")
-  return xs, ws, out
+  return xs, ws, out, sum(1 for c in ws if c in xs and c not in out)
 
 
 def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
@@ -331,8 +332,7 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   """
   if not is_quantized(w):
     return float_linear(eq, x, w)
-  xs, ws, out = _split_eq(eq)
-  n = sum(1 for c in ws if c in xs and c not in out)
+  xs, ws, out, n = _split_eq(eq)
   if not (n and xs.endswith(ws[:n]) and out == xs[:len(xs) - n] + ws[n:]):
     raise ValueError(f"linear({eq!r}): the contracted axes must end x and start the weight")
   in_shape, out_shape = w.values.shape[:n], w.values.shape[n:]
@@ -355,8 +355,7 @@ def float_linear(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
   Float32 weights are unchanged: their one-row product is XLA's own matrix-vector kernel,
   which reads the weight once at memory bandwidth.
   """
-  xs, ws, out = _split_eq(eq)
-  n = sum(1 for c in ws if c in xs and c not in out)  # contracted axes: they end x
+  _, _, _, n = _split_eq(eq)  # the n contracted axes end x
   one_row = (x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" and x.ndim > n
              and math.prod(x.shape[:x.ndim - n]) == 1)
   if one_row:  # axis 0 is a row axis of size 1
@@ -388,6 +387,12 @@ SPLIT_INT8_MAX_IN = (2**31 - 1) // (127 * 127)
 SPLIT_INT8_LO = 254.0  # lo's weight: hi + lo / 254 recovers x / a to within 1 / 508
 
 
+def token_scales(x: jax.Array) -> jax.Array:
+  """x [M, I] -> float32 [M, 1]: max|x| / 127 per row (1 for an all-zero row)."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+  return jnp.where(amax > 0, amax / 127.0, 1.0)
+
+
 def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """x [M, I] float32 -> (int8 limbs [2M, I], float32 scale a [M, 1]), per token (row).
 
@@ -395,8 +400,7 @@ def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   a = max|x| / 127, hi = round(x / a) and lo = round((x / a - hi) * 254), both in [-127, 127].
   The rows are [hi_0 .. hi_{M-1}, lo_0 .. lo_{M-1}].
   """
-  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  a = jnp.where(amax > 0, amax / 127.0, 1.0)
+  a = token_scales(x)
   y = x / a
   hi = jnp.round(y)
   lo = jnp.round((y - hi) * SPLIT_INT8_LO)

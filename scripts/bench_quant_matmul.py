@@ -114,10 +114,9 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
 def _quantize_activations(x):
   """x [M, I] -> (int8 [M, I], float32 scale [M, 1]), symmetric per token."""
   import jax.numpy as jnp
-  x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-  a = jnp.where(amax > 0, amax / 127.0, 1.0)
-  return jnp.clip(jnp.round(x32 / a), -127, 127).astype(jnp.int8), a
+  from jaxinfer.quant import token_scales
+  a = token_scales(x)
+  return jnp.clip(jnp.round(x.astype(jnp.float32) / a), -127, 127).astype(jnp.int8), a
 
 
 def _weight_only(x, q, scales):
