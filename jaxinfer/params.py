@@ -72,6 +72,9 @@ class WeightSpec:
   # (i, n): the checkpoint tensor's last dim interleaves n weights and this one is
   # columns i, i + n, ... (GPT-OSS's gate_up_proj: gate even, up odd).
   interleave: tuple[int, int] | None = None
+  # The LM head, or the embedding tied to it: int8 quantizes it (jaxinfer/quant.py), other
+  # formats keep it in the model dtype.
+  head: bool = False
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -139,9 +142,9 @@ def is_spec(x: Any) -> bool:
 def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
   """The parameter pytree of the decoder, with a WeightSpec at every leaf.
 
-  quantization ('int8', 'fp8', 'int4'): each linear weight but the LM head is a
-  `QuantizedWeight` of specs (values in the format's dtype, float32 scales, and
-  int4's mins; jaxinfer/quant.py).
+  quantization ('int8', 'fp8', 'int4'): each linear weight is a `QuantizedWeight` of
+  specs (values in the format's dtype, float32 scales, and int4's mins; jaxinfer/quant.py).
+  The LM head, or the embedding tied to it, too for int8 only (quant.quantizable).
   """
   if quantization is not None:
     from jaxinfer.quant import check_quantizable, parse_quantization, quantizable, quantized_spec
@@ -149,19 +152,25 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
     check_model_quantizable(cfg, quantization)
-    return jax.tree.map(lambda s: quantized_spec(s, quantization=quantization) if quantizable(s) else s, specs,
-                        is_leaf=is_spec)
+    return jax.tree.map(lambda s: quantized_spec(s, quantization=quantization) if quantizable(s, quantization)
+                        else s, specs, is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
       "embed": WeightSpec((V, D), ("vocab", "embed"), "normal", "model.embed_tokens.weight",
-                          "token_embd.weight"),
+                          "token_embd.weight", head=cfg.tie_word_embeddings),
       "layers": [layer_specs(cfg, i) for i in range(cfg.num_layers)],
       "final_norm": WeightSpec((D,), ("embed",), "ones", "model.norm.weight", "output_norm.weight"),
   }
   if not cfg.tie_word_embeddings:
     specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"), "normal", "lm_head.weight",
-                                  "output.weight", linear=True)
+                                  "output.weight", linear=True, head=True)
   return specs
+
+
+def model_dtype(params: Any):
+  """The activation (and KV cache) dtype of a param tree: its final norm's, which no
+  quantization touches (the embedding may be int8)."""
+  return params["final_norm"].dtype
 
 
 def check_model_quantizable(cfg: ModelConfig, quantization: str | None) -> None:

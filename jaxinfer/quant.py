@@ -159,8 +159,11 @@ def num_in_axes(spec) -> int:
   return 2 if spec.axes[:2] == ("heads", "head_dim") else 1
 
 
-def quantizable(spec) -> bool:
-  """Linear weights are quantized; vocab-sized ones (the LM head) stay in the model dtype."""
+def quantizable(spec, quantization: str | None = None) -> bool:
+  """Linear weights are quantized. The LM head, or the embedding tied to it (spec.head), only
+  by int8: on the CPU fp8 and int4 would write a float32 copy of the largest weight per step."""
+  if spec.head:
+    return quantization == "int8"
   return spec.linear and "vocab" not in spec.axes
 
 
@@ -176,11 +179,11 @@ def check_quantizable(specs: Any, quantization: str) -> None:
   from jaxinfer.params import is_spec
   for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
     where = f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf})"
-    if quantizable(spec) and spec.num_experts:
+    if quantizable(spec, quantization) and spec.num_experts:
       raise UnsupportedModelError(
           f"quantization={quantization!r} is not supported for mixture-of-experts weights "
           f"{where}; load this model unquantized")
-    if quantization == "int4" and quantizable(spec) and spec.hf.endswith("kv_b_proj.weight"):
+    if quantization == "int4" and quantizable(spec, quantization) and spec.hf.endswith("kv_b_proj.weight"):
       raise UnsupportedModelError(f"quantization='int4' is not supported for MLA {where}: use int8 or fp8")
 
 
@@ -269,7 +272,7 @@ def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_si
   check_quantizable(specs, quantization)
 
   def one(spec, w):
-    if is_quantized(w) or not quantizable(spec):
+    if is_quantized(w) or not quantizable(spec, quantization):
       return w
     return quantize(np.asarray(w), num_in_axes(spec), quantization, group_size, spec.hf)
 
@@ -324,14 +327,15 @@ def _split_eq(eq: str) -> tuple[str, str, str, int]:
   return xs, ws, out, sum(1 for c in ws if c in xs and c not in out)
 
 
-def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
-  """einsum(eq, x, w) for a float weight; the weight-only quantized matmul for a QuantizedWeight.
+def linear(eq: str, x: jax.Array, w: Any, out_dtype=None) -> jax.Array:
+  """einsum(eq, x, w) for a float weight; the quantized matmul for a QuantizedWeight.
 
   `eq` is a letter-einsum whose contracted letters end x and start w in the
-  same order ('TD,DHd->THd', 'THd,HdD->TD', '...F,FD->...D').
+  same order ('TD,DHd->THd', 'THd,HdD->TD', '...F,FD->...D'). The result is in
+  `out_dtype` (default: x's dtype), accumulated in float32 (int32 for split int8).
   """
   if not is_quantized(w):
-    return float_linear(eq, x, w)
+    return float_linear(eq, x, w, out_dtype)
   xs, ws, out, n = _split_eq(eq)
   if not (n and xs.endswith(ws[:n]) and out == xs[:len(xs) - n] + ws[n:]):
     raise ValueError(f"linear({eq!r}): the contracted axes must end x and start the weight")
@@ -341,11 +345,42 @@ def linear(eq: str, x: jax.Array, w: Any) -> jax.Array:
   G = w.scales.shape[0]
   y = quantized_matmul(x.reshape(-1, in_size), w.values.reshape(in_size, -1), w.scales.reshape(G, -1),
                        None if w.mins is None else w.mins.reshape(G, -1))
-  return y.reshape(*lead, *out_shape).astype(x.dtype)
+  return y.reshape(*lead, *out_shape).astype(out_dtype or x.dtype)
 
 
-def float_linear(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """einsum(eq, x, w) accumulated in float32, in x's dtype.
+def head_logits(x: jax.Array, w: Any, tied: bool) -> jax.Array:
+  """x [..., D] -> float32 logits [..., V] through the LM head: w is lm_head [D, V], or with
+  `tied` the embedding [V, D] it shares.
+
+  int8 (quantizable: the head is the largest weight, 113 MB of the default model's 538 in
+  float32) keeps per-channel scales along its input D either way, for the tied table
+  because its columns are what the embedding lookup and the head have in common; scales
+  along the contraction factor into x (sum_d x_d s_d q_vd), so the tied head is the
+  same split int8 dot over x * s as any other int8 weight, reading [V, D] as stored.
+  """
+  if not tied:
+    return linear("...D,DV->...V", x, w, jnp.float32)
+  if not is_quantized(w):
+    return float_linear("...D,VD->...V", x, w, jnp.float32)
+  lead = x.shape[:-1]
+  xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32) * w.scales  # [M, D] * [1, D]
+  if jax.default_backend() == "cpu" and xs.shape[1] <= SPLIT_INT8_MAX_IN:
+    y = split_int8_matmul(xs, w.values, q_contract=1)
+  else:
+    y = jnp.dot(xs, w.values.astype(jnp.float32).T)
+  return y.reshape(*lead, -1)
+
+
+def embed_lookup(embed: Any, tokens: jax.Array, dtype) -> jax.Array:
+  """The rows of the embedding table [V, D] at tokens [...] -> [..., D] in `dtype` (an int8
+  table, tied to the head, is its int8 rows times the per-column scales)."""
+  if not is_quantized(embed):
+    return jnp.take(embed, tokens, axis=0).astype(dtype)
+  return (jnp.take(embed.values, tokens, axis=0).astype(jnp.float32) * embed.scales[0]).astype(dtype)
+
+
+def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+  """einsum(eq, x, w) accumulated in float32, in `out_dtype` (default: x's dtype).
 
   For bfloat16 on the CPU this decides the speed (scripts/bench_quant_matmul.py):
   XLA CPU runs a bf16 x bf16 dot with a float32 result in its YNNPACK fusion over the
@@ -360,7 +395,7 @@ def float_linear(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
              and math.prod(x.shape[:x.ndim - n]) == 1)
   if one_row:  # axis 0 is a row axis of size 1
     x = jnp.concatenate([x, x])
-  y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
   return y[:1] if one_row else y
 
 
@@ -407,8 +442,10 @@ def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.concatenate([hi, lo]).astype(jnp.int8), a
 
 
-def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  """x [M, I] float32, q [I, O] int8, per-channel scale [O] -> float32 [M, O]: x @ (q * scale).
+def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None, q_contract: int = 0
+                      ) -> jax.Array:
+  """x [M, I] float32, q [I, O] int8 (q_contract=1: [O, I]), per-channel scale [O] or None
+  -> float32 [M, O]: x @ (q * scale).
 
   The int8 weight is read as int8: XLA CPU hands an int8 x int8 -> int32 dot of two or
   more rows to its YNNPACK fusion, while any float or one-row form of the same product
@@ -420,9 +457,10 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array
   """
   M = x.shape[0]
   limbs, a = split_activations(x)
-  acc = jax.lax.dot_general(limbs, q, (((1,), (0,)), ((), ())),
+  acc = jax.lax.dot_general(limbs, q, (((1,), (q_contract,)), ((), ())),
                             preferred_element_type=jnp.int32).astype(jnp.float32)
-  return (acc[:M] + acc[M:] * (1.0 / SPLIT_INT8_LO)) * a * scale
+  y = (acc[:M] + acc[M:] * (1.0 / SPLIT_INT8_LO)) * a
+  return y if scale is None else y * scale
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:

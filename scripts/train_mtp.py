@@ -81,7 +81,7 @@ def target_pass(cfg, params, seqs: list[list[int]], L: int, top_k: int, page_siz
   from jaxinfer.models.cache import CacheSpec
   from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 
-  spec = CacheSpec.from_config(cfg, jax.tree.leaves(params)[0].dtype)
+  spec = CacheSpec.from_config(cfg, model_dtype(params))
 
   @jax.jit
   def run(params, tokens, length):

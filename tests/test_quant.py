@@ -232,7 +232,11 @@ def test_quantized_specs_abstract_and_init_agree():
   assert isinstance(wo, QuantizedWeight)
   assert (wo.values.shape, wo.values.dtype) == ((H, Dh, D), jnp.int8)
   assert (wo.scales.shape, wo.scales.dtype) == ((1, D), jnp.float32)
-  assert abstract["embed"].dtype == jnp.bfloat16 and not is_quantized(abstract["lm_head"])
+  # int8 quantizes the LM head too (per vocab column); the untied embedding is only gathered.
+  head = abstract["lm_head"]
+  assert (head.values.shape, head.values.dtype, head.scales.shape) == ((D, cfg.vocab_size), jnp.int8,
+                                                                     (1, cfg.vocab_size))
+  assert abstract["embed"].dtype == jnp.bfloat16
   assert abstract["layers"][0]["attn_norm"].dtype == jnp.bfloat16
 
 
@@ -248,6 +252,7 @@ def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization)
     w = tree["layers"][0]["w_gate"]
     assert is_quantized(w) and w.values.dtype == dtype
     assert (w.mins is not None) == (quantization == "int4")
+    assert is_quantized(tree["lm_head"]) == (quantization == "int8")  # fp8 / int4 keep the head float
 
 
 def test_quantized_shardings_follow_the_logical_axes():

@@ -16,7 +16,9 @@ interleaved RoPE layout; we undo it to get back Hugging Face's half-split
 layout, which our RoPE uses. Mixture-of-experts files (Mixtral as 'llama'
 with an expert count, 'qwen3moe') hold each layer's experts stacked in one
 tensor per projection (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]
-in numpy order), read as they are.
+in numpy order), read as they are. The LM head (or the embedding tied to it),
+which int8 also quantizes, is read as floats and quantized per channel by
+import_model.
 """
 
 from __future__ import annotations
@@ -125,10 +127,13 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig.from_gguf(meta, set(tensors))
   permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
-  linear = set()  # the tensors `quantization` applies to
+  # The tensors `quantization` applies to here. The head (int8 only) is read as floats and
+  # quantized per channel by import_model: Q8_0 blocks would be dequantized on every step.
+  linear = set()
   if quantization:
     check_quantizable(param_specs(cfg), quantization)
-    linear = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if quantizable(s)}
+    linear = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+              if s.linear and not s.head and quantizable(s, quantization)}
   kept = KEPT.get(quantization, ())
   requantized: set[str] = set()
 

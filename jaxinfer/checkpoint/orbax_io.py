@@ -123,7 +123,7 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quant
     return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[quantization], sharding=sharding.values),
                            scales, None if mins is None else scales)
 
-  return jax.tree_util.tree_map_with_path(target, param_specs(cfg, "int8"), param_specs(cfg), shardings,
+  return jax.tree_util.tree_map_with_path(target, param_specs(cfg, quantization), param_specs(cfg), shardings,
                                           is_leaf=is_node)
 
 

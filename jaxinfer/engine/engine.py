@@ -46,6 +46,7 @@ from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.cache import CacheSpec
+from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
 from jaxinfer.sampling import SamplingParams
@@ -170,7 +171,7 @@ class LLMEngine:
     self.engine_config = ec
     self.max_model_len = min(cfg.max_position_embeddings, ec.max_model_len or 4096)
     _enable_compilation_cache(ec.compilation_cache_dir)
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = model_dtype(params)
     # An MTP module's attention K/V is one more layer in every page.
     cache_spec = CacheSpec.from_config(cfg, dtype, draft_layers=int(mtp_params is not None))
     per_page = cache_spec.page_bytes(ec.page_size)
@@ -689,7 +690,7 @@ def _find_mtp_head(cfg: ModelConfig, params: Any, model_path: str | Path | None,
         f"{TRAIN_MTP_COMMAND.format(model=model)} (or use method='ngram')")
   source, weights = found
   log.info("MTP head from %s", source)
-  dtype = jax.tree.leaves(params)[0].dtype
+  dtype = model_dtype(params)
   weights = jax.tree.map(lambda a: np.asarray(a).astype(dtype), weights)
   if mesh is None:
     return jax.device_put(weights, jax.devices()[0])

@@ -69,6 +69,7 @@ from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
+from jaxinfer.params import model_dtype
 from jaxinfer.engine.spec_decode import accept
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, chosen_logprobs, sample
 from pallas_kernels.spec_accept import spec_accept
@@ -240,7 +241,7 @@ class ModelRunner:
     from jaxinfer.sharding import make_rules
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
-    self.dtype = jax.tree.leaves(params)[0].dtype
+    self.dtype = model_dtype(params)
     self.mtp = mtp_params is not None
     if self.mtp and num_speculative_tokens < 1:
       raise ValueError("an MTP module drafts num_speculative_tokens >= 1 tokens")

@@ -41,6 +41,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.transformer import PagedBatch, compute_logits, decoder_layer, dense_ffn
 from jaxinfer.params import WeightSpec, layer_specs
+from jaxinfer.quant import embed_lookup
 
 NULL_PAGE = 0  # engine/kv_manager.NULL_PAGE: the padding page (not imported: models stay engine-free)
 
@@ -104,7 +105,7 @@ def mtp_hidden(p: dict[str, Any], embed: jax.Array, cfg: ModelConfig, h: jax.Arr
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """g [T, D] from h [T, D] (the target's hidden, or the module's own g for a chained draft)
   and next_tokens [T] (t_{i+1} for the token at positions [T]); writes the block's K/V."""
-  e = jnp.take(embed, next_tokens, axis=0)  # [T, D]
+  e = embed_lookup(embed, next_tokens, p["enorm"].dtype)  # [T, D]
   e = jnp.where((positions == 0)[:, None], 0, e)
   eh = jnp.concatenate([rms_norm(e, p["enorm"], cfg.rms_norm_eps),
                         rms_norm(h.astype(e.dtype), p["hnorm"], cfg.rms_norm_eps)], axis=-1)  # [T, 2D]

@@ -27,7 +27,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.cache import Cache
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
 from jaxinfer.models.moe import RouterStats, moe_ffn
-from jaxinfer.quant import linear
+from jaxinfer.params import model_dtype
+from jaxinfer.quant import embed_lookup, head_logits, linear
 
 class PagedBatch(NamedTuple):
   """Where a step's ragged tokens live in the paged cache (see ops.ragged_paged_attention)."""
@@ -114,7 +115,7 @@ def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arr
   With `return_router_stats`, also a RouterStats whose tokens_per_expert is
   [MoE layers, E] (the step's real tokens only, not its padding).
   """
-  x = jnp.take(params["embed"], tokens, axis=0)
+  x = embed_lookup(params["embed"], tokens, model_dtype(params))
   # The step's real tokens are the first cu_q_lens[num_seqs]; the rest is bucket padding.
   valid = jnp.arange(tokens.shape[0]) < batch.cu_q_lens[batch.num_seqs]
   stats: list[RouterStats] = []
@@ -142,5 +143,5 @@ def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arr
 def compute_logits(params: Any, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
   """hidden [..., D] -> float32 logits [..., V] (tied embeddings reuse `embed`)."""
   if cfg.tie_word_embeddings:
-    return jnp.einsum("...D,VD->...V", hidden, params["embed"], preferred_element_type=jnp.float32)
-  return jnp.einsum("...D,DV->...V", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return head_logits(hidden, params["embed"], tied=True)
+  return head_logits(hidden, params["lm_head"], tied=False)

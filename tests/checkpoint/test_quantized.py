@@ -6,6 +6,7 @@ import logging
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +17,8 @@ from jaxinfer.checkpoint import import_model, load_model, orbax_io
 from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
-from jaxinfer.quant import QuantizedWeight, dequantize, format_of, is_quantized, num_in_axes, quantize_tree
+from jaxinfer.quant import (QuantizedWeight, dequantize, format_of, is_quantized, num_in_axes, quantize_int8,
+                            quantize_tree)
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 Q = gguf.GGMLQuantizationType
@@ -70,7 +72,9 @@ def test_converted_bfloat16_keeps_int8_and_float32_scales(tmp_path):
   dst = tmp_path / "bf16-int8"
   assert main(["convert", str(tiny_dir("smollm2")), str(dst), "--quantize", "int8", "--dtype", "bfloat16"]) == 0
   params = load_model(dst, dtype="bfloat16").params
-  assert params["embed"].dtype == "bfloat16" and params["final_norm"].dtype == "bfloat16"
+  assert params["final_norm"].dtype == "bfloat16"
+  # SmolLM2 ties its LM head to the embedding, which int8 quantizes per column (quant.head_logits).
+  assert params["embed"].values.dtype == np.int8 and params["embed"].scales.shape == (1, 64)
   assert params["layers"][1]["w_down"].values.dtype == np.int8
   assert params["layers"][1]["w_down"].scales.dtype == np.float32
 
@@ -114,8 +118,14 @@ def quantized_leaves(path, quantization):
 
 def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
   leaves, num_layers = quantized_leaves(q8_0_file, "int8")
-  assert len(leaves) == 7 * num_layers
+  assert len(leaves) == 7 * num_layers + 1
+  (head_spec, head, table), = [(s, q, f) for s, q, f in leaves if s.head]
+  # The tied head is not kept as Q8_0 blocks (they would be dequantized every step): per column.
+  assert head_spec.axes == ("vocab", "embed") and head.scales.shape == (1, head_spec.shape[1])
+  np.testing.assert_array_equal(head.values, quantize_int8(table, 1).values)
   for spec, q, f in leaves:
+    if spec.head:
+      continue
     in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
     assert q.scales.shape[0] == in_size // 32  # one scale per Q8_0 block: group-wise, not per channel
     # The same numbers exactly (q8_0 dequantizes to int8 * fp16 scale, both exact in float32),
@@ -126,11 +136,16 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
 def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
   # Group-wise weights run as their dequantized float32 values (quant.quantized_matmul), which are
   # the float32 loader's exactly: only float32 rounding may differ (logits ~3.5 in size);
-  # a layout or scale mix-up would move them by whole units.
+  # a layout or scale mix-up would move them by whole units. The tied head is int8 per column
+  # (not a Q8_0 block), so the reference gets that table's dequantized values; the split
+  # activations carry 2^-16 of their row maximum, well inside the tolerance.
   ids = golden("smollm2")["token_ids"].tolist()
-  ref = LLM(q8_0_file, max_model_len=64, warmup=False).logits(ids)
-  got = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8").logits(ids)
-  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+  ref_llm = LLM(q8_0_file, max_model_len=64, warmup=False)
+  table = quantize_int8(np.asarray(ref_llm.runner.params["embed"]), 1)
+  ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize(table, 1))}
+  got_llm = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8")
+  np.testing.assert_array_equal(np.asarray(got_llm.runner.params["embed"].values), table.values)
+  np.testing.assert_allclose(got_llm.logits(ids), ref_llm.logits(ids), atol=1e-4, rtol=0)
 
 
 def test_q8_0_int8_greedy_batch_invariance(q8_0_file):
