@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.indexing import take, values, values_dtype
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -90,8 +91,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                       v_head_dim=v_head_dim)
   import pallas_kernels
   _check_v_head_dim(v_head_dim, v_pages)
+  # The kernel reads values: a CPU-stored (uint16) cache only reaches it in interpret mode.
   out = pallas_kernels.ragged_paged_attention(
-      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+      q, values(k_pages), values(v_pages), kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
       sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
       interpret=impl == "pallas_interpret")
   return out if v_head_dim is None else out[..., :v_head_dim]
@@ -121,7 +123,7 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
                                       sm_scale=sm_scale, decode_q_len=decode_q_len,
                                       v_head_dim=q_latent.shape[-1])
   import pallas_kernels
-  return pallas_kernels.ragged_paged_mla(q_latent, q_rope, latent_pages, kv_lens, page_indices,
+  return pallas_kernels.ragged_paged_mla(q_latent, q_rope, values(latent_pages), kv_lens, page_indices,
                                          cu_q_lens, num_seqs, sm_scale=sm_scale,
                                          interpret=impl == "pallas_interpret")
 
@@ -164,7 +166,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   scale = d ** -0.5 if sm_scale is None else sm_scale
   # q is scaled in float32 and cast to the cache's dtype, so the dots read K and V as
   # stored (float32 accumulation); no float32 copy of the gathered pages is made.
-  qs = (q.astype(jnp.float32) * scale).astype(k_pages.dtype).reshape(T, K, H // K, d)
+  qs = (q.astype(jnp.float32) * scale).astype(values_dtype(k_pages.dtype)).reshape(T, K, H // K, d)
   qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   real = jnp.arange(S) < num_seqs
@@ -246,9 +248,9 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
   def chunk(c, carry):
     m, l, acc = carry  # [B, K, Q] x2, [B, K, Q, dv]
     ids = jax.lax.dynamic_slice_in_dim(pages, c * ppc, ppc, axis=1)  # [B, ppc]
-    k = k_pages[ids].reshape(B, C, K, d)
+    k = take(k_pages, ids).reshape(B, C, K, d)
     # One gather when keys and values are the same pages (MLA's latent cache).
-    v = k if v_pages is k_pages else v_pages[ids].reshape(B, C, K, v_pages.shape[-1])
+    v = k if v_pages is k_pages else take(v_pages, ids).reshape(B, C, K, v_pages.shape[-1])
     v = v[..., :dv]
     s = jnp.einsum("BKQd,BCKd->BKQC", qk, k, preferred_element_type=jnp.float32)
     if soft_cap is not None:

@@ -90,6 +90,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
+from jaxinfer.indexing import take
 
 QUANTIZATIONS = ("int8", "fp8", "int4")
 VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -375,8 +376,8 @@ def embed_lookup(embed: Any, tokens: jax.Array, dtype) -> jax.Array:
   """The rows of the embedding table [V, D] at tokens [...] -> [..., D] in `dtype` (an int8
   table, tied to the head, is its int8 rows times the per-column scales)."""
   if not is_quantized(embed):
-    return jnp.take(embed, tokens, axis=0).astype(dtype)
-  return (jnp.take(embed.values, tokens, axis=0).astype(jnp.float32) * embed.scales[0]).astype(dtype)
+    return take(embed, tokens).astype(dtype)
+  return (take(embed.values, tokens).astype(jnp.float32) * embed.scales[0]).astype(dtype)
 
 
 def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:

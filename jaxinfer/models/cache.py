@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import KVTransferError
+from jaxinfer.indexing import set_at, storage_dtype, take
 
 # Per layer: {name: [N, p, *token_shape]}, e.g. {'k': [N, p, K, d], 'v': [N, p, K, d]}.
 Cache = list[dict[str, jax.Array]]
@@ -98,7 +99,10 @@ def layer_cache(cfg, i: int) -> LayerCache:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-  """Every layer's per-token cache arrays, in one dtype (hashable: a static jit argument)."""
+  """Every layer's per-token cache arrays, in one dtype (hashable: a static jit argument).
+
+  The arrays hold `storage` (jaxinfer.indexing.storage_dtype): `dtype` itself, or on the
+  CPU a bfloat16 cache's bits as uint16, which the model reads through indexing.take."""
 
   layers: tuple[LayerCache, ...]
   dtype: str  # numpy dtype name, e.g. 'float32', 'bfloat16'
@@ -108,6 +112,10 @@ class CacheSpec:
     """The model's layers, then `draft_layers` more of the same kind (an MTP module's)."""
     return cls(tuple(layer_cache(cfg, i) for i in range(cfg.num_layers + draft_layers)),
                jnp.dtype(dtype).name)
+
+  @property
+  def storage(self):
+    return storage_dtype(self.dtype)
 
   @property
   def itemsize(self) -> int:
@@ -140,15 +148,15 @@ class CacheSpec:
     """ShapeDtypeStructs of the whole pool: nothing allocated."""
     shapes = self.shapes(num_pages, page_size)
     if shardings is None:
-      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype), shapes, is_leaf=_is_shape)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, self.dtype, sharding=sh), shapes, shardings,
+      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.storage), shapes, is_leaf=_is_shape)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, self.storage, sharding=sh), shapes, shardings,
                         is_leaf=_is_shape)
 
   def zeros(self, num_pages: int, page_size: int, shardings=None) -> Cache:
     """A zeroed pool. Inside jit: plain zeros. With `shardings`: each device allocates
     only its own shard (a jitted fill with those out_shardings), never the whole pool first."""
     def fill():
-      return jax.tree.map(lambda s: jnp.zeros(s, self.dtype), self.shapes(num_pages, page_size),
+      return jax.tree.map(lambda s: jnp.zeros(s, self.storage), self.shapes(num_pages, page_size),
                           is_leaf=_is_shape)
     if shardings is None:
       return fill()
@@ -239,7 +247,7 @@ def _is_shape(x: Any) -> bool:
 
 def gather_pages(cache: Cache, ids: jax.Array) -> Cache:
   """Pages `ids` [n] of every array: per layer {name: [n, p, *token_shape]}."""
-  return jax.tree.map(lambda x: x[ids], cache)
+  return jax.tree.map(lambda x: take(x, ids), cache)
 
 
 def scatter_tokens(cache: Cache, slots: jax.Array, runs: Cache) -> Cache:
@@ -250,7 +258,7 @@ def scatter_tokens(cache: Cache, slots: jax.Array, runs: Cache) -> Cache:
   land in ours. Padding tokens all target slot 0 (the padding page)."""
   def write(x, a):
     p = x.shape[1]
-    return x.at[slots // p, slots % p].set(a.astype(x.dtype))
+    return set_at(x, (slots // p, slots % p), a)
   return jax.tree.map(write, cache, runs)
 
 

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.indexing import take
 from jaxinfer.models.layers import clamped_swiglu, swiglu_mlp
 
 
@@ -180,12 +181,12 @@ def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down, biases=None, act=sil
   the shared 2-core machine (D=1024, F=512, E=8, A=2, medians of 15 interleaved runs):
   T=1 64 ms -> 7 ms, T=2 64 -> 22 ms, T=3 67 -> 55 ms; from R = E on, ragged_dot is ahead.
   """
-  g = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_gate, ids, axis=0))  # [T, A, F]
-  u = jnp.einsum("TD,TADF->TAF", x, jnp.take(w_up, ids, axis=0))
+  g = jnp.einsum("TD,TADF->TAF", x, take(w_gate, ids))  # [T, A, F]
+  u = jnp.einsum("TD,TADF->TAF", x, take(w_up, ids))
   if biases is not None:
     b_gate, b_up, b_down = biases
     g, u = g + b_gate[ids], u + b_up[ids]
-  y = jnp.einsum("TAF,TAFD->TAD", act(g, u).astype(x.dtype), jnp.take(w_down, ids, axis=0))
+  y = jnp.einsum("TAF,TAFD->TAD", act(g, u).astype(x.dtype), take(w_down, ids))
   if biases is not None:
     y = y + b_down[ids]
   out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))

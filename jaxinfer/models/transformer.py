@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
+from jaxinfer.indexing import set_at
 from jaxinfer.models.cache import Cache
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
 from jaxinfer.models.moe import RouterStats, moe_ffn
@@ -45,10 +46,10 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
   Indexed by (page, offset), not through a flattened [N * p] view: for a
   single token XLA's CPU backend lowers the flat form to an update that
-  copies the whole layer cache first.
+  copies the whole layer cache first (and a bfloat16 one converts it: jaxinfer.indexing).
   """
   p = pages.shape[1]
-  return pages.at[slots // p, slots % p].set(new.astype(pages.dtype), mode="drop")
+  return set_at(pages, (slots // p, slots % p), new, mode="drop")
 
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
