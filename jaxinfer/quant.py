@@ -21,9 +21,13 @@ so w[i, o] = values[i, o] * scales[g, o] (+ mins[g, o]) with g = i // (in / G).
   block is the same with mins = 0, and a Q4_1 block (d, m, q in [0, 15]) is
   values = q - 8, scales = d, mins = m + 8 d. Signed int4 because orbax / tensorstore store
   int4 but not uint4. The group size must divide the input size (ValueError naming it).
-Embeddings and the LM head stay in the model dtype (not measured quantized): the embedding
-is a gather, not a matmul, and SmolLM2 ties it to the LM head, so quantizing one would
-quantize both; the LM head's [V, D] product is what the sampler reads.
+The LM head is int8 too under int8 (quantizable: WeightSpec.head), not under fp8 / int4,
+whose CPU matmul would write a float32 copy of the largest weight per step. An untied
+lm_head [D, V] is an ordinary int8 linear weight (scales per vocab column). A tied
+embedding [V, D] (SmolLM2) keeps the same layout rule read the other way round: values
+[V, D], scales [1, D] per embedding column, so the lookup is values[t] * scales and the
+head folds the scales into its input (head_logits). An untied embedding is only gathered
+and stays in the model dtype.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights. Per-channel int8 on the
 CPU runs `split_int8_matmul`: each token's activations become two int8 limbs

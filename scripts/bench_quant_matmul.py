@@ -30,7 +30,8 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
 prompts (teacher-forced): the library's split form, weight-only and one-limb
 int8 activations ('int8 x int8') patched in, the measurement that chose the split.
 
---e2e also times LLM.generate on the default model, float32, int8, fp8 and int4, each in
+--e2e also times LLM.generate on the default model, float32, bfloat16, int8, fp8 and int4
+(--e2e-formats picks some), each in
 its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
 128 new tokens, EOS ignored.
 
@@ -153,16 +154,20 @@ def _chain(mm, x, ws):
   return x
 
 
-def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float) -> list[dict]:
+E2E_FORMATS = ("float32", "bfloat16", "int8", "fp8", "int4")
+
+
+def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float, formats=E2E_FORMATS) -> list[dict]:
   import bench_offline
   prompts = bench_offline.prompts_token_ids(num_prompts)
   rows = []
   for n in (1, num_prompts):
-    for quantization in (None, "int8", "fp8", "int4"):
-      r = bench_offline.run_jaxinfer("float32", prompts[:n], max_tokens, 512, timeout_s,
+    for fmt in formats:
+      dtype, quantization = ("bfloat16", None) if fmt == "bfloat16" else ("float32", None if fmt == "float32" else fmt)
+      r = bench_offline.run_jaxinfer(dtype, prompts[:n], max_tokens, 512, timeout_s,
                                      quantization=quantization)
       rows.append(r)
-      print(f"{n} prompts {quantization or 'float32'}: {r['tokens_per_s']:.1f} tok/s "
+      print(f"{n} prompts {fmt}: {r['tokens_per_s']:.1f} tok/s "
             f"(rss {r['peak_rss_mb']:.0f} MB)", flush=True)
   return rows
 
@@ -209,7 +214,8 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, default=30, help="distinct weights per chain (SmolLM2: 30 layers)")
   p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best is kept)")
-  p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs int8 / fp8 / int4 on the default model")
+  p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs the other formats on the default model")
+  p.add_argument("--e2e-formats", default=",".join(E2E_FORMATS), help="comma-separated, of " + ", ".join(E2E_FORMATS))
   p.add_argument("--accuracy", action="store_true",
                  help="also float32 vs int8 logits of the default model over --accuracy-prompts chat prompts")
   p.add_argument("--accuracy-prompts", type=int, default=16)
@@ -230,11 +236,14 @@ def main() -> None:
   for r in rows:
     print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r[f]:.1f}" for f in forms) + " |")
   accuracy = accuracy_rows(args.accuracy_prompts) if args.accuracy else None
-  e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout) if args.e2e else []
+  formats = tuple(f for f in args.e2e_formats.split(",") if f)
+  if unknown := set(formats) - set(E2E_FORMATS):
+    p.error(f"--e2e-formats: unknown {sorted(unknown)} (choose from {', '.join(E2E_FORMATS)})")
+  e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout, formats) if args.e2e else []
   if e2e:
     print("\n| prompts | weights | tok/s | peak RSS MB |\n|---|---|---|---|")
     for r in e2e:
-      print(f"| {r['num_prompts']} | {r.get('quantization') or 'float32'} | {r['tokens_per_s']:.1f} | "
+      print(f"| {r['num_prompts']} | {r['precision']} | {r['tokens_per_s']:.1f} | "
             f"{r['peak_rss_mb']:.0f} |")
   load_after = os.getloadavg()
   print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores, shared)")
