@@ -97,7 +97,9 @@ def cpu_info() -> dict[str, Any]:
   except OSError:  # not Linux: the model name only
     pass
   return {"cpu_model": model or platform.processor(), "cpus": os.cpu_count(),
-          "amx": "amx_tile" in flags, "avx512": "avx512f" in flags}
+          "amx": "amx_tile" in flags, "avx512": "avx512f" in flags,
+          # bfloat16 and int8 dot instructions (XLA CPU's YNNPACK dots use them where present)
+          "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags, "avx2": "avx2" in flags}
 
 
 def cache_dir() -> Path:
