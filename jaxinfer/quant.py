@@ -42,7 +42,9 @@ Update 2026-11-23 (supersedes the int8 and speed points below): a one-row s8 x s
 widened, but two or more rows are not (tests/test_quant.py asserts both), which the split
 limbs exploit. End to end on the default model, 64 new tokens, idle 2-core EPYC: batch 1
 float32 28.7, int8 31.2 tok/s (weight-only was 5.2); 64 prompts float32 234.7, int8 223.4.
-The same holds for bfloat16 (float_linear).
+The same holds for bfloat16 (float_linear). With the int8 LM head (commit 713cca7, same
+benchmark): batch 1 float32 27.6, int8 42.2 (1.53x); 64 prompts 230.0 and 197.1 (0.86x:
+at 128 limb rows YNNPACK's int8 dot does not beat its float32 one).
 
 What was measured to choose this (scripts/bench_quant_matmul.py, SmolLM2-135M
 shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
@@ -76,9 +78,9 @@ shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
   Q4_1 file: its float32 weights are Q4_1 blocks, which int4 (asymmetric, groups of 32)
   recovers exactly; on a model not already 4-bit int4 loses more (tiny random smollm2:
   mean |logit diff| 0.15 vs int8's 0.012 and fp8's 0.056).
-Still, int8 is not 2x float32 at batch 1: the float32 LM head (113 MB per token, tied to
-the embedding) is read either way, and YNNPACK's small-row dot costs more per byte than
-XLA's float32 matrix-vector kernel.
+Still, int8 is not 2x float32 at batch 1: YNNPACK's small-row int8 dot costs more per
+byte than XLA's float32 matrix-vector kernel (the LM head, once read as float32 either
+way, is int8 now).
 """
 
 from __future__ import annotations
