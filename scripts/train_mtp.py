@@ -80,6 +80,7 @@ def target_pass(cfg, params, seqs: list[list[int]], L: int, top_k: int, page_siz
 
   from jaxinfer.models.cache import CacheSpec
   from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
+  from jaxinfer.params import model_dtype
 
   spec = CacheSpec.from_config(cfg, model_dtype(params))
 
