@@ -51,9 +51,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _generate_with(llm, args: argparse.Namespace, params) -> None:
   if args.input and not args.quiet:
     e = llm.engine
-    print(f"KV cache: {e.kv.num_pages} pages x {e.engine_config.page_size} tokens = "
-          f"{e.kv_cache_bytes / 2**20:.1f} MiB; {e.runner.compiled_programs()} programs compiled",
-          file=sys.stderr)
+    print(f"KV cache: {e.kv_summary()}; {e.runner.compiled_programs()} programs compiled", file=sys.stderr)
   if args.input:
     from jaxinfer.offline import generate_jsonl
     s = generate_jsonl(llm, args.input, args.output, params,
@@ -73,7 +71,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
   """EngineConfig fields from the shared engine flags."""
   engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, page_size=args.page_size, num_pages=args.num_pages,
-                enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl)
+                enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
+                kv_cache_dtype=args.kv_cache_dtype)
   if args.speculative_method is not None:
     engine["speculative"] = {"method": args.speculative_method,
                              "num_speculative_tokens": args.num_speculative_tokens}
@@ -194,6 +193,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
   p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-cache-gb)")
   p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
+  p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8"],
+                 help="KV cache dtype: auto = the model's; int8 / fp8 store it quantized (a float32 scale "
+                      "per token and kv head), so about 2-4x more tokens fit")
   p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")

@@ -12,6 +12,10 @@ uint16, its bits (`storage_dtype`): `set_at` writes values' bits into it and
 `take` reads a gathered tile back as bfloat16, and no whole-cache conversion
 is left. A uint16 array here always holds bfloat16 bits (nothing else in
 jaxinfer is uint16). Anywhere but the CPU the cache is plain bfloat16.
+
+float8_e4m3fn (an fp8 KV cache, `kv_cache_dtype='fp8'`) has the same problem
+on the CPU and the same cure: it is stored as uint8, its bits. int8 does not
+(XLA CPU gathers and scatters it as it is).
 """
 
 from __future__ import annotations
@@ -22,38 +26,44 @@ import jax
 import jax.numpy as jnp
 
 BITS = jnp.dtype(jnp.uint16)  # the storage of bfloat16 on the CPU
+FP8_BITS = jnp.dtype(jnp.uint8)  # the storage of float8_e4m3fn on the CPU
+# value dtype -> the unsigned integer of its width that stores it on the CPU
+_STORED = {jnp.dtype(jnp.bfloat16): BITS, jnp.dtype(jnp.float8_e4m3fn): FP8_BITS}
+_VALUES = {bits: v for v, bits in _STORED.items()}
 
 
 def storage_dtype(dtype, backend: str | None = None):
-  """What a KV cache of `dtype` holds: bfloat16's bits (uint16) on the CPU, else `dtype`."""
+  """What a KV cache of `dtype` holds: on the CPU, bfloat16's bits (uint16) or float8's
+  (uint8); else `dtype`."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.bfloat16 and (backend or jax.default_backend()) == "cpu":
-    return BITS
+  if dtype in _STORED and (backend or jax.default_backend()) == "cpu":
+    return _STORED[dtype]
   return dtype
 
 
 def values_dtype(dtype):
-  """The dtype an array of `dtype` holds values of (bfloat16 for uint16 storage)."""
-  return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == BITS else jnp.dtype(dtype)
+  """The dtype an array of `dtype` holds values of (bfloat16 for uint16 storage, float8 for uint8)."""
+  return _VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
 def _bits(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, BITS) if x.dtype == jnp.bfloat16 else x
+  return jax.lax.bitcast_convert_type(x, _STORED[x.dtype]) if x.dtype in _STORED else x
 
 
 def values(x: jax.Array) -> jax.Array:
-  """x as values: a uint16 (stored) array bitcast to bfloat16, anything else as it is."""
-  return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BITS else x
+  """x as values: a uint16 / uint8 (stored) array bitcast to bfloat16 / float8, anything
+  else as it is."""
+  return jax.lax.bitcast_convert_type(x, _VALUES[x.dtype]) if x.dtype in _VALUES else x
 
 
 def take(x: jax.Array, index: Any) -> jax.Array:
   """x[index] as values (numpy indexing: an integer array, or a tuple of them and slices);
-  bfloat16 is gathered as its bits, which XLA CPU fuses into the gather."""
+  bfloat16 and float8 are gathered as their bits, which XLA CPU fuses into the gather."""
   return values(_bits(x)[index])
 
 
 def set_at(x: jax.Array, index: Any, new: jax.Array, **kwargs) -> jax.Array:
   """x.at[index].set(new in x's value dtype, **kwargs) (mode=, unique_indices=, ...), writing
-  bits into a uint16 (stored) x; the result has x's dtype."""
+  bits into a stored (uint16 / uint8) x; the result has x's dtype."""
   new = new.astype(values_dtype(x.dtype))
-  return x.at[index].set(_bits(new) if x.dtype == BITS else new, **kwargs)
+  return x.at[index].set(_bits(new) if x.dtype in _VALUES else new, **kwargs)

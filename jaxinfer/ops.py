@@ -54,7 +54,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sm_scale: float | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, sinks: jax.Array | None = None,
                            impl: str = "auto", decode_q_len: int = 1,
-                           v_head_dim: int | None = None) -> jax.Array:
+                           v_head_dim: int | None = None, k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache.
 
   q [T, H, d]: the new tokens of S sequences packed back to back; sequence s
@@ -79,7 +80,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   `decode_q_len` (static) tells the XLA path which sequences to treat as
   decodes: those with at most this many queries (1 + the drafts verified per
   step); the Pallas kernel needs no such hint.
+  `k_scale`, `v_scale` [N, p, K] float32: a quantized cache (int8 / float8 pages,
+  jaxinfer.models.cache): key j of kv head h is k_pages[j, h] * k_scale[j, h], and
+  likewise for values. Both paths dequantize tile by tile: the key scale multiplies
+  the scores after the dot and the value scale the probabilities before it.
   """
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError("k_scale and v_scale come together (a quantized cache scales both)")
   if sinks is not None:
     if sinks.shape != (q.shape[1],):
       raise ValueError(f"sinks must be [H]={q.shape[1]}, got {sinks.shape}")
@@ -88,13 +95,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                       num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
                                       soft_cap=soft_cap, sinks=sinks, decode_q_len=decode_q_len,
-                                      v_head_dim=v_head_dim)
+                                      v_head_dim=v_head_dim, k_scale=k_scale, v_scale=v_scale)
   import pallas_kernels
   _check_v_head_dim(v_head_dim, v_pages)
-  # The kernel reads values: a CPU-stored (uint16) cache only reaches it in interpret mode.
+  # The kernel reads values: a CPU-stored (uint16 / uint8) cache only reaches it in interpret mode.
   out = pallas_kernels.ragged_paged_attention(
       q, values(k_pages), values(v_pages), kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-      sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+      sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
       interpret=impl == "pallas_interpret")
   return out if v_head_dim is None else out[..., :v_head_dim]
 
@@ -102,7 +109,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, kv_lens: jax.Array,
                      page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                     sm_scale: float, impl: str = "auto", decode_q_len: int = 1) -> jax.Array:
+                     sm_scale: float, impl: str = "auto", decode_q_len: int = 1,
+                     latent_scale: jax.Array | None = None) -> jax.Array:
   """Causal absorbed multi-head latent attention (DeepSeek-V2 sec. 2.1.2) over a paged latent cache.
 
   q_latent [T, H, R] (each head's no-rope query times W_UK^T), q_rope [T, H, E];
@@ -114,14 +122,20 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   computes it; the Pallas kernel (pallas_kernels/ragged_paged_mla.py) splits
   the score into its two dots, so R + E need not be a power of two (R and E
   must: DeepSeek-V3's 512 and 64 are).
+  `latent_scale` [N, p] float32: a quantized cache, each token's [c_KV, k_R] stored
+  as values times one scale. The XLA path only (an error on the Pallas kernel).
   """
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], -1)  # [T, H, R + E]
     pages = latent_pages[:, :, None, :]  # one KV head
+    scale = None if latent_scale is None else latent_scale[:, :, None]
     return ragged_paged_attention_xla(q, pages, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                       sm_scale=sm_scale, decode_q_len=decode_q_len,
-                                      v_head_dim=q_latent.shape[-1])
+                                      v_head_dim=q_latent.shape[-1], k_scale=scale, v_scale=scale)
+  if latent_scale is not None:
+    raise InvalidRequestError("a quantized KV cache (kv_cache_dtype int8 / fp8) of an MLA model runs on the "
+                              "XLA attention path only: use attention_impl='xla' or kv_cache_dtype='auto'")
   import pallas_kernels
   return pallas_kernels.ragged_paged_mla(q_latent, q_rope, values(latent_pages), kv_lens, page_indices,
                                          cu_q_lens, num_seqs, sm_scale=sm_scale,
@@ -134,7 +148,7 @@ def _check_v_head_dim(v_head_dim, v_pages):
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale=None, sliding_window=None, soft_cap=None, sinks=None,
-                               decode_q_len=1, v_head_dim=None):
+                               decode_q_len=1, v_head_dim=None, k_scale=None, v_scale=None):
   """The XLA path: each sequence's pages are read once per block of its queries.
 
   The batch is split by kind inside one program, as the TPU ragged kernel
@@ -157,6 +171,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     raise ValueError(f"decode_q_len={decode_q_len} must be in [1, {_BLOCK_Q}]")
   _check_v_head_dim(v_head_dim, v_pages)
   same_kv = v_pages is k_pages  # MLA: one latent cache is both keys and values
+  quantized = k_scale is not None
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens))
   T, H, d = q.shape
@@ -165,14 +180,17 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   S = page_indices.shape[0]
   scale = d ** -0.5 if sm_scale is None else sm_scale
   # q is scaled in float32 and cast to the cache's dtype, so the dots read K and V as
-  # stored (float32 accumulation); no float32 copy of the gathered pages is made.
-  qs = (q.astype(jnp.float32) * scale).astype(values_dtype(k_pages.dtype)).reshape(T, K, H // K, d)
+  # stored (float32 accumulation); no float32 copy of the gathered pages is made. A
+  # quantized cache's tiles are cast to q's dtype instead (the tile only, never the pool).
+  dot_dtype = q.dtype if quantized else values_dtype(k_pages.dtype)
+  qs = (q.astype(jnp.float32) * scale).astype(dot_dtype).reshape(T, K, H // K, d)
   qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   real = jnp.arange(S) < num_seqs
   sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(K, H // K)
   attend = functools.partial(_attend, k_pages, k_pages if same_kv else v_pages, dv=dv,
-                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink)
+                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink,
+                             k_scale=k_scale, v_scale=k_scale if same_kv else v_scale)
   out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T + _BLOCK_Q, K, G, dv]
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   out = _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
@@ -221,7 +239,7 @@ def _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_multi, w
 
 
 def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, sliding_window,
-            soft_cap, sinks=None):
+            soft_cap, sinks=None, k_scale=None, v_scale=None):
   """Online softmax of queries qb [B, R, K, G, d] (at positions q_pos [B, R]) over
   keys lo .. hi - 1 of each item's pages ([B, P] page ids), C keys at a time,
   against the first dv columns of the values.
@@ -234,6 +252,8 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
   no value (the accumulator starts at 0), so later rescaling keeps them in the
   denominator exactly (the softmax with one more logit, Xiao et al. 2023 "Efficient
   Streaming Language Models with Attention Sinks", here learned as in GPT-OSS).
+  A quantized cache (k_scale, v_scale [N, p, K]): the tile is cast to qb's dtype, the
+  key scales multiply the chunk's scores and the value scales its probabilities.
   """
   B, R, K, G, d = qb.shape
   p = k_pages.shape[1]
@@ -251,8 +271,10 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     k = take(k_pages, ids).reshape(B, C, K, d)
     # One gather when keys and values are the same pages (MLA's latent cache).
     v = k if v_pages is k_pages else take(v_pages, ids).reshape(B, C, K, v_pages.shape[-1])
-    v = v[..., :dv]
-    s = jnp.einsum("BKQd,BCKd->BKQC", qk, k, preferred_element_type=jnp.float32)
+    v = v[..., :dv].astype(qk.dtype)
+    s = jnp.einsum("BKQd,BCKd->BKQC", qk, k.astype(qk.dtype), preferred_element_type=jnp.float32)
+    if k_scale is not None:  # [B, C, K] -> [B, K, 1, C]
+      s = s * take(k_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)
@@ -265,6 +287,8 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     alpha = jnp.exp(m - m_safe)
     w = jnp.exp(s - m_safe[..., None])
     l = alpha * l + w.sum(-1)
+    if v_scale is not None:
+      w = w * take(v_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     acc = alpha[..., None] * acc + jnp.einsum("BKQC,BCKd->BKQd", w.astype(v.dtype), v,
                                               preferred_element_type=jnp.float32)
     return m_new, l, acc

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# A quantized KV cache's values (with float32 scales per token and kv head beside them).
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
 
 def is_pow2(n: int) -> bool:
@@ -16,7 +18,8 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
-def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: str, v_name: str) -> None:
+def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: str, v_name: str,
+                             quantized: bool = False) -> None:
   """q [..., Hq, D] against k, v [..., Hkv, D]: ValueError naming what disagrees.
 
   The leading dims are each kernel's own business; this checks what the
@@ -28,9 +31,13 @@ def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: s
     raise ValueError(f"{k_name}.shape={k.shape} must equal {v_name}.shape={v.shape}")
   if k.dtype != v.dtype:
     raise ValueError(f"{k_name}.dtype={k.dtype} must equal {v_name}.dtype={v.dtype}")
-  for name, x in (("q", q), (k_name, k)):
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"q.dtype={q.dtype} is not one of float32, bfloat16, float16")
+  if quantized and k.dtype not in QUANTIZED_DTYPES:
+    raise ValueError(f"{k_name}.dtype={k.dtype}: scales come with int8 or float8_e4m3fn values only")
+  if not quantized and k.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"{k_name}.dtype={k.dtype} is not one of float32, bfloat16, float16"
+                     + (" (int8 / float8 values need their scales)" if k.dtype in QUANTIZED_DTYPES else ""))
   Hq, D = q.shape[-2:]
   Hkv, Dk = k.shape[-2:]
   if D != Dk:

@@ -15,6 +15,9 @@ Shapes (legend):
   num_seqs      []      int32   how many of the S slots are real (may be traced)
   sinks         [Hq]    float32 optional attention sinks (GPT-OSS): one more softmax
                                 logit per head, with no value
+  k_scale       [N, p, Hkv] float32 (v_scale alike) optional: a quantized cache,
+                                int8 / float8_e4m3fn pages whose key j of head h is
+                                k_pages[j, h] * k_scale[j, h]
   out           [T, Hq, D]      rows past cu_q_lens[num_seqs] are unspecified
 
 Query i of a sequence with q_len queries sits at position kv_len - q_len + i
@@ -146,16 +149,19 @@ class BlockSizes:
 
 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
-                sinks_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, *, sm_scale: float,
+                sinks_ref, q_ref, k_pages_ref, v_pages_ref, *rest, sm_scale: float,
                 sliding_window: int | None, soft_cap: float | None, block_q: int,
-                pages_per_block: int, num_q_heads_per_kv_head: int, precision):
+                pages_per_block: int, num_q_heads_per_kv_head: int, precision, dot_dtype):
   """One q block (block_q tokens of one sequence) x one kv head.
 
   block_seq_ref, block_idx_ref [num_blocks]: the q block's sequence (-1: none)
   and its index within the sequence. sinks_ref [Hq] float32 (-inf: no sink).
+  `rest`: (k_scale_ref, v_scale_ref, o_ref) for a quantized cache, else (o_ref,).
   All refs are whole arrays in global memory; the kernel reads scalars and
-  tiles from them at dynamic offsets.
+  tiles from them at dynamic offsets. The dots run in `dot_dtype`: the cache's
+  dtype, or q's for a quantized cache, whose tiles are converted after the load.
   """
+  k_scale_ref, v_scale_ref, o_ref = rest if len(rest) == 3 else (None, None) + rest
   T, _, D = q_ref.shape
   N, page_size, _, _ = k_pages_ref.shape
   P = page_indices_ref.shape[1]
@@ -182,7 +188,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     io_slice = (pl.ds(t0, block_q), pl.ds(h * G, Gp), slice(None))
 
     q = plgpu.load(q_ref.at[io_slice], mask=io_mask, other=0)  # [block_q, Gp, D]
-    q = q.reshape(rows, D).astype(k_pages_ref.dtype)
+    q = q.reshape(rows, D).astype(dot_dtype)
     # Row r of the tile is token r // Gp, head r % Gp of this kv head's group.
     first_pos = kv_len - (q_end - q_start) + (t0 - q_start)
     q_pos = first_pos + lax.div(lax.iota(jnp.int32, rows), jnp.int32(Gp))  # [rows]
@@ -207,12 +213,14 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       # addressing memory outside the pool. (Interpret mode clamps gathers by
       # itself, so only the GPU would notice if this line went missing.)
       ids = jnp.clip(ids, 0, N - 1)
-      k = k_pages_ref[ids, :, h, :].reshape(block_kv, D)  # gather [pages_per_block, p, D]
-      v = v_pages_ref[ids, :, h, :].reshape(block_kv, D)
+      k = k_pages_ref[ids, :, h, :].reshape(block_kv, D).astype(dot_dtype)  # gather [pages_per_block, p, D]
+      v = v_pages_ref[ids, :, h, :].reshape(block_kv, D).astype(dot_dtype)
       kv_pos = kb * block_kv + lax.iota(jnp.int32, block_kv)
       kv_ok = kv_pos < kv_len
 
       s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_kv] f32
+      if k_scale_ref is not None:  # each key's own scale: a column scale of the scores
+        s = s * k_scale_ref[ids, :, h].reshape(block_kv)[None, :]
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       # kv_pos < kv_len follows for every real row (q_pos < kv_len); rows past
@@ -232,7 +240,10 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       # Cache slots past kv_len may be uninitialised (NaN): p is 0 there, but
       # 0 * NaN is NaN, so those V rows are zeroed before the dot.
       v = jnp.where(kv_ok[:, None], v, jnp.zeros_like(v))
-      acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+      pv = p
+      if v_scale_ref is not None:  # each value row's scale, folded into its probability column
+        pv = p * jnp.where(kv_ok, v_scale_ref[ids, :, h].reshape(block_kv), 0.0)[None, :]
+      acc = alpha[:, None] * acc + plgpu.dot(pv.astype(v.dtype), v, precision=precision)
       return m_new, l, acc
 
     # The sinks of this kv head's G query heads, one per row (row r is head r % Gp).
@@ -263,12 +274,17 @@ def _schedule(cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num_block
 
 
 def _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sliding_window, soft_cap, sinks=None):
+                  sliding_window, soft_cap, sinks=None, k_scale=None, v_scale=None):
   if q.ndim != 3:
     raise ValueError(f"q must be [T, Hq, D], got {q.shape=}")
   if k_pages.ndim != 4:
     raise ValueError(f"k_pages must be [N, page_size, Hkv, D], got {k_pages.shape=}")
-  check_attention_operands(q, k_pages, v_pages, "k_pages", "v_pages")
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError("k_scale and v_scale come together (a quantized cache scales both)")
+  check_attention_operands(q, k_pages, v_pages, "k_pages", "v_pages", quantized=k_scale is not None)
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if x is not None and (x.shape != k_pages.shape[:3] or x.dtype != jnp.float32):
+      raise ValueError(f"{name} must be float32 [N, page_size, Hkv]={k_pages.shape[:3]}, got {x.shape} {x.dtype}")
   page_size = k_pages.shape[1]
   if not is_pow2(page_size):
     raise ValueError(f"{page_size=} must be a power of two (Triton tiles)")
@@ -300,6 +316,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            num_seqs: jax.Array | int, *, sm_scale: float | None = None,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks: jax.Array | None = None, block_sizes: BlockSizes | None = None,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            interpret: bool = False) -> jax.Array:
   """Causal GQA attention of ragged queries over a paged KV cache (Pallas Triton kernel).
 
@@ -308,14 +325,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   logits; sliding_window W lets a query see only its last W positions;
   sinks [Hq] adds exp(sinks[h]) to head h's softmax denominator. q may
   differ in dtype from the cache (it is cast to the cache dtype for the dots,
-  which accumulate in float32); the result has q's dtype. Raises ValueError
+  which accumulate in float32); the result has q's dtype. With k_scale and
+  v_scale the int8 / float8 tiles are converted to q's dtype as they are loaded
+  and the scales applied to the scores and probabilities. Raises ValueError
   naming the offending arguments for inconsistent shapes or dtypes.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
   sinks = None if sinks is None else jnp.asarray(sinks)
+  scales = () if k_scale is None else (jnp.asarray(k_scale), jnp.asarray(v_scale))
   _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                sliding_window, soft_cap, sinks)
+                sliding_window, soft_cap, sinks, *scales)
+  dot_dtype = q.dtype if scales else k_pages.dtype
   T, Hq, D = q.shape
   _, page_size, Hkv, _ = k_pages.shape
   S = kv_lens.shape[0]
@@ -324,19 +345,19 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if T == 0 or S == 0:
     return jnp.zeros_like(q)
   bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, G=G, page_size=page_size, D=D,
-                                             itemsize=k_pages.dtype.itemsize)
+                                             itemsize=jnp.dtype(dot_dtype).itemsize)
   block_q, pages_per_block = bs.block_q, bs.pages_per_block
   # Each real q block holds >= 1 token, and a sequence wastes < 1 block on rounding.
   num_blocks = min(T, (T + S * (block_q - 1)) // block_q)
   block_seq, block_idx = _schedule(cu_q_lens, num_seqs.astype(jnp.int32), block_q, num_blocks)
 
   # float32 dots in IEEE precision (Triton's default for f32 is TF32, ~1e-3).
-  precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
+  precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(D ** -0.5 if sm_scale is None else sm_scale),
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       block_q=block_q, pages_per_block=pages_per_block, num_q_heads_per_kv_head=G,
-      precision=precision)
+      precision=precision, dot_dtype=dot_dtype)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -346,7 +367,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_{block_q=}_{pages_per_block=}",
-  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, sinks, q, k_pages, v_pages)
+  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, sinks, q, k_pages, v_pages, *scales)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
@@ -356,19 +377,25 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      sm_scale: float | None = None,
                                      sliding_window: int | None = None,
                                      soft_cap: float | None = None,
-                                     sinks: jax.Array | None = None) -> jax.Array:
+                                     sinks: jax.Array | None = None,
+                                     k_scale: jax.Array | None = None,
+                                     v_scale: jax.Array | None = None) -> jax.Array:
   """Plain-jnp reference: each token gathers all its sequence's pages, dense softmax in float32.
 
   Deliberately naive (one token at a time, every page of the slot gathered,
   no online softmax, no blocking), so it shares no structure with the kernel.
   Sinks are one more column of the scores, dropped after the softmax.
-  Rows past cu_q_lens[num_seqs] are 0.
+  Rows past cu_q_lens[num_seqs] are 0. A quantized cache (k_scale, v_scale) is
+  dequantized whole, in float32, before anything else.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
   sinks = None if sinks is None else jnp.asarray(sinks)
   _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                sliding_window, soft_cap, sinks)
+                sliding_window, soft_cap, sinks, k_scale, v_scale)
+  if k_scale is not None:
+    k_pages = k_pages.astype(jnp.float32) * k_scale[..., None]
+    v_pages = v_pages.astype(jnp.float32) * v_scale[..., None]
   T, Hq, D = q.shape
   _, page_size, Hkv, _ = k_pages.shape
   S, P = page_indices.shape

@@ -305,3 +305,79 @@ def test_ragged_paged_mla_is_mqa_over_the_latent(impl):
   real = int(cu[len(q_lens)])
   assert got.shape == (T, H, R)
   np.testing.assert_allclose(got[:real], want[:real, :, :R], atol=2e-5, rtol=1e-4)
+
+
+# ---- a quantized KV cache (kv_cache_dtype int8 / fp8) ------------------------------------------
+
+def _quantized(pages, dtype):
+  """pages [..., F] as the cache stores them: (values, float32 scales [...]), and the float64
+  numbers they stand for (what the naive attention reads)."""
+  from jaxinfer.models.cache import dequantize_tokens, quantize_tokens
+  vals, scale = quantize_tokens(pages, dtype)
+  return vals, scale, np.asarray(dequantize_tokens(vals, scale), np.float64)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("page_size,H,K,d,window,soft_cap", [CASES[1], CASES[4]])
+def test_quantized_cache_equals_naive_on_the_values_it_stands_for(page_size, H, K, d, window, soft_cap,
+                                                                   dtype, impl):
+  """Both paths read int8 / float8 pages with per-token, per-head scales and give the attention
+  of the dequantized cache (the scales folded into scores and probabilities change nothing
+  but rounding), mixed decode / verify / prefill."""
+  rng = np.random.default_rng(K + d)
+  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
+  P = 20
+  num_pages = len(q_lens) * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
+  T = int(cu[-1]) + 3
+  q = rng.normal(size=(T, H, d)).astype(np.float32)
+  # Per-head magnitudes that differ by 100x: one scale per page or per tensor would lose the small heads.
+  mag = np.geomspace(0.05, 5.0, K)[:, None].astype(np.float32)
+  k_vals, k_scale, k_ref = _quantized(rng.normal(size=(num_pages, page_size, K, d)).astype(np.float32) * mag, dtype)
+  v_vals, v_scale, v_ref = _quantized(rng.normal(size=(num_pages, page_size, K, d)).astype(np.float32) * mag, dtype)
+  assert k_vals.dtype == np.dtype(dtype) and k_scale.shape == (num_pages, page_size, K)
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  got = np.asarray(ops.ragged_paged_attention(q, k_vals, v_vals, kv_full, page_indices, cu, np.int32(len(q_lens)),
+                                              sliding_window=window, soft_cap=soft_cap, impl=impl,
+                                              k_scale=k_scale, v_scale=v_scale, decode_q_len=3))
+  want = naive(q, k_ref, v_ref, kv_full, page_indices, cu, len(q_lens), window, soft_cap)
+  real = int(cu[len(q_lens)])
+  np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
+
+
+def test_quantized_cache_error_is_the_formats_rounding():
+  """quantize_tokens: int8 is off by at most half a step (max|x| / 254) per vector; float8 e4m3
+  by at most 2^-4 relative (3 mantissa bits) above its subnormals; zeros stay exact."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 4, 32)).astype(np.float32) * np.geomspace(1e-3, 1e2, 4)[:, None]
+  x[0, 0] = 0.0
+  for dtype, bound in (("int8", lambda x: np.abs(x).max(-1, keepdims=True) / 254 * (1 + 1e-6)),
+                       ("float8_e4m3fn", lambda x: np.maximum(np.abs(x) * 2.0 ** -4,
+                                                              np.abs(x).max(-1, keepdims=True) / 448 * 2.0 ** -9))):
+    _, scale, back = _quantized(x, dtype)
+    assert np.all(np.abs(back - x) <= bound(x)), dtype
+    assert np.all(back[0, 0] == 0) and scale[0, 0] == 1.0
+
+
+def test_quantized_mla_latent_on_xla_and_refused_on_the_kernel():
+  rng = np.random.default_rng(3)
+  page_size, H, R, E = 16, 4, 32, 16
+  q_lens, kv_extra = [1, 2, 40], [30, 5, 17]
+  P = 8
+  num_pages = len(q_lens) * P + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
+  T = int(cu[-1])
+  q_latent = rng.normal(size=(T, H, R)).astype(np.float32)
+  q_rope = rng.normal(size=(T, H, E)).astype(np.float32)
+  vals, scale, ref = _quantized(rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32), "int8")
+  kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
+  got = np.asarray(ops.ragged_paged_mla(q_latent, q_rope, vals, kv_full, page_indices, cu, np.int32(3),
+                                        sm_scale=0.15, impl="xla", latent_scale=scale))
+  q = np.concatenate([q_latent, q_rope], -1) * 0.15 * np.sqrt(R + E)
+  want = naive(q, ref[:, :, None], ref[:, :, None], kv_full, page_indices, cu, 3)
+  np.testing.assert_allclose(got[:T], want[:T, :, :R], atol=2e-5, rtol=1e-4)
+  from jaxinfer.errors import InvalidRequestError
+  with pytest.raises(InvalidRequestError, match="XLA attention path only"):
+    ops.ragged_paged_mla(q_latent, q_rope, vals, kv_full, page_indices, cu, np.int32(3), sm_scale=0.15,
+                         impl="pallas_interpret", latent_scale=scale)

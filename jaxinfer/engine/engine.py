@@ -45,7 +45,7 @@ from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.models.cache import CacheSpec
+from jaxinfer.models.cache import KV_CACHE_DTYPES, CacheSpec, kv_cache_dtype
 from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
@@ -74,6 +74,9 @@ class EngineConfig:
   warmup: bool = True
   compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
   attention_impl: str = "auto"  # jaxinfer.ops: 'auto' (Pallas on GPU, XLA elsewhere), 'xla', 'pallas', 'pallas_interpret'
+  # The KV cache's dtype: 'auto' (the model's), 'float32', 'bfloat16', or quantized 'int8' /
+  # 'fp8' (float8 e4m3) with a float32 scale per token and kv head (jaxinfer.models.cache).
+  kv_cache_dtype: str = "auto"
   # Speculative decoding: None (off), or a SpeculativeConfig / a dict of its fields,
   # e.g. {"method": "ngram", "num_speculative_tokens": 3}.
   speculative: SpeculativeConfig | None = None
@@ -90,6 +93,9 @@ class EngineConfig:
       raise InvalidRequestError(f"num_pages must be an int >= 2, got {self.num_pages!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                f"got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass
@@ -171,9 +177,9 @@ class LLMEngine:
     self.engine_config = ec
     self.max_model_len = min(cfg.max_position_embeddings, ec.max_model_len or 4096)
     _enable_compilation_cache(ec.compilation_cache_dir)
-    dtype = model_dtype(params)
+    kv_dtype = kv_cache_dtype(ec.kv_cache_dtype, model_dtype(params))
     # An MTP module's attention K/V is one more layer in every page.
-    cache_spec = CacheSpec.from_config(cfg, dtype, draft_layers=int(mtp_params is not None))
+    cache_spec = CacheSpec.from_config(cfg, kv_dtype, draft_layers=int(mtp_params is not None))
     per_page = cache_spec.page_bytes(ec.page_size)
     pages_per_seq = -(-self.max_model_len // ec.page_size)
     # A pool split along 'pages' (attention data parallelism: sharding_rules={"pages": "data"})
@@ -213,9 +219,10 @@ class LLMEngine:
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k,
-                              mtp_params=mtp_params)
+                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype)
     log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
-             num_pages * per_page / 2**20, dtype)
+             num_pages * per_page / 2**20, kv_dtype)
+    self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
     self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
@@ -630,6 +637,17 @@ class LLMEngine:
     return o
 
   # ---- introspection -----------------------------------------------------------------
+
+  def kv_summary(self) -> str:
+    """The pool in one line: pages, bytes, dtype, and how many tokens and max_model_len
+    sequences it holds (page 0 of each shard is reserved)."""
+    p = self.engine_config.page_size
+    tokens = (self.kv.num_pages - self.kv.num_shards) * p
+    per_token = self.runner.cache_spec.bytes_per_token()
+    scales = ", scales included" if self.runner.cache_spec.quantized else ""
+    return (f"{self.kv.num_pages} pages x {p} tokens = {self.kv_cache_bytes / 2**20:.1f} MiB of "
+            f"{self.kv_cache_dtype} ({per_token} bytes per token{scales}): {tokens} tokens, "
+            f"{tokens // self.max_model_len} sequences of {self.max_model_len}")
 
   def stats(self) -> dict[str, Any]:
     kv = self.kv

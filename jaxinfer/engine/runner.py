@@ -233,11 +233,13 @@ class ModelRunner:
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
                sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0,
-               mtp_params: Any = None):
+               mtp_params: Any = None, kv_cache_dtype: str | None = None):
     """`mesh` and `sharding_rules` (overrides of jaxinfer.sharding.RULES) shard the KV cache
     like the weights; without a mesh everything lives on the first device. `mtp_params`
     (jaxinfer.models.mtp): the step also drafts num_speculative_tokens tokens per sequence
-    with that MTP module, whose K/V is one more cache layer in the same pages."""
+    with that MTP module, whose K/V is one more cache layer in the same pages.
+    `kv_cache_dtype`: the cache's dtype name (None: the model's; 'int8' / 'float8_e4m3fn'
+    quantize it, jaxinfer.models.cache)."""
     from jaxinfer.sharding import make_rules
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
@@ -247,7 +249,12 @@ class ModelRunner:
       raise ValueError("an MTP module drafts num_speculative_tokens >= 1 tokens")
     # The module rides in the params tree under 'mtp' (the decoder never reads it).
     self.params = {**params, "mtp": mtp_params} if self.mtp else params
-    self.cache_spec = CacheSpec.from_config(cfg, self.dtype, draft_layers=int(self.mtp))
+    self.cache_spec = CacheSpec.from_config(cfg, kv_cache_dtype or self.dtype, draft_layers=int(self.mtp))
+    if self.cache_spec.quantized and cfg.kv_lora_rank and self.attention_impl != "xla":
+      from jaxinfer.errors import InvalidRequestError
+      raise InvalidRequestError(f"kv_cache_dtype={self.cache_spec.dtype!r} for an MLA model runs on the XLA "
+                                f"attention path only (this engine's is {self.attention_impl!r}): pass "
+                                "attention_impl='xla', or leave kv_cache_dtype='auto'")
     self.page_size = page_size
     self.num_pages = num_pages
     self.max_num_seqs = max_num_seqs

@@ -11,6 +11,14 @@ KV latent c_KV and the decoupled rope key k^R, concatenated (DeepSeek-V2
 paper, sections 2.1.2-2.1.3): every head reads the same latent, so there is
 no head axis to shard, and a token costs r + R values instead of 2 * K * d.
 
+A quantized cache (`kv_cache_dtype` 'int8' or 'fp8': float8_e4m3fn) holds
+each array's values in that dtype and, beside each, a float32 scale per token
+and head: 'k_scale' [N, p, K], 'v_scale' [N, p, K], 'latent_scale' [N, p].
+A token's vector is stored as round(x / s) with s = max|x| / 127 (int8) or
+max|x| / 448 (fp8), so it reads back as values * s. The scales are more
+arrays of the layer like any other (sharded on the same kv_heads, moved by
+the same gathers), and `write` is the one place that quantizes.
+
 `CacheSpec.from_config(cfg, dtype)` chooses each layer's kind from the config
 (`layer_cache(cfg, i)`), so mixed stacks are one tuple of layers. A drafter's
 own attention layers (an MTP module, jaxinfer.models.mtp: `draft_layers=1`)
@@ -37,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import KVTransferError
-from jaxinfer.indexing import set_at, storage_dtype, take
+from jaxinfer.indexing import set_at, storage_dtype, take, values_dtype
 
 # Per layer: {name: [N, p, *token_shape]}, e.g. {'k': [N, p, K, d], 'v': [N, p, K, d]}.
 Cache = list[dict[str, jax.Array]]
@@ -45,13 +53,36 @@ Cache = list[dict[str, jax.Array]]
 PAGE_AXES = ("pages", "page_size")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
+QUANTIZED_KV = {"int8": 127.0, "float8_e4m3fn": 448.0}  # stored dtype -> the max |value| a scale maps to
+SCALE_DTYPE = "float32"
+
+
+def kv_cache_dtype(name: str | None, model_dtype) -> str:
+  """The cache's dtype name for a `kv_cache_dtype` option: 'auto' (or None) is the model's
+  dtype, 'fp8' is float8_e4m3fn; InvalidRequestError for anything else, and fp8 where
+  this jax / backend cannot convert float8 (jaxinfer.quant.check_fp8)."""
+  from jaxinfer.errors import InvalidRequestError
+  if name is None or name == "auto":
+    return jnp.dtype(model_dtype).name
+  if name not in KV_CACHE_DTYPES:
+    raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+  if name == "fp8":
+    from jaxinfer.quant import check_fp8
+    check_fp8()
+    return "float8_e4m3fn"
+  return name
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenArray:
-  """One array of a layer's cache, per token: its name, shape and logical axes."""
+  """One array of a layer's cache, per token: its name, shape and logical axes, and its
+  dtype when it is not the cache's (a quantized cache's float32 scales)."""
 
   name: str
   shape: tuple[int, ...]
   axes: tuple[str, ...]
+  dtype: str | None = None
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -75,6 +106,14 @@ class LayerCache:
   @property
   def values_per_token(self) -> int:
     return sum(a.size for a in self.arrays)
+
+  def with_scales(self) -> "LayerCache":
+    """The layer with a float32 '<name>_scale' per token and head beside each array (its
+    shape without the last axis), as a quantized cache holds; unchanged if it has them."""
+    if any(a.dtype is not None for a in self.arrays):
+      return self
+    scales = tuple(TokenArray(f"{a.name}_scale", a.shape[:-1], a.axes[:-1], SCALE_DTYPE) for a in self.arrays)
+    return LayerCache(self.kind, self.arrays + scales)
 
 
 def gqa_layer(num_kv_heads: int, head_dim: int) -> LayerCache:
@@ -102,16 +141,30 @@ class CacheSpec:
   """Every layer's per-token cache arrays, in one dtype (hashable: a static jit argument).
 
   The arrays hold `storage` (jaxinfer.indexing.storage_dtype): `dtype` itself, or on the
-  CPU a bfloat16 cache's bits as uint16, which the model reads through indexing.take."""
+  CPU a bfloat16 (float8) cache's bits as uint16 (uint8), which the model reads through
+  indexing.take. A quantized dtype ('int8', 'float8_e4m3fn') gives every array a float32
+  scale array beside it (`LayerCache.with_scales`)."""
 
   layers: tuple[LayerCache, ...]
-  dtype: str  # numpy dtype name, e.g. 'float32', 'bfloat16'
+  dtype: str  # numpy dtype name, e.g. 'float32', 'bfloat16', 'int8', 'float8_e4m3fn'
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+    if self.quantized:
+      object.__setattr__(self, "layers", tuple(l.with_scales() for l in self.layers))
 
   @classmethod
   def from_config(cls, cfg, dtype, draft_layers: int = 0) -> "CacheSpec":
     """The model's layers, then `draft_layers` more of the same kind (an MTP module's)."""
     return cls(tuple(layer_cache(cfg, i) for i in range(cfg.num_layers + draft_layers)),
                jnp.dtype(dtype).name)
+
+  @property
+  def quantized(self) -> bool:
+    return self.dtype in QUANTIZED_KV
+
+  def array_dtype(self, a: TokenArray) -> str:
+    return a.dtype or self.dtype
 
   @property
   def storage(self):
@@ -124,8 +177,8 @@ class CacheSpec:
   # ---- sizes ----------------------------------------------------------------------------
 
   def bytes_per_token(self) -> int:
-    """KV bytes one token takes over every layer."""
-    return sum(l.values_per_token for l in self.layers) * self.itemsize
+    """KV bytes one token takes over every layer (a quantized cache's scales included)."""
+    return sum(a.size * jnp.dtype(self.array_dtype(a)).itemsize for l in self.layers for a in l.arrays)
 
   def page_bytes(self, page_size: int) -> int:
     return self.bytes_per_token() * page_size
@@ -144,19 +197,23 @@ class CacheSpec:
     """Logical axes of every cache array: ('pages', 'page_size', *the token's axes)."""
     return [{a.name: PAGE_AXES + a.axes for a in l.arrays} for l in self.layers]
 
+  def storages(self) -> list[dict[str, Any]]:
+    """What each array holds (jaxinfer.indexing.storage_dtype of its dtype)."""
+    return [{a.name: storage_dtype(self.array_dtype(a)) for a in l.arrays} for l in self.layers]
+
   def abstract(self, num_pages: int, page_size: int, shardings=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
     """ShapeDtypeStructs of the whole pool: nothing allocated."""
-    shapes = self.shapes(num_pages, page_size)
+    shapes, dtypes = self.shapes(num_pages, page_size), self.storages()
     if shardings is None:
-      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.storage), shapes, is_leaf=_is_shape)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, self.storage, sharding=sh), shapes, shardings,
+      return jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s, dt), shapes, dtypes, is_leaf=_is_shape)
+    return jax.tree.map(lambda s, dt, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, dtypes, shardings,
                         is_leaf=_is_shape)
 
   def zeros(self, num_pages: int, page_size: int, shardings=None) -> Cache:
     """A zeroed pool. Inside jit: plain zeros. With `shardings`: each device allocates
     only its own shard (a jitted fill with those out_shardings), never the whole pool first."""
     def fill():
-      return jax.tree.map(lambda s: jnp.zeros(s, self.storage), self.shapes(num_pages, page_size),
+      return jax.tree.map(lambda s, dt: jnp.zeros(s, dt), self.shapes(num_pages, page_size), self.storages(),
                           is_leaf=_is_shape)
     if shardings is None:
       return fill()
@@ -225,8 +282,9 @@ class CacheSpec:
             name = {"kv_heads": "num_kv_heads"}.get(dim, dim)
             raise KVTransferError(f"layer {l} {tok.name!r}: {name} is {got}, expected {exp} "
                                   f"(token shape {tuple(a.shape[len(lead):])} vs {tok.shape})")
-        if a.dtype != np.dtype(self.dtype):
-          raise KVTransferError(f"layer {l} {tok.name!r}: dtype is {a.dtype}, this cache holds {self.dtype}")
+        if a.dtype != np.dtype(self.array_dtype(tok)):
+          raise KVTransferError(f"layer {l} {tok.name!r}: dtype is {a.dtype}, this cache holds "
+                                f"{self.array_dtype(tok)}")
         run = a.reshape((-1,) + tok.shape)
         if count is None:
           count = (a.shape[:len(lead)], len(run))
@@ -248,6 +306,41 @@ def _is_shape(x: Any) -> bool:
 def gather_pages(cache: Cache, ids: jax.Array) -> Cache:
   """Pages `ids` [n] of every array: per layer {name: [n, p, *token_shape]}."""
   return jax.tree.map(lambda x: take(x, ids), cache)
+
+
+def write(layer: dict[str, jax.Array], name: str, new: jax.Array, slots: jax.Array) -> dict[str, jax.Array]:
+  """The arrays of `layer` that change when tokens `new` [T, *token_shape] go into array
+  `name` at `slots` [T] (page * p + offset; out-of-range slots are dropped): {name: ...},
+  and {name + '_scale': ...} in a quantized cache, where this is the one place that
+  quantizes (per token and head, see the module doc).
+
+  Indexed by (page, offset), not through a flattened [N * p] view: for a single
+  token XLA's CPU backend lowers the flat form to an update that copies the
+  whole layer cache first (and a bfloat16 one converts it: jaxinfer.indexing)."""
+  pages = layer[name]
+  p = pages.shape[1]
+  at = (slots // p, slots % p)
+  scale_name = f"{name}_scale"
+  if scale_name not in layer:
+    return {name: set_at(pages, at, new, mode="drop")}
+  vals, scale = quantize_tokens(new, values_dtype(pages.dtype))
+  return {name: set_at(pages, at, vals, mode="drop"), scale_name: set_at(layer[scale_name], at, scale, mode="drop")}
+
+
+def quantize_tokens(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """x [..., F] as (values [..., F] of int8 / float8_e4m3fn, float32 scales [...]): each
+  vector's max |x| maps to the dtype's largest value; an all-zero vector gets scale 1."""
+  dtype = jnp.dtype(dtype)
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scale = jnp.where(amax > 0, amax / QUANTIZED_KV[dtype.name], 1.0)
+  y = jnp.clip(x / scale[..., None], -QUANTIZED_KV[dtype.name], QUANTIZED_KV[dtype.name])
+  return (jnp.round(y) if dtype == jnp.int8 else y).astype(dtype), scale
+
+
+def dequantize_tokens(values: jax.Array, scale: jax.Array) -> jax.Array:
+  """The float32 tokens quantize_tokens stored: values * scale per vector."""
+  return values.astype(jnp.float32) * scale[..., None]
 
 
 def scatter_tokens(cache: Cache, slots: jax.Array, runs: Cache) -> Cache:

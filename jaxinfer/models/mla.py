@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import UnsupportedModelError
+from jaxinfer.models.cache import write
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, yarn_mscale
-from jaxinfer.models.transformer import PagedBatch, _write
+from jaxinfer.models.transformer import PagedBatch
 from jaxinfer.params import WeightSpec
 from jaxinfer.quant import is_quantized, linear
 
@@ -143,8 +144,8 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   c_kv = rms_norm(kv[:, :R], p["kv_a_norm"], LATENT_NORM_EPS)  # [T, R]
   k_rope = _rope(kv[:, None, R:], positions, cfg)[:, 0]  # [T, E]: one rope key for all heads
   # Write first, then attend: a query sees its own token through the cache.
-  latent = _write(layer_cache["latent"], jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], -1),
-                  batch.slot_mapping)  # [N, p, L]
+  new_cache = {**layer_cache, **write(layer_cache, "latent", jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], -1),
+                                      batch.slot_mapping)}  # latent [N, p, L] (and its scale [N, p])
 
   wkv_b = _dense(p["wkv_b"])
   w_uk, w_uv = wkv_b[..., :C], wkv_b[..., C:]  # [R, H, C], [R, H, V]
@@ -157,8 +158,8 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   # Pallas GQA kernel would need L a power of two (DeepSeek-V3's 576 is not) and would carry
   # the rope columns through V; the MLA kernel scores with two dots, latent and rope.
   o_latent = ops.ragged_paged_mla(
-      q_latent, q_rope.astype(q_latent.dtype), latent, batch.kv_lens, batch.page_indices,
+      q_latent, q_rope.astype(q_latent.dtype), new_cache["latent"], batch.kv_lens, batch.page_indices,
       batch.cu_q_lens, batch.num_seqs, sm_scale=softmax_scale(cfg), impl=attention_impl,
-      decode_q_len=decode_q_len)  # [T, H, R]: each head's softmax-weighted sum of latents
+      decode_q_len=decode_q_len, latent_scale=new_cache.get("latent_scale"))  # [T, H, R]: each head's softmax-weighted sum of latents
   o = jnp.einsum("THR,RHV->THV", o_latent, w_uv.astype(o_latent.dtype))
-  return linear("THV,HVD->TD", o, p["wo"]), {"latent": latent}
+  return linear("THV,HVD->TD", o, p["wo"]), new_cache

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.indexing import set_at
-from jaxinfer.models.cache import Cache
+from jaxinfer.models.cache import Cache, write
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
 from jaxinfer.models.moe import RouterStats, moe_ffn
 from jaxinfer.params import model_dtype
@@ -39,17 +38,6 @@ class PagedBatch(NamedTuple):
   page_indices: jax.Array  # [S, P]
   cu_q_lens: jax.Array  # [S + 1]
   num_seqs: jax.Array  # [] int32
-
-
-def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-  """pages[slot // p, slot % p] = new[t] for each token t (in place when donated).
-
-  Indexed by (page, offset), not through a flattened [N * p] view: for a
-  single token XLA's CPU backend lowers the flat form to an update that
-  copies the whole layer cache first (and a bfloat16 one converts it: jaxinfer.indexing).
-  """
-  p = pages.shape[1]
-  return set_at(pages, (slots // p, slots % p), new, mode="drop")
 
 
 def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,
@@ -71,13 +59,13 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
   q = apply_rope(q, positions, inv_freq, rope_attention_factor(cfg))
   k = apply_rope(k, positions, inv_freq, rope_attention_factor(cfg))
   # Write first, then attend: a query sees its own token through the cache.
-  new_cache = {"k": _write(layer_cache["k"], k, batch.slot_mapping),
-               "v": _write(layer_cache["v"], v, batch.slot_mapping)}
+  new_cache = {**layer_cache, **write(layer_cache, "k", k, batch.slot_mapping),
+               **write(layer_cache, "v", v, batch.slot_mapping)}
   out = ops.ragged_paged_attention(q, new_cache["k"], new_cache["v"], batch.kv_lens,
                                    batch.page_indices, batch.cu_q_lens, batch.num_seqs,
                                    sliding_window=window, sinks=p["sinks"] if cfg.attention_sinks else None,
-                                   impl=attention_impl,
-                                   decode_q_len=decode_q_len)
+                                   impl=attention_impl, decode_q_len=decode_q_len,
+                                   k_scale=new_cache.get("k_scale"), v_scale=new_cache.get("v_scale"))
   out = linear("THd,HdD->TD", out, p["wo"])
   if cfg.attention_out_bias:
     out = out + p["bo"]

@@ -51,6 +51,20 @@ def test_ragged_paged_attention_lowers(T, S, page_size, Hq, Hkv, D, dtype, optio
                  *ragged_avals(T, S, 9, 80, page_size, Hq, Hkv, D, dtype))
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_ragged_paged_attention_lowers_over_a_quantized_cache(kv_dtype):
+  """int8 / float8 pages with float32 scales per token and kv head (kv_cache_dtype int8 / fp8):
+  the scale gathers [pages_per_block, p] and the tile conversions lower too."""
+  T, S, N, page_size, Hq, Hkv, D = 64, 64, 80, 16, 32, 8, 128
+  q, k, v, *rest = ragged_avals(T, S, 9, N, page_size, Hq, Hkv, D, jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct(k.shape, kv_dtype)
+  scale = jax.ShapeDtypeStruct((N, page_size, Hkv), jnp.float32)
+  def fn(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, ks, vs):
+    return ragged_paged_attention(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale=ks, v_scale=vs)
+  text = lower_for_cuda(fn, q, pages, pages, *rest, scale, scale)
+  assert "ragged_paged_attention" in text
+
+
 @pytest.mark.parametrize("B,T,S,Hq,Hkv,D,dtype,options", [
     (2, 2048, 2048, 32, 8, 128, jnp.bfloat16, {}),
     (1, 100, 300, 8, 1, 64, jnp.float16, {"causal": False}),
