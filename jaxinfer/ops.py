@@ -122,14 +122,15 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   computes it; the Pallas kernel (pallas_kernels/ragged_paged_mla.py) splits
   the score into its two dots, so R + E need not be a power of two (R and E
   must: DeepSeek-V3's 512 and 64 are).
-  `latent_scale` [N, p] float32: a quantized cache, each token's [c_KV, k_R] stored
-  as values times one scale. The XLA path only (an error on the Pallas kernel).
+  `latent_scale` [N, p, G] float32: a quantized cache, each of G equal runs of a
+  token's [c_KV, k_R] stored as values times its own scale (the tile is dequantized
+  before the dots). The XLA path only (an error on the Pallas kernel).
   """
   impl = resolve_attention_impl(impl)
   if impl == "xla":
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], -1)  # [T, H, R + E]
     pages = latent_pages[:, :, None, :]  # one KV head
-    scale = None if latent_scale is None else latent_scale[:, :, None]
+    scale = None if latent_scale is None else latent_scale[:, :, None, :]  # [N, p, 1 head, G]
     return ragged_paged_attention_xla(q, pages, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                       sm_scale=sm_scale, decode_q_len=decode_q_len,
                                       v_head_dim=q_latent.shape[-1], k_scale=scale, v_scale=scale)
@@ -254,6 +255,8 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
   Streaming Language Models with Attention Sinks", here learned as in GPT-OSS).
   A quantized cache (k_scale, v_scale [N, p, K]): the tile is cast to qb's dtype, the
   key scales multiply the chunk's scores and the value scales its probabilities.
+  Grouped scales (MLA's latent, [N, p, K, G] with keys = values) cannot be folded so:
+  the tile itself is dequantized, a multiply per key column rather than per query.
   """
   B, R, K, G, d = qb.shape
   p = k_pages.shape[1]
@@ -263,17 +266,23 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
   n_max = -(-P // ppc)
   pages = jnp.pad(pages, ((0, 0), (0, n_max * ppc - P)))  # so no chunk's slice is clamped
   qk = qb.transpose(0, 2, 1, 3, 4).reshape(B, K, R * G, d)
+  grouped = k_scale is not None and k_scale.ndim == 4
+  if grouped and v_pages is not k_pages:
+    raise ValueError("grouped KV scales are for one cache that is both keys and values (MLA's latent)")
   pos = jnp.broadcast_to(q_pos[:, :, None], (B, R, G)).reshape(B, 1, R * G, 1)
 
   def chunk(c, carry):
     m, l, acc = carry  # [B, K, Q] x2, [B, K, Q, dv]
     ids = jax.lax.dynamic_slice_in_dim(pages, c * ppc, ppc, axis=1)  # [B, ppc]
     k = take(k_pages, ids).reshape(B, C, K, d)
+    if grouped:
+      ks = take(k_scale, ids).reshape(B, C, K, -1, 1)
+      k = (k.reshape(ks.shape[:-1] + (-1,)).astype(jnp.float32) * ks).reshape(B, C, K, d)
     # One gather when keys and values are the same pages (MLA's latent cache).
     v = k if v_pages is k_pages else take(v_pages, ids).reshape(B, C, K, v_pages.shape[-1])
     v = v[..., :dv].astype(qk.dtype)
     s = jnp.einsum("BKQd,BCKd->BKQC", qk, k.astype(qk.dtype), preferred_element_type=jnp.float32)
-    if k_scale is not None:  # [B, C, K] -> [B, K, 1, C]
+    if k_scale is not None and not grouped:  # [B, C, K] -> [B, K, 1, C]
       s = s * take(k_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -287,7 +296,7 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     alpha = jnp.exp(m - m_safe)
     w = jnp.exp(s - m_safe[..., None])
     l = alpha * l + w.sum(-1)
-    if v_scale is not None:
+    if v_scale is not None and not grouped:
       w = w * take(v_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     acc = alpha[..., None] * acc + jnp.einsum("BKQC,BCKd->BKQd", w.astype(v.dtype), v,
                                               preferred_element_type=jnp.float32)

@@ -75,3 +75,29 @@ def test_a_bfloat16_cache_is_stored_as_its_bits_on_the_cpu_only():
   assert spec.zeros(4, P)[0]["k"].dtype == BITS and spec.abstract(4, P)[0]["v"].dtype == BITS
   assert CacheSpec((gqa_layer(K, D),), "float32").zeros(4, P)[0]["k"].dtype == jnp.float32
   assert storage_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16 and storage_dtype(jnp.float32, "cpu") == jnp.float32
+
+
+def test_a_float8_cache_is_stored_as_its_bits_too_and_int8_as_it_is():
+  """kv_cache_dtype 'fp8': XLA CPU converts a whole float8 operand to gather or scatter it, as it
+  does bfloat16, so the pages hold uint8 bits; int8 needs nothing. Scales stay float32."""
+  f8 = _bf16((N, P, K, D)).astype(jnp.float8_e4m3fn)
+  ids, slots, new = jnp.array([[3, 7]]), jnp.array([5, 6, 40, 41]), _bf16((4, K, D), 1)
+  plain = jax.jit(lambda c, i: c[i]).lower(f8, ids).compile().as_text()
+  assert any(a.startswith(("f32:", "f16:", "bf16:")) and "convert" in a for a in _arrays_of_size(plain, N * P * K * D))
+  stored = jax.lax.bitcast_convert_type(f8, jnp.uint8)
+  gather = jax.jit(take).lower(stored, ids).compile().as_text()
+  assert not [a for a in _arrays_of_size(gather, N * P * K * D) if "convert(" in a]
+  scatter = jax.jit(lambda c, s, n: set_at(c, (s // P, s % P), n), donate_argnums=0).lower(
+      stored, slots, new).compile().as_text()
+  whole = _arrays_of_size(scatter, N * P * K * D)
+  assert whole and all(a.startswith("u8:") for a in whole)
+  got = set_at(stored, (slots // P, slots % P), new)
+  np.testing.assert_array_equal(np.asarray(values(got)).astype(np.float32),
+                                np.asarray(f8.at[slots // P, slots % P].set(new.astype(jnp.float8_e4m3fn))).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(take(got, ids)).astype(np.float32),
+                                np.asarray(values(got)[ids]).astype(np.float32))
+  fp8 = CacheSpec((gqa_layer(K, D),), "float8_e4m3fn").zeros(4, P)[0]
+  assert {n: str(a.dtype) for n, a in fp8.items()} == {"k": "uint8", "v": "uint8", "k_scale": "float32",
+                                                       "v_scale": "float32"}
+  assert CacheSpec((gqa_layer(K, D),), "int8").zeros(4, P)[0]["k"].dtype == jnp.int8
+  assert storage_dtype(jnp.float8_e4m3fn, "gpu") == jnp.float8_e4m3fn

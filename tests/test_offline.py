@@ -80,10 +80,12 @@ def test_cli_input_output(tmp_path):
   inp = write_input(tmp_path / "in.jsonl", [{"id": "x", "prompt": "Hello"}, "oops"])
   out = tmp_path / "out.jsonl"
   cmd = [sys.executable, "-m", "jaxinfer", "generate", "--model", str(tiny_dir("llama3")),
-         "--max-tokens", "3", "--max-num-batched-tokens", "32", "--quiet"]
+         "--max-tokens", "3", "--max-num-batched-tokens", "32", "--kv-cache-dtype", "int8"]
   r = subprocess.run(cmd + ["--input", str(inp), "--output", str(out)], capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
   assert "1 generated, 1 errors, 0 already done" in r.stderr
+  # The pool line: 2 layers x k, v x 1 kv head x (16 int8 values + a float32 scale) per token.
+  assert "of int8 (80 bytes per token, scales included)" in r.stderr
   assert set(read(out)) == {"x", "line-2"}
   r = subprocess.run(cmd + ["--input", str(inp)], capture_output=True, text=True)
   assert r.returncode == 1 and "--input needs --output" in r.stderr

@@ -309,11 +309,11 @@ def test_ragged_paged_mla_is_mqa_over_the_latent(impl):
 
 # ---- a quantized KV cache (kv_cache_dtype int8 / fp8) ------------------------------------------
 
-def _quantized(pages, dtype):
-  """pages [..., F] as the cache stores them: (values, float32 scales [...]), and the float64
-  numbers they stand for (what the naive attention reads)."""
+def _quantized(pages, dtype, groups=None):
+  """pages [..., F] as the cache stores them: (values, float32 scales [...] or [..., groups]),
+  and the float64 numbers they stand for (what the naive attention reads)."""
   from jaxinfer.models.cache import dequantize_tokens, quantize_tokens
-  vals, scale = quantize_tokens(pages, dtype)
+  vals, scale = quantize_tokens(pages, dtype, groups)
   return vals, scale, np.asarray(dequantize_tokens(vals, scale), np.float64)
 
 
@@ -370,7 +370,9 @@ def test_quantized_mla_latent_on_xla_and_refused_on_the_kernel():
   T = int(cu[-1])
   q_latent = rng.normal(size=(T, H, R)).astype(np.float32)
   q_rope = rng.normal(size=(T, H, E)).astype(np.float32)
-  vals, scale, ref = _quantized(rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32), "int8")
+  latent = rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32)
+  latent[..., R:] *= 30  # a rope key far larger than c_KV: one scale for both would lose c_KV
+  vals, scale, ref = _quantized(latent, "int8", groups=(R + E) // E)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
   got = np.asarray(ops.ragged_paged_mla(q_latent, q_rope, vals, kv_full, page_indices, cu, np.int32(3),
                                         sm_scale=0.15, impl="xla", latent_scale=scale))

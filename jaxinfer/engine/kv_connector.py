@@ -63,6 +63,10 @@ class KVLayout:
       kinds = sorted({l.kind for l in spec.layers})
       raise KVTransferError(f"the KV cache mixes layer kinds {kinds}: KVLayout describes one page "
                             "layout for every layer, so these pages cannot be transferred")
+    if spec.quantized:
+      raise KVTransferError(f"a {spec.dtype} KV cache carries float32 scales beside its pages, which the "
+                            "KV transfer wire (one dtype and token shape for every array) does not describe "
+                            "yet: disaggregated workers need kv_cache_dtype 'auto', 'float32' or 'bfloat16'")
     shapes = {a.shape for a in layer.arrays}
     if len(shapes) != 1:
       raise KVTransferError(f"the KV cache's arrays {layer.names} have different token shapes {sorted(shapes)}")

@@ -458,8 +458,8 @@ class ModelRunner:
       # Slice on the host: a device-side [:n] would compile once per count.
       parts.append([{name: a[:len(part)] for name, a in layer.items()} for layer in got])
     if not parts:
-      return [{name: np.zeros((0,) + shape[1:], np.dtype(self.dtype)) for name, shape in layer.items()}
-              for layer in self.cache_spec.shapes(0, self.page_size)]
+      return [{name: np.zeros((0,) + shape[1:], np.dtype(dtypes[name])) for name, shape in layer.items()}
+              for layer, dtypes in zip(self.cache_spec.shapes(0, self.page_size), self.cache_spec.dtypes())]
     if len(parts) == 1:
       return parts[0]
     return [{name: np.concatenate([p[i][name] for p in parts]) for name in layer}

@@ -13,7 +13,9 @@ no head axis to shard, and a token costs r + R values instead of 2 * K * d.
 
 A quantized cache (`kv_cache_dtype` 'int8' or 'fp8': float8_e4m3fn) holds
 each array's values in that dtype and, beside each, a float32 scale per token
-and head: 'k_scale' [N, p, K], 'v_scale' [N, p, K], 'latent_scale' [N, p].
+and head: 'k_scale' [N, p, K], 'v_scale' [N, p, K]; MLA's latent has one per
+group of R values, 'latent_scale' [N, p, (r + R) / gcd(r, R)], so that c_KV
+and the rope key never share one (DeepSeek-V3: 9 groups of 64).
 A token's vector is stored as round(x / s) with s = max|x| / 127 (int8) or
 max|x| / 448 (fp8), so it reads back as values * s. The scales are more
 arrays of the layer like any other (sharded on the same kv_heads, moved by
@@ -83,6 +85,9 @@ class TokenArray:
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   dtype: str | None = None
+  # A quantized cache scales each run of `group` values of the last axis on its own
+  # (0: the whole last axis, one scale per token and head).
+  group: int = 0
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -112,8 +117,11 @@ class LayerCache:
     shape without the last axis), as a quantized cache holds; unchanged if it has them."""
     if any(a.dtype is not None for a in self.arrays):
       return self
-    scales = tuple(TokenArray(f"{a.name}_scale", a.shape[:-1], a.axes[:-1], SCALE_DTYPE) for a in self.arrays)
-    return LayerCache(self.kind, self.arrays + scales)
+    def scale(a):
+      if a.group:  # [..., F // group]: the groups stay on the value's last axis
+        return TokenArray(f"{a.name}_scale", a.shape[:-1] + (a.shape[-1] // a.group,), a.axes, SCALE_DTYPE)
+      return TokenArray(f"{a.name}_scale", a.shape[:-1], a.axes[:-1], SCALE_DTYPE)
+    return LayerCache(self.kind, self.arrays + tuple(scale(a) for a in self.arrays))
 
 
 def gqa_layer(num_kv_heads: int, head_dim: int) -> LayerCache:
@@ -122,7 +130,11 @@ def gqa_layer(num_kv_heads: int, head_dim: int) -> LayerCache:
 
 
 def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
-  return LayerCache("mla", (TokenArray("latent", (kv_lora_rank + qk_rope_head_dim,), ("kv_latent",)),))
+  # Quantized, the latent is scaled in groups of the rope width (DeepSeek-V3: 9 groups of 64),
+  # so c_KV and the rope key, of unrelated magnitudes, never share a scale.
+  group = math.gcd(kv_lora_rank, qk_rope_head_dim)
+  return LayerCache("mla", (TokenArray("latent", (kv_lora_rank + qk_rope_head_dim,), ("kv_latent",),
+                                       group=group),))
 
 
 def layer_cache(cfg, i: int) -> LayerCache:
@@ -197,9 +209,13 @@ class CacheSpec:
     """Logical axes of every cache array: ('pages', 'page_size', *the token's axes)."""
     return [{a.name: PAGE_AXES + a.axes for a in l.arrays} for l in self.layers]
 
+  def dtypes(self) -> list[dict[str, str]]:
+    """Each array's dtype as values (what transfers carry): the cache's, or a scale's float32."""
+    return [{a.name: self.array_dtype(a) for a in l.arrays} for l in self.layers]
+
   def storages(self) -> list[dict[str, Any]]:
     """What each array holds (jaxinfer.indexing.storage_dtype of its dtype)."""
-    return [{a.name: storage_dtype(self.array_dtype(a)) for a in l.arrays} for l in self.layers]
+    return [{name: storage_dtype(dt) for name, dt in layer.items()} for layer in self.dtypes()]
 
   def abstract(self, num_pages: int, page_size: int, shardings=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
     """ShapeDtypeStructs of the whole pool: nothing allocated."""
@@ -323,15 +339,21 @@ def write(layer: dict[str, jax.Array], name: str, new: jax.Array, slots: jax.Arr
   scale_name = f"{name}_scale"
   if scale_name not in layer:
     return {name: set_at(pages, at, new, mode="drop")}
-  vals, scale = quantize_tokens(new, values_dtype(pages.dtype))
-  return {name: set_at(pages, at, vals, mode="drop"), scale_name: set_at(layer[scale_name], at, scale, mode="drop")}
+  scales = layer[scale_name]
+  groups = scales.shape[-1] if scales.ndim == pages.ndim else None
+  vals, scale = quantize_tokens(new, values_dtype(pages.dtype), groups)
+  return {name: set_at(pages, at, vals, mode="drop"), scale_name: set_at(scales, at, scale, mode="drop")}
 
 
-def quantize_tokens(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantize_tokens(x: jax.Array, dtype, groups: int | None = None) -> tuple[jax.Array, jax.Array]:
   """x [..., F] as (values [..., F] of int8 / float8_e4m3fn, float32 scales [...]): each
-  vector's max |x| maps to the dtype's largest value; an all-zero vector gets scale 1."""
+  vector's max |x| maps to the dtype's largest value; an all-zero vector gets scale 1.
+  `groups` G: each of G equal runs of the last axis gets its own scale ([..., G])."""
   dtype = jnp.dtype(dtype)
   x = x.astype(jnp.float32)
+  if groups is not None:
+    vals, scale = quantize_tokens(x.reshape(x.shape[:-1] + (groups, x.shape[-1] // groups)), dtype)
+    return vals.reshape(x.shape), scale
   amax = jnp.max(jnp.abs(x), axis=-1)
   scale = jnp.where(amax > 0, amax / QUANTIZED_KV[dtype.name], 1.0)
   y = jnp.clip(x / scale[..., None], -QUANTIZED_KV[dtype.name], QUANTIZED_KV[dtype.name])
@@ -339,7 +361,11 @@ def quantize_tokens(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_tokens(values: jax.Array, scale: jax.Array) -> jax.Array:
-  """The float32 tokens quantize_tokens stored: values * scale per vector."""
+  """The float32 tokens quantize_tokens stored: values * scale per vector (or per group,
+  when scale has the values' rank: [..., G] for [..., F])."""
+  if scale.ndim == values.ndim:
+    grouped = values.reshape(values.shape[:-1] + (scale.shape[-1], -1))
+    return (grouped.astype(jnp.float32) * scale[..., None]).reshape(values.shape)
   return values.astype(jnp.float32) * scale[..., None]
 
 
