@@ -84,7 +84,8 @@ def run_jaxinfer_worker(spec: dict) -> dict:
   from jaxinfer import LLM, SamplingParams
   t0 = time.perf_counter()
   llm = LLM(None, dtype=spec["dtype"], max_num_seqs=max(len(spec["prompts"]), 1),
-            max_num_batched_tokens=spec["max_num_batched_tokens"], quantization=spec.get("quantization"))
+            max_num_batched_tokens=spec["max_num_batched_tokens"], quantization=spec.get("quantization"),
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
   startup = time.perf_counter() - t0
   sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
   llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=4))  # touch everything
@@ -101,7 +102,8 @@ def run_jaxinfer_worker(spec: dict) -> dict:
           "tokens_per_s": generated / wall, "ttft_s": max(first.values()),
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           "startup_s": startup, "compiled_programs": llm.runner.compiled_programs(),
-          "kv_cache_mb": llm.engine.kv_cache_bytes / 2**20, "version": _version()}
+          "kv_cache_mb": llm.engine.kv_cache_bytes / 2**20, "kv_cache_dtype": llm.engine.kv_cache_dtype,
+          "version": _version()}
 
 
 def _version() -> str:
@@ -112,10 +114,11 @@ def _version() -> str:
 
 
 def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: int,
-                 timeout_s: float, quantization: str | None = None) -> dict:
-  """quantization='int8': int8 linear weights quantized at load (scripts/bench_quant_matmul.py --e2e)."""
+                 timeout_s: float, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+  """quantization='int8': int8 linear weights quantized at load; kv_cache_dtype='int8' / 'fp8': a
+  quantized KV cache (scripts/bench_quant_matmul.py --e2e)."""
   spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget,
-              quantization=quantization)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
   proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
                         text=True, timeout=timeout_s)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

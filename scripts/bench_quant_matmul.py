@@ -31,7 +31,8 @@ prompts (teacher-forced): the library's split form, weight-only and one-limb
 int8 activations ('int8 x int8') patched in, the measurement that chose the split.
 
 --e2e also times LLM.generate on the default model, float32, bfloat16, int8, fp8 and int4
-(--e2e-formats picks some), each in
+weights, and float32 weights over an int8 / fp8 KV cache (kv-int8, kv-fp8; --e2e-formats
+picks some), each in
 its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
 128 new tokens, EOS ignored.
 
@@ -154,7 +155,8 @@ def _chain(mm, x, ws):
   return x
 
 
-E2E_FORMATS = ("float32", "bfloat16", "int8", "fp8", "int4")
+# kv-int8 / kv-fp8: float32 weights over an int8 / fp8 KV cache.
+E2E_FORMATS = ("float32", "bfloat16", "int8", "fp8", "int4", "kv-int8", "kv-fp8")
 
 
 def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float, formats=E2E_FORMATS) -> list[dict]:
@@ -163,9 +165,12 @@ def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float, formats=E2E_FO
   rows = []
   for n in (1, num_prompts):
     for fmt in formats:
-      dtype, quantization = ("bfloat16", None) if fmt == "bfloat16" else ("float32", None if fmt == "float32" else fmt)
+      kv = fmt[3:] if fmt.startswith("kv-") else "auto"
+      dtype = "bfloat16" if fmt == "bfloat16" else "float32"
+      quantization = None if fmt in ("float32", "bfloat16") or kv != "auto" else fmt
       r = bench_offline.run_jaxinfer(dtype, prompts[:n], max_tokens, 512, timeout_s,
-                                     quantization=quantization)
+                                     quantization=quantization, kv_cache_dtype=kv)
+      r["format"] = fmt
       rows.append(r)
       print(f"{n} prompts {fmt}: {r['tokens_per_s']:.1f} tok/s "
             f"(rss {r['peak_rss_mb']:.0f} MB)", flush=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Accuracy of each weight format against float32 on the default model (SmolLM2-135M).
+"""Accuracy of each weight format and KV cache dtype against float32 on the default model (SmolLM2-135M).
 
-Per format (float32, bfloat16, and every quantization jaxinfer.quant knows):
+Per format (float32, bfloat16, every quantization jaxinfer.quant knows, and float32 weights
+over an int8 / fp8 KV cache: 'kv-int8', 'kv-fp8'):
   perplexity         exp(mean next-token NLL) over scripts/data/eval_quality_text.txt (our own
                      prose, ~3.1k tokens), cut into independent windows of --window tokens
                      (each window's first token is context only, never predicted)
@@ -49,11 +50,13 @@ PROMPTS = [
 ]
 
 
-def formats(names: list[str] | None) -> list[tuple[str, str, str | None]]:
-  """(label, dtype, quantization) rows: float32 first (the reference), then the others."""
+def formats(names: list[str] | None) -> list[tuple[str, str, str | None, str]]:
+  """(label, dtype, quantization, kv_cache_dtype) rows: float32 first (the reference), then
+  the others."""
   from jaxinfer.quant import QUANTIZATIONS
-  rows = [("float32", "float32", None), ("bfloat16", "bfloat16", None)]
-  rows += [(q, "float32", q) for q in QUANTIZATIONS]
+  rows = [("float32", "float32", None, "auto"), ("bfloat16", "bfloat16", None, "auto")]
+  rows += [(q, "float32", q, "auto") for q in QUANTIZATIONS]
+  rows += [(f"kv-{kv}", "float32", None, kv) for kv in ("int8", "fp8")]
   if names:
     unknown = set(names) - {r[0] for r in rows}
     if unknown:
@@ -114,7 +117,10 @@ def evaluate(models: dict, ids: list[int], window: int, prompts: list[list[int]]
              for o, r in zip(outs, ref_ids)]
     s = stats[name]
     ppl = float(np.exp(s["nll"] / s["n"]))
-    rows.append(dict(format=name, weight_mb=weight_bytes(llm.runner.params) / 2**20, perplexity=ppl, tokens_scored=s["n"], max_abs_logit_diff=s["max_diff"],
+    rows.append(dict(format=name, weight_mb=weight_bytes(llm.runner.params) / 2**20,
+                     kv_cache_dtype=llm.engine.kv_cache_dtype,
+                     kv_bytes_per_token=llm.runner.cache_spec.bytes_per_token(),
+                     perplexity=ppl, tokens_scored=s["n"], max_abs_logit_diff=s["max_diff"],
                      mean_abs_logit_diff=s["sum_diff"] / s["n_logits"],
                      top1_agreement=s["agree"] / (s["n"] + len(windows)),
                      greedy_first_divergence=first, greedy_first_divergence_min=min(first),
@@ -147,18 +153,19 @@ def main() -> None:
   t0 = time.perf_counter()
   opts = dict(max_model_len=max(args.window, 256), max_num_seqs=len(PROMPTS), warmup=False)
   models = {}
-  for label, dtype, q in formats(args.formats.split(",") if args.formats else None):
-    models[label] = LLM(ckpt, dtype, quantization=q, **opts)
+  for label, dtype, q, kv in formats(args.formats.split(",") if args.formats else None):
+    models[label] = LLM(ckpt, dtype, quantization=q, kv_cache_dtype=kv, **opts)
     if args.gguf and q == "int4":
       models[f"{label} (Q4_1 gguf)"] = LLM(default_gguf_path(), dtype, quantization=q, **opts)
   print(f"{len(ids)} tokens of text, windows of {args.window}; formats {list(models)}", flush=True)
   rows = evaluate(models, ids, args.window, prompts, args.max_tokens)
   load_after = os.getloadavg()
-  print(f"\n| format | weights MB | perplexity | vs float32 | max / mean logit diff | top-1 agree | "
+  print(f"\n| format | weights MB | KV bytes / token | perplexity | vs float32 | max / mean logit diff | top-1 agree | "
         f"greedy first divergence min / mean (of {args.max_tokens}) | identical |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['format']} | {r['weight_mb']:.0f} | {r['perplexity']:.3f} | {r['perplexity_vs_float32_pct']:+.2f}% | "
+    print(f"| {r['format']} | {r['weight_mb']:.0f} | {r['kv_bytes_per_token']} | {r['perplexity']:.3f} | "
+          f"{r['perplexity_vs_float32_pct']:+.2f}% | "
           f"{r['max_abs_logit_diff']:.3f} / {r['mean_abs_logit_diff']:.4f} | {100 * r['top1_agreement']:.1f}% | "
           f"{r['greedy_first_divergence_min']} / {r['greedy_first_divergence_mean']:.1f} | "
           f"{r['greedy_identical']}/{len(PROMPTS)} |")
