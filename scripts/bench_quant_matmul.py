@@ -246,10 +246,10 @@ def main() -> None:
     p.error(f"--e2e-formats: unknown {sorted(unknown)} (choose from {', '.join(E2E_FORMATS)})")
   e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout, formats) if args.e2e else []
   if e2e:
-    print("\n| prompts | weights | tok/s | peak RSS MB |\n|---|---|---|---|")
+    print("\n| prompts | format | weights | KV cache | tok/s | peak RSS MB |\n|---|---|---|---|---|---|")
     for r in e2e:
-      print(f"| {r['num_prompts']} | {r['precision']} | {r['tokens_per_s']:.1f} | "
-            f"{r['peak_rss_mb']:.0f} |")
+      print(f"| {r['num_prompts']} | {r['format']} | {r['precision']} | {r['kv_cache_dtype']} | "
+            f"{r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} |")
   load_after = os.getloadavg()
   print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores, shared)")
   path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,

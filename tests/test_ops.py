@@ -55,6 +55,15 @@ def layout(rng, q_lens, kv_extra, page_size, num_pages, pages_per_seq):
   return kv_lens, page_indices, cu
 
 
+def mixed_batch(rng, page_size):
+  """Five sequences (decode, verify, decode over 150 keys, prefill chunks) over 20-page slots,
+  3 padding tokens: (q_lens, num_pages, kv_lens, page_indices, cu_q_lens, T)."""
+  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
+  num_pages = len(q_lens) * 20 + 1
+  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, 20)
+  return q_lens, num_pages, kv_lens, page_indices, cu, int(cu[-1]) + 3
+
+
 CASES = [(16, 4, 4, 32, None, None), (16, 8, 2, 64, None, None), (4, 6, 2, 16, 5, None),
          (32, 8, 1, 64, None, None), (16, 4, 2, 32, 40, 2.0)]
 
@@ -248,11 +257,7 @@ def test_v_head_dim_mla_latent_cache(impl, decode_q_len):
   columns, an explicit scale; equal to naive attention on the full pages, first r columns kept."""
   rng = np.random.default_rng(7)
   page_size, H, r, rope = 16, 8, 24, 8
-  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
-  P = 20
-  num_pages = len(q_lens) * P + 1
-  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
-  T = int(cu[-1]) + 3
+  q_lens, num_pages, kv_lens, page_indices, cu, T = mixed_batch(rng, page_size)
   q = rng.normal(size=(T, H, r + rope)).astype(np.float32)
   latent = rng.normal(size=(num_pages, page_size, 1, r + rope)).astype(np.float32)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
@@ -288,11 +293,7 @@ def test_ragged_paged_mla_is_mqa_over_the_latent(impl):
   values their first R columns; R + E = 48 is no power of two."""
   rng = np.random.default_rng(9)
   page_size, H, R, E = 16, 8, 32, 16
-  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
-  P = 20
-  num_pages = len(q_lens) * P + 1
-  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
-  T = int(cu[-1]) + 3
+  q_lens, num_pages, kv_lens, page_indices, cu, T = mixed_batch(rng, page_size)
   q_latent = rng.normal(size=(T, H, R)).astype(np.float32)
   q_rope = rng.normal(size=(T, H, E)).astype(np.float32)
   latent = rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32)
@@ -326,11 +327,7 @@ def test_quantized_cache_equals_naive_on_the_values_it_stands_for(page_size, H, 
   of the dequantized cache (the scales folded into scores and probabilities change nothing
   but rounding), mixed decode / verify / prefill."""
   rng = np.random.default_rng(K + d)
-  q_lens, kv_extra = [1, 3, 1, 37, 70], [20, 9, 150, 0, 61]
-  P = 20
-  num_pages = len(q_lens) * P + 1
-  kv_lens, page_indices, cu = layout(rng, q_lens, kv_extra, page_size, num_pages, P)
-  T = int(cu[-1]) + 3
+  q_lens, num_pages, kv_lens, page_indices, cu, T = mixed_batch(rng, page_size)
   q = rng.normal(size=(T, H, d)).astype(np.float32)
   # Per-head magnitudes that differ by 100x: one scale per page or per tensor would lose the small heads.
   mag = np.geomspace(0.05, 5.0, K)[:, None].astype(np.float32)

@@ -220,10 +220,9 @@ class LLMEngine:
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k,
                               mtp_params=mtp_params, kv_cache_dtype=kv_dtype)
-    log.info("KV cache: %d pages x %d tokens = %.1f MiB (%s)", num_pages, ec.page_size,
-             num_pages * per_page / 2**20, kv_dtype)
     self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
+    log.info("KV cache: %s", self.kv_summary())
     self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
     self._requests: dict[str, Request] = {}
