@@ -123,8 +123,8 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   the score into its two dots, so R + E need not be a power of two (R and E
   must: DeepSeek-V3's 512 and 64 are).
   `latent_scale` [N, p, G] float32: a quantized cache, each of G equal runs of a
-  token's [c_KV, k_R] stored as values times its own scale (the tile is dequantized
-  before the dots). The XLA path only (an error on the Pallas kernel).
+  token's [c_KV, k_R] stored as values times its own scale (both paths dequantize
+  each tile before the dots)
   """
   impl = resolve_attention_impl(impl)
   if impl == "xla":
@@ -134,12 +134,9 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
     return ragged_paged_attention_xla(q, pages, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                       sm_scale=sm_scale, decode_q_len=decode_q_len,
                                       v_head_dim=q_latent.shape[-1], k_scale=scale, v_scale=scale)
-  if latent_scale is not None:
-    raise InvalidRequestError("a quantized KV cache (kv_cache_dtype int8 / fp8) of an MLA model runs on the "
-                              "XLA attention path only: use attention_impl='xla' or kv_cache_dtype='auto'")
   import pallas_kernels
   return pallas_kernels.ragged_paged_mla(q_latent, q_rope, values(latent_pages), kv_lens, page_indices,
-                                         cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                         cu_q_lens, num_seqs, sm_scale=sm_scale, latent_scale=latent_scale,
                                          interpret=impl == "pallas_interpret")
 
 def _check_v_head_dim(v_head_dim, v_pages):

@@ -14,6 +14,9 @@ Shapes (legend):
   q_latent      [T, H, R]     each head's no-rope query times W_UK^T
   q_rope        [T, H, E]     each head's rotated rope query
   latent_pages  [N, p, L]     per token [c_KV, k_R] (new tokens already written)
+  latent_scale  [N, p, L / g] float32, optional: a quantized cache (int8 / float8
+                              pages), each run of g values of a token scaled on its
+                              own; g divides R and E, so no run mixes c_KV and k_R
   kv_lens, page_indices, cu_q_lens, num_seqs: as in ragged_paged_attention.py
   out           [T, H, R]     softmax-weighted sums of c_KV; rows past
                               cu_q_lens[num_seqs] are unspecified
@@ -55,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import SUPPORTED_DTYPES, is_pow2, next_pow2
+from pallas_kernels._common import QUANTIZED_DTYPES, SUPPORTED_DTYPES, is_pow2, next_pow2
 from pallas_kernels._compat import triton_compiler_params
 from pallas_kernels.ragged_paged_attention import _schedule
 
@@ -126,9 +129,14 @@ class BlockSizes:
 
 
 def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
-                q_latent_ref, q_rope_ref, latent_ref, o_ref, *, sm_scale: float, block_q: int,
-                block_h: int, pages_per_block: int, precision):
-  """One q block (block_q tokens of one sequence) x one block of block_h heads."""
+                q_latent_ref, q_rope_ref, latent_ref, *rest, sm_scale: float, block_q: int,
+                block_h: int, pages_per_block: int, precision, dot_dtype, group: int):
+  """One q block (block_q tokens of one sequence) x one block of block_h heads.
+
+  `rest`: (latent_scale_ref, o_ref) for a quantized cache, else (o_ref,). A quantized
+  tile is dequantized as it is loaded (its scales differ along the columns, so they
+  cannot be folded into the scores) and the dots run in `dot_dtype`, q's dtype."""
+  scale_ref, o_ref = rest if len(rest) == 2 else (None,) + rest
   T, H, R = q_latent_ref.shape
   E = q_rope_ref.shape[2]
   N, page_size, _ = latent_ref.shape
@@ -155,8 +163,8 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     q_lat = plgpu.load(q_latent_ref.at[rows_slice + (slice(None),)], mask=out_mask, other=0)
     q_rot = plgpu.load(q_rope_ref.at[rows_slice + (slice(None),)],
                        mask=jnp.broadcast_to(ok, (block_q, block_h, E)), other=0)
-    q_lat = q_lat.reshape(rows, R).astype(latent_ref.dtype)
-    q_rot = q_rot.reshape(rows, E).astype(latent_ref.dtype)
+    q_lat = q_lat.reshape(rows, R).astype(dot_dtype)
+    q_rot = q_rot.reshape(rows, E).astype(dot_dtype)
     # Row r of the tile is token r // block_h, head r % block_h of this head block.
     first_pos = kv_len - (q_end - q_start) + (t0 - q_start)
     q_pos = first_pos + lax.div(lax.iota(jnp.int32, rows), jnp.int32(block_h))
@@ -172,6 +180,10 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       # One page gather, read as its two column ranges: the latent and the rope key.
       c = latent_ref[ids, :, pl.ds(0, R)].reshape(block_kv, R)
       k_rot = latent_ref[ids, :, pl.ds(R, E)].reshape(block_kv, E)
+      if scale_ref is not None:
+        c = _dequantize(c, scale_ref, ids, 0, block_kv, R, group)
+        k_rot = _dequantize(k_rot, scale_ref, ids, R, block_kv, E, group)
+        c, k_rot = c.astype(dot_dtype), k_rot.astype(dot_dtype)
       kv_pos = kb * block_kv + lax.iota(jnp.int32, block_kv)
       kv_ok = kv_pos < kv_len
 
@@ -195,7 +207,15 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
                 mask=out_mask)
 
 
-def _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+def _dequantize(x, scale_ref, ids, start: int, block_kv: int, width: int, g: int):
+  """Columns [start, start + width) of the gathered tile x [block_kv, width], times their
+  groups' scales from scale_ref [N, p, L / g] (float32)."""
+  scales = scale_ref[ids, :, pl.ds(start // g, width // g)].reshape(block_kv, width // g)
+  return (x.astype(jnp.float32).reshape(block_kv, width // g, g) * scales[:, :, None]).reshape(block_kv, width)
+
+
+def _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  latent_scale=None):
   if q_latent.ndim != 3 or q_rope.ndim != 3:
     raise ValueError(f"q_latent [T, H, R] and q_rope [T, H, E] must be 3-D, got {q_latent.shape=} {q_rope.shape=}")
   if q_latent.shape[:2] != q_rope.shape[:2]:
@@ -205,9 +225,18 @@ def _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_le
   R, E = q_latent.shape[2], q_rope.shape[2]
   if latent_pages.shape[2] != R + E:
     raise ValueError(f"latent_pages' last dim {latent_pages.shape[2]} must be R + E = {R} + {E}")
-  for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("latent_pages", latent_pages)):
+  for name, x in (("q_latent", q_latent), ("q_rope", q_rope)) + (
+      () if latent_scale is not None else (("latent_pages", latent_pages),)):
     if x.dtype not in SUPPORTED_DTYPES:
       raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
+  if latent_scale is not None:
+    if latent_pages.dtype not in QUANTIZED_DTYPES:
+      raise ValueError(f"latent_pages.dtype={latent_pages.dtype}: scales come with int8 or float8_e4m3fn values only")
+    G = latent_scale.shape[-1] if latent_scale.ndim == 3 else 0
+    if (latent_scale.shape[:2] != latent_pages.shape[:2] or latent_scale.dtype != jnp.float32 or not G
+        or (R + E) % G or R % ((R + E) // G) or E % ((R + E) // G) or not is_pow2((R + E) // G)):
+      raise ValueError(f"latent_scale must be float32 [N, page_size, (R + E) / g] with g a power of two dividing "
+                       f"R={R} and E={E}, got {latent_scale.shape} {latent_scale.dtype}")
   for name, n in (("R (kv_lora_rank)", R), ("E (qk_rope_head_dim)", E)):
     if not is_pow2(n) or n < 16:
       raise ValueError(f"{name}={n} must be a power of two >= 16 (Triton tiles)")
@@ -231,30 +260,36 @@ def _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_le
 def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                      kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                      num_seqs: jax.Array | int, *, sm_scale: float,
-                     block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+                     block_sizes: BlockSizes | None = None, latent_scale: jax.Array | None = None,
+                     interpret: bool = False) -> jax.Array:
   """Causal absorbed MLA of ragged queries over a paged latent cache (Pallas Triton kernel).
 
   See the module docstring for shapes. sm_scale is required (DeepSeek's
   1 / sqrt(qk_nope + qk_rope) times any yarn mscale; not derivable from the
   operands). Dots take the cache dtype and accumulate in float32; the result
-  has q_latent's dtype. ValueError names inconsistent shapes or dtypes.
+  has q_latent's dtype. With `latent_scale` (a quantized cache) each tile is
+  dequantized group by group as it is loaded and the dots run in q_latent's dtype.
+  ValueError names inconsistent shapes or dtypes.
   """
   q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
-  _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  scales = () if latent_scale is None else (jnp.asarray(latent_scale),)
+  _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales)
+  dot_dtype = q_latent.dtype if scales else latent_pages.dtype
+  group = latent_pages.shape[2] // scales[0].shape[2] if scales else 0
   T, H, R = q_latent.shape
   page_size = latent_pages.shape[1]
   S = kv_lens.shape[0]
   if T == 0 or S == 0:
     return jnp.zeros_like(q_latent)
   bs = (block_sizes or BlockSizes()).resolve(T=T, S=S, H=H, page_size=page_size, R=R,
-                                             E=q_rope.shape[2], itemsize=latent_pages.dtype.itemsize)
+                                             E=q_rope.shape[2], itemsize=jnp.dtype(dot_dtype).itemsize)
   num_blocks = min(T, (T + S * (bs.block_q - 1)) // bs.block_q)
   block_seq, block_idx = _schedule(cu_q_lens, num_seqs.astype(jnp.int32), bs.block_q, num_blocks)
-  precision = lax.Precision.HIGHEST if latent_pages.dtype == jnp.float32 else None
+  precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   kernel = functools.partial(_mla_kernel, sm_scale=float(sm_scale), block_q=bs.block_q,
                              block_h=bs.block_h, pages_per_block=bs.pages_per_block,
-                             precision=precision)
+                             precision=precision, dot_dtype=dot_dtype, group=group)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype),
@@ -262,18 +297,22 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
       compiler_params=triton_compiler_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name=f"ragged_paged_mla_block_q={bs.block_q}_block_h={bs.block_h}",
-  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, q_latent, q_rope, latent_pages)
+  )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, q_latent, q_rope, latent_pages, *scales)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def ragged_paged_mla_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                                kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
-                               num_seqs: jax.Array | int, *, sm_scale: float) -> jax.Array:
+                               num_seqs: jax.Array | int, *, sm_scale: float,
+                               latent_scale: jax.Array | None = None) -> jax.Array:
   """Plain-jnp reference: each token gathers all its sequence's pages, dense softmax in float32.
-  Rows past cu_q_lens[num_seqs] are 0."""
+  Rows past cu_q_lens[num_seqs] are 0. A quantized cache is dequantized whole first."""
   q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
       jnp.asarray, (q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
-  _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, latent_scale)
+  if latent_scale is not None:
+    groups = latent_pages.reshape(latent_pages.shape[:2] + (latent_scale.shape[2], -1))
+    latent_pages = (groups.astype(jnp.float32) * latent_scale[..., None]).reshape(latent_pages.shape)
   T, H, R = q_latent.shape
   _, page_size, L = latent_pages.shape
   S, P = page_indices.shape

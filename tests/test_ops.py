@@ -357,7 +357,11 @@ def test_quantized_cache_error_is_the_formats_rounding():
     assert np.all(back[0, 0] == 0) and scale[0, 0] == 1.0
 
 
-def test_quantized_mla_latent_on_xla_and_refused_on_the_kernel():
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_mla_latent_in_groups_on_both_paths(impl, dtype):
+  """MLA's latent scaled per group of E values (c_KV's groups and the rope key's own): both
+  paths equal naive MQA over the dequantized latent, with a rope key 30x c_KV's size."""
   rng = np.random.default_rng(3)
   page_size, H, R, E = 16, 4, 32, 16
   q_lens, kv_extra = [1, 2, 40], [30, 5, 17]
@@ -368,15 +372,12 @@ def test_quantized_mla_latent_on_xla_and_refused_on_the_kernel():
   q_latent = rng.normal(size=(T, H, R)).astype(np.float32)
   q_rope = rng.normal(size=(T, H, E)).astype(np.float32)
   latent = rng.normal(size=(num_pages, page_size, R + E)).astype(np.float32)
-  latent[..., R:] *= 30  # a rope key far larger than c_KV: one scale for both would lose c_KV
-  vals, scale, ref = _quantized(latent, "int8", groups=(R + E) // E)
+  latent[..., R:] *= 30
+  vals, scale, ref = _quantized(latent, dtype, groups=(R + E) // E)
+  assert scale.shape == (num_pages, page_size, 3)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
   got = np.asarray(ops.ragged_paged_mla(q_latent, q_rope, vals, kv_full, page_indices, cu, np.int32(3),
-                                        sm_scale=0.15, impl="xla", latent_scale=scale))
+                                        sm_scale=0.15, impl=impl, latent_scale=scale))
   q = np.concatenate([q_latent, q_rope], -1) * 0.15 * np.sqrt(R + E)
   want = naive(q, ref[:, :, None], ref[:, :, None], kv_full, page_indices, cu, 3)
   np.testing.assert_allclose(got[:T], want[:T, :, :R], atol=2e-5, rtol=1e-4)
-  from jaxinfer.errors import InvalidRequestError
-  with pytest.raises(InvalidRequestError, match="XLA attention path only"):
-    ops.ragged_paged_mla(q_latent, q_rope, vals, kv_full, page_indices, cu, np.int32(3), sm_scale=0.15,
-                         impl="pallas_interpret", latent_scale=scale)

@@ -250,11 +250,6 @@ class ModelRunner:
     # The module rides in the params tree under 'mtp' (the decoder never reads it).
     self.params = {**params, "mtp": mtp_params} if self.mtp else params
     self.cache_spec = CacheSpec.from_config(cfg, kv_cache_dtype or self.dtype, draft_layers=int(self.mtp))
-    if self.cache_spec.quantized and cfg.kv_lora_rank and self.attention_impl != "xla":
-      from jaxinfer.errors import InvalidRequestError
-      raise InvalidRequestError(f"kv_cache_dtype={self.cache_spec.dtype!r} for an MLA model runs on the XLA "
-                                f"attention path only (this engine's is {self.attention_impl!r}): pass "
-                                "attention_impl='xla', or leave kv_cache_dtype='auto'")
     self.page_size = page_size
     self.num_pages = num_pages
     self.max_num_seqs = max_num_seqs

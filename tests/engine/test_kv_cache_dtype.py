@@ -105,5 +105,5 @@ def test_kv_transfer_between_quantized_engines_continues_the_request():
 def test_bad_kv_cache_dtypes_are_refused():
   with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8, fp8"):
     EngineConfig(kv_cache_dtype="int4")
-  with pytest.raises(InvalidRequestError, match="XLA attention path only"):
-    LLM(tiny_dir("deepseek_v3"), kv_cache_dtype="int8", attention_impl="pallas_interpret", **ENGINE)
+  with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
+    LLM(tiny_dir("qwen3"), kv_cache_dtype="float16", **ENGINE)

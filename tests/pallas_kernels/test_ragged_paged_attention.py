@@ -340,3 +340,24 @@ def test_block_sizes_must_be_powers_of_two():
     BlockSizes(block_q=3)
   with pytest.raises(ValueError, match="pages_per_block=6"):
     BlockSizes(pages_per_block=6)
+
+
+def quantize_int8(x, groups=None):
+  """x [..., F] (NaN-poisoned slots allowed) -> int8 values and float32 scales [...] (or
+  [..., groups]): max|x| / 127 per vector or group; a poisoned vector keeps a NaN scale."""
+  x = np.asarray(x, np.float32)
+  g = x.reshape(x.shape[:-1] + ((groups or 1), -1))
+  scale = np.abs(g).max(-1) / 127
+  vals = np.nan_to_num(np.round(g / scale[..., None])).astype(np.int8).reshape(x.shape)
+  return jnp.asarray(vals), jnp.asarray(scale if groups else scale[..., 0])
+
+
+@pytest.mark.parametrize("Hq,Hkv,sliding_window", [(8, 2, None), (4, 4, 40)])
+def test_quantized_cache_with_scales(Hq, Hkv, sliding_window):
+  """int8 pages with float32 scales per token and kv head: kernel == reference (which
+  dequantizes the whole cache first), slots past kv_len carrying NaN scales."""
+  rng = np.random.default_rng(Hq + Hkv)
+  batch = make_batch(rng, MIXED, page_size=16, Hq=Hq, Hkv=Hkv, D=32)
+  batch["k_pages"], batch["k_scale"] = quantize_int8(batch["k_pages"])
+  batch["v_pages"], batch["v_scale"] = quantize_int8(batch["v_pages"])
+  check(batch, sliding_window=sliding_window)

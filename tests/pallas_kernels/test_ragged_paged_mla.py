@@ -114,3 +114,13 @@ def test_bad_operands_are_named(change, match):
   batch.update(change(batch))
   with pytest.raises(ValueError, match=match):
     kernel(**batch, sm_scale=0.1)
+
+
+def test_quantized_latent_in_groups():
+  """An int8 latent with a float32 scale per 16 values (two c_KV groups, one rope group):
+  kernel == reference, slots past kv_len carrying NaN scales."""
+  from test_ragged_paged_attention import quantize_int8
+  rng = np.random.default_rng(5)
+  batch = make_batch(rng, MIXED, page_size=16, H=8, R=32, E=16)
+  batch["latent_pages"], batch["latent_scale"] = quantize_int8(batch["latent_pages"], groups=3)
+  check(batch)

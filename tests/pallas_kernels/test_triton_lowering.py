@@ -65,6 +65,22 @@ def test_ragged_paged_attention_lowers_over_a_quantized_cache(kv_dtype):
   assert "ragged_paged_attention" in text
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_ragged_paged_mla_lowers_over_a_quantized_cache(kv_dtype):
+  """DeepSeek-V3's widths: an int8 / float8 latent with 9 float32 scales per token (groups of 64)."""
+  T, S, N, page_size, H, R, E = 64, 64, 80, 16, 16, 512, 64
+  i32 = jnp.int32
+  avals = (jax.ShapeDtypeStruct((T, H, R), jnp.bfloat16), jax.ShapeDtypeStruct((T, H, E), jnp.bfloat16),
+           jax.ShapeDtypeStruct((N, page_size, R + E), kv_dtype), jax.ShapeDtypeStruct((S,), i32),
+           jax.ShapeDtypeStruct((S, 9), i32), jax.ShapeDtypeStruct((S + 1,), i32), jax.ShapeDtypeStruct((), i32),
+           jax.ShapeDtypeStruct((N, page_size, (R + E) // 64), jnp.float32))
+
+  def fn(q_latent, q_rope, latent, kv_lens, page_indices, cu_q_lens, num_seqs, scale):
+    return ragged_paged_mla(q_latent, q_rope, latent, kv_lens, page_indices, cu_q_lens, num_seqs,
+                            sm_scale=0.1, latent_scale=scale)
+  lower_for_cuda(fn, *avals)
+
+
 @pytest.mark.parametrize("B,T,S,Hq,Hkv,D,dtype,options", [
     (2, 2048, 2048, 32, 8, 128, jnp.bfloat16, {}),
     (1, 100, 300, 8, 1, 64, jnp.float16, {"causal": False}),
