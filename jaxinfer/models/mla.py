@@ -144,8 +144,9 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   c_kv = rms_norm(kv[:, :R], p["kv_a_norm"], LATENT_NORM_EPS)  # [T, R]
   k_rope = _rope(kv[:, None, R:], positions, cfg)[:, 0]  # [T, E]: one rope key for all heads
   # Write first, then attend: a query sees its own token through the cache.
-  new_cache = {**layer_cache, **write(layer_cache, "latent", jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], -1),
-                                      batch.slot_mapping)}  # latent [N, p, L] (and its scale [N, p])
+  # latent [N, p, L], and in a quantized cache its scales [N, p, G]
+  latent = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], -1)
+  new_cache = {**layer_cache, **write(layer_cache, "latent", latent, batch.slot_mapping)}
 
   wkv_b = _dense(p["wkv_b"])
   w_uk, w_uv = wkv_b[..., :C], wkv_b[..., C:]  # [R, H, C], [R, H, V]
@@ -160,6 +161,7 @@ def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array,
   o_latent = ops.ragged_paged_mla(
       q_latent, q_rope.astype(q_latent.dtype), new_cache["latent"], batch.kv_lens, batch.page_indices,
       batch.cu_q_lens, batch.num_seqs, sm_scale=softmax_scale(cfg), impl=attention_impl,
-      decode_q_len=decode_q_len, latent_scale=new_cache.get("latent_scale"))  # [T, H, R]: each head's softmax-weighted sum of latents
+      decode_q_len=decode_q_len,
+      latent_scale=new_cache.get("latent_scale"))  # [T, H, R]: each head's softmax-weighted sum of latents
   o = jnp.einsum("THR,RHV->THV", o_latent, w_uv.astype(o_latent.dtype))
   return linear("THV,HVD->TD", o, p["wo"]), new_cache
