@@ -146,63 +146,74 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   masks are computed here for the rows that sample (this reads matcher state only)."""
   if len(seqs) > S:
     raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
-  ps, K1 = page_size, k + 1
+  ps, K1, m = page_size, k + 1, len(seqs)
   L = S * K1
+  # Per sequence, then per token and per logits row by np.repeat: at 256 decodes a loop of
+  # small numpy ops per sequence was most of the host's step time.
+  n = np.fromiter((s.num_new for s in seqs), np.int32, m)
+  nd = np.fromiter((len(s.draft_ids) for s in seqs), np.int32, m)
+  if m and nd.max() > k:
+    raise ValueError(f"{nd.max()} drafts exceed the step's {k} speculative tokens")
+  start = np.fromiter((s.start for s in seqs), np.int32, m)
+  end = start + n
+  cu = np.zeros(S + 1, np.int32)
+  cu[1:m + 1] = np.cumsum(n)
+  cu[m + 1:] = cu[m]
+  t = int(cu[m])
+  tok_seq = np.repeat(np.arange(m, dtype=np.int32), n)  # [t] the sequence of each token row
+  pos = start[tok_seq] + np.arange(t, dtype=np.int32) - cu[tok_seq]
+  page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
+  for i, s in enumerate(seqs):
+    page_indices[i, :len(s.pages)] = s.pages
   tokens = np.zeros(T, np.int32)
   positions = np.zeros(T, np.int32)
   slots = np.full(T, NULL_PAGE * ps, np.int32)
   targets = np.zeros(T, np.int32)
-  cu = np.zeros(S + 1, np.int32)
+  # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
+  # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
+  tokens[:t] = [x for s in seqs for x in (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids)]
+  targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
+  positions[:t] = pos
+  slots[:t] = page_indices[tok_seq, pos // ps] * ps + pos % ps
   kv_lens = np.zeros(S, np.int32)
-  page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
+  kv_lens[:m] = end
   samples = np.zeros(S, bool)
+  samples[:m] = [s.samples for s in seqs]
   draft_ids = np.zeros((S, k), np.int32)
   num_drafts = np.zeros(S, np.int32)
-  logits_indices = np.zeros(L, np.int32)
-  rows = np.full(L, scratch_row, np.int32)
-  params: list[SamplingParams | None] = [None] * L
-  seeds = np.zeros(L, np.uint32)
-  sample_pos = np.zeros(L, np.int32)
-  allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
+  num_drafts[:m] = nd
   constrained: list[tuple[Grammar, int, Sequence[int]]] = []
-  t = 0
   for i, s in enumerate(seqs):
-    n, nd = s.num_new, len(s.draft_ids)
-    if nd > k:
-      raise ValueError(f"{nd} drafts exceed the step's {k} speculative tokens")
-    end = s.start + n
-    pos = np.arange(s.start, end, dtype=np.int32)
-    pages = np.asarray(s.pages, np.int32)
-    tokens[t:t + n - nd] = s.token_ids[s.start:s.start + n - nd]
-    tokens[t + n - nd:t + n] = s.draft_ids
-    positions[t:t + n] = pos
-    slots[t:t + n] = pages[pos // ps] * ps + pos % ps
-    # Every row's next known token: prompt logprobs score it, and an MTP module reads it
-    # (the rows that sample get theirs from the sampler on device).
-    nxt = np.asarray(s.token_ids[s.start + 1:end + 1], np.int32)
-    targets[t:t + len(nxt)] = nxt
-    kv_lens[i] = end
-    page_indices[i, :len(pages)] = pages
-    samples[i] = s.samples
-    draft_ids[i, :nd] = s.draft_ids
-    num_drafts[i] = nd
-    # Logits rows i*(k+1) .. i*(k+1)+nd read the last nd + 1 token rows; row j samples
-    # the token at position end - nd + j.
-    lo = i * K1
-    logits_indices[lo:lo + nd + 1] = t + n - nd - 1 + np.arange(nd + 1)
-    rows[lo:lo + nd + 1] = s.row
-    params[lo:lo + nd + 1] = [s.params] * (nd + 1)
-    seeds[lo:lo + nd + 1] = s.seed
-    sample_pos[lo:lo + nd + 1] = end - nd + np.arange(nd + 1)
+    if len(s.draft_ids):
+      draft_ids[i, :len(s.draft_ids)] = s.draft_ids
     if s.grammar is not None and s.samples:  # a prefill chunk's row is never sampled
-      constrained.append((s.grammar, lo, s.draft_ids))
-    t += n
-    cu[i + 1] = t
-  cu[len(seqs) + 1:] = t
+      constrained.append((s.grammar, i * K1, s.draft_ids))
+  # Logits rows i*(k+1) .. i*(k+1)+nd read the last nd + 1 token rows; row j samples the
+  # token at position end - nd + j.
+  row_seq = np.repeat(np.arange(m, dtype=np.int32), nd + 1)
+  j = np.arange(len(row_seq), dtype=np.int32) - np.repeat(np.cumsum(nd + 1) - (nd + 1), nd + 1)
+  li = row_seq * K1 + j
+  logits_indices = np.zeros(L, np.int32)
+  logits_indices[li] = cu[1:m + 1][row_seq] - nd[row_seq] - 1 + j
+  rows = np.full(L, scratch_row, np.int32)
+  rows[li] = np.fromiter((s.row for s in seqs), np.int32, m)[row_seq]
+  seeds = np.zeros(L, np.uint32)
+  seeds[li] = np.fromiter((s.seed for s in seqs), np.uint32, m)[row_seq]
+  sample_pos = np.zeros(L, np.int32)
+  sample_pos[li] = (end - nd)[row_seq] + j
+  params: list[SamplingParams | None] = [None] * L
+  for r, i in zip(li.tolist(), row_seq.tolist()):
+    params[r] = seqs[i].params
+  allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
   sampling = SamplingBatch.from_params(params, seeds, sample_pos)
   fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
                    logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed)
+
+
+def _padded(ids: Sequence[int], n: int) -> Sequence[int]:
+  """ids, then zeros up to n."""
+  return ids if len(ids) == n else (*ids, *([0] * (n - len(ids))))
 
 
 @dataclasses.dataclass
