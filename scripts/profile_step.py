@@ -43,7 +43,7 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> dic
   if variant == "no-attention":
     ops.ragged_paged_attention = lambda q, *a, **k: q
   if variant == "no-sampling":
-    def reduce_only(logits, sp, counts, prompt, rows):
+    def reduce_only(logits, sp, counts, prompt, rows, allowed=None):
       # One cheap pass over the logits, so the LM head stays in the program (XLA would
       # drop it if nothing read the logits); it undercounts sampling by that pass.
       B = logits.shape[0]
