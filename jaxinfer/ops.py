@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.indexing import take, values, values_dtype
+from jaxinfer.models.cache import dequantize_tokens
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -273,8 +274,7 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     ids = jax.lax.dynamic_slice_in_dim(pages, c * ppc, ppc, axis=1)  # [B, ppc]
     k = take(k_pages, ids).reshape(B, C, K, d)
     if grouped:
-      ks = take(k_scale, ids).reshape(B, C, K, -1, 1)
-      k = (k.reshape(ks.shape[:-1] + (-1,)).astype(jnp.float32) * ks).reshape(B, C, K, d)
+      k = dequantize_tokens(k, take(k_scale, ids).reshape(B, C, K, -1))
     # One gather when keys and values are the same pages (MLA's latent cache).
     v = k if v_pages is k_pages else take(v_pages, ids).reshape(B, C, K, v_pages.shape[-1])
     v = v[..., :dv].astype(qk.dtype)

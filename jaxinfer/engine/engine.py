@@ -45,7 +45,7 @@ from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.models.cache import KV_CACHE_DTYPES, CacheSpec, kv_cache_dtype
+from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
 from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
@@ -93,9 +93,7 @@ class EngineConfig:
       raise InvalidRequestError(f"num_pages must be an int >= 2, got {self.num_pages!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-      raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                                f"got {self.kv_cache_dtype!r}")
+    kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
 
 
 @dataclasses.dataclass

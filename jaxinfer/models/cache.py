@@ -108,10 +108,6 @@ class LayerCache:
   def names(self) -> tuple[str, ...]:
     return tuple(a.name for a in self.arrays)
 
-  @property
-  def values_per_token(self) -> int:
-    return sum(a.size for a in self.arrays)
-
   def with_scales(self) -> "LayerCache":
     """The layer with a float32 '<name>_scale' per token and head beside each array (its
     shape without the last axis), as a quantized cache holds; unchanged if it has them."""
@@ -152,7 +148,7 @@ def layer_cache(cfg, i: int) -> LayerCache:
 class CacheSpec:
   """Every layer's per-token cache arrays, in one dtype (hashable: a static jit argument).
 
-  The arrays hold `storage` (jaxinfer.indexing.storage_dtype): `dtype` itself, or on the
+  The arrays hold `storages()` (jaxinfer.indexing.storage_dtype): `dtype` itself, or on the
   CPU a bfloat16 (float8) cache's bits as uint16 (uint8), which the model reads through
   indexing.take. A quantized dtype ('int8', 'float8_e4m3fn') gives every array a float32
   scale array beside it (`LayerCache.with_scales`)."""
@@ -177,14 +173,6 @@ class CacheSpec:
 
   def array_dtype(self, a: TokenArray) -> str:
     return a.dtype or self.dtype
-
-  @property
-  def storage(self):
-    return storage_dtype(self.dtype)
-
-  @property
-  def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
 
   # ---- sizes ----------------------------------------------------------------------------
 
