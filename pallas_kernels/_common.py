@@ -18,6 +18,12 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
+def check_quantized_values(x: jax.Array, name: str) -> None:
+  """ValueError unless x holds a quantized cache's values (int8 or float8_e4m3fn)."""
+  if x.dtype not in QUANTIZED_DTYPES:
+    raise ValueError(f"{name}.dtype={x.dtype}: scales come with int8 or float8_e4m3fn values only")
+
+
 def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: str, v_name: str,
                              quantized: bool = False) -> None:
   """q [..., Hq, D] against k, v [..., Hkv, D]: ValueError naming what disagrees.
@@ -33,8 +39,8 @@ def check_attention_operands(q: jax.Array, k: jax.Array, v: jax.Array, k_name: s
     raise ValueError(f"{k_name}.dtype={k.dtype} must equal {v_name}.dtype={v.dtype}")
   if q.dtype not in SUPPORTED_DTYPES:
     raise ValueError(f"q.dtype={q.dtype} is not one of float32, bfloat16, float16")
-  if quantized and k.dtype not in QUANTIZED_DTYPES:
-    raise ValueError(f"{k_name}.dtype={k.dtype}: scales come with int8 or float8_e4m3fn values only")
+  if quantized:
+    check_quantized_values(k, k_name)
   if not quantized and k.dtype not in SUPPORTED_DTYPES:
     raise ValueError(f"{k_name}.dtype={k.dtype} is not one of float32, bfloat16, float16"
                      + (" (int8 / float8 values need their scales)" if k.dtype in QUANTIZED_DTYPES else ""))

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import QUANTIZED_DTYPES, SUPPORTED_DTYPES, is_pow2, next_pow2
+from pallas_kernels._common import SUPPORTED_DTYPES, check_quantized_values, is_pow2, next_pow2
 from pallas_kernels._compat import triton_compiler_params
 from pallas_kernels.ragged_paged_attention import _schedule
 
@@ -230,8 +230,7 @@ def _check_inputs(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_le
     if x.dtype not in SUPPORTED_DTYPES:
       raise ValueError(f"{name}.dtype={x.dtype} is not one of float32, bfloat16, float16")
   if latent_scale is not None:
-    if latent_pages.dtype not in QUANTIZED_DTYPES:
-      raise ValueError(f"latent_pages.dtype={latent_pages.dtype}: scales come with int8 or float8_e4m3fn values only")
+    check_quantized_values(latent_pages, "latent_pages")
     G = latent_scale.shape[-1] if latent_scale.ndim == 3 else 0
     if (latent_scale.shape[:2] != latent_pages.shape[:2] or latent_scale.dtype != jnp.float32 or not G
         or (R + E) % G or R % ((R + E) // G) or E % ((R + E) // G) or not is_pow2((R + E) // G)):
