@@ -72,7 +72,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
   engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, page_size=args.page_size, num_pages=args.num_pages,
                 enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
   if args.speculative_method is not None:
     engine["speculative"] = {"method": args.speculative_method,
                              "num_speculative_tokens": args.num_speculative_tokens}
@@ -197,6 +197,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="KV cache dtype: auto = the model's; int8 / fp8 store it quantized (a float32 scale "
                       "per token and kv head), so about 2-4x more tokens fit")
   p.add_argument("--no-prefix-caching", action="store_true")
+  p.add_argument("--async-scheduling", action="store_true",
+                 help="schedule and pack step n+1 while the device runs step n (not with speculative decoding)")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
   p.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],

@@ -118,11 +118,14 @@ class LeaderRunner:
     self._closed = False
 
   def execute(self, seqs) -> Any:
+    return self._runner.collect(self.launch(seqs))
+
+  def launch(self, seqs) -> Any:
     # Followers get the packed step, not the scheduled sequences: packing needs
     # the requests' grammar matchers and full token lists, which live only here.
     T, prompt_lp, batch = self._runner.pack_step(seqs)
     self._call("run_batch", T, prompt_lp, batch)
-    return self._runner.run_batch(T, prompt_lp, batch)
+    return self._runner.launch_packed(T, prompt_lp, batch)
 
   def warmup(self, progress=None) -> None:
     self._call("warmup")  # the progress bar is the leader's own

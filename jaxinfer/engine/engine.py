@@ -41,8 +41,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import GrammarCompiler
 from jaxinfer.engine.kv_connector import KVConnector, KVTransferError
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
-from jaxinfer.engine.runner import ModelRunner, ScheduledSeq, StepResult
-from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.engine.runner import LaunchedStep, ModelRunner, ScheduledSeq, StepResult
+from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput, Status
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
@@ -80,6 +80,10 @@ class EngineConfig:
   # Speculative decoding: None (off), or a SpeculativeConfig / a dict of its fields,
   # e.g. {"method": "ngram", "num_speculative_tokens": 3}.
   speculative: SpeculativeConfig | None = None
+  # Async scheduling: the host schedules and packs step n+1 while the device runs step n,
+  # whose sampled ids stay on the device and feed step n+1 (LLMEngine.step). Not with
+  # speculative decoding (drafts are proposed from the committed tokens).
+  async_scheduling: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
@@ -94,6 +98,12 @@ class EngineConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
+    if not isinstance(self.async_scheduling, bool):
+      raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+    if self.async_scheduling and self.speculative is not None:
+      raise InvalidRequestError("async_scheduling does not combine with speculative decoding: drafts are "
+                                "proposed from the committed tokens, which it leaves on the device; "
+                                "use one or the other")
 
 
 @dataclasses.dataclass
@@ -156,6 +166,16 @@ class _Output:
       return self.text
     text = self.detok.text
     return text if finished else text[:max(self.sent_chars, len(text) - self.hold)]
+
+
+@dataclasses.dataclass
+class _Launched:
+  """A dispatched step and what its postprocess needs."""
+
+  scheduled: list[tuple[Request, int]]
+  seqs: list[ScheduledSeq]
+  handle: LaunchedStep
+  needs_host_tokens: bool  # a structured-output request sampled: the next mask needs its token
 
 
 class LLMEngine:
@@ -225,6 +245,7 @@ class LLMEngine:
     self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
     self._requests: dict[str, Request] = {}
     self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
+    self._inflight: _Launched | None = None  # async scheduling: the step the device is running
     self.last_step_idle = False  # the last step() scheduled nothing: only a new command can change that
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
     self.num_generated_tokens = 0
@@ -337,7 +358,7 @@ class LLMEngine:
     return self._output(req)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished() or bool(self._pending)
+    return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
   # ---- KV transfer (disaggregation) -----------------------------------------------------
 
@@ -452,36 +473,82 @@ class LLMEngine:
   # ---- the step ----------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one engine step; returns an output for every request that produced something."""
-    pending, self._pending = self._pending, []
+    """Runs one engine step; returns an output for every request that produced something.
+
+    With `async_scheduling`, the step launched here runs on the device while the host
+    postprocesses the one the previous call launched (detokenization and stop checks one
+    step behind): a request's output comes one call later, and a request that stopped
+    (EOS, stop string) has run one more step, whose work is dropped."""
+    outputs, self._pending = self._pending, []
+    inflight, self._inflight = self._inflight, None
+    if inflight is not None and inflight.needs_host_tokens:
+      outputs += self._postprocess(inflight)  # grammar masks need the in-flight tokens
+      inflight = None
+    sched, launched, error = self._launch()
+    if inflight is not None:
+      outputs += self._postprocess(inflight)
+    if error is not None:  # after the step before it: its tokens are committed first
+      log.error("engine step failed (%d requests)", len(sched.scheduled), exc_info=error)
+      outputs += self._fail_step([req for req, _ in sched.scheduled if req.finish_reason is None], error)
+    if launched is not None and self.engine_config.async_scheduling:
+      self._inflight = launched
+    elif launched is not None:
+      outputs += self._postprocess(launched)
+      if self.drafter is not None:
+        self._propose_drafts()
+    # Idle: nothing ran and a preemption cannot admit anyone next time; only a new command can change that.
+    self.last_step_idle = not sched.scheduled and not sched.preempted and inflight is None
+    return outputs
+
+  def _launch(self) -> tuple[SchedulerOutput, "_Launched | None", Exception | None]:
+    """Schedules and dispatches a step (the device runs it while the host goes on); a
+    failure to launch is returned, and ends the step's requests (the engine goes on)."""
     sched = self.scheduler.schedule()
-    self.last_step_idle = not sched.scheduled and not sched.preempted  # a preemption may admit next time
     if not sched.scheduled:
-      return pending
+      return sched, None, None
     seqs = []
     for req, n in sched.scheduled:
       if req.needs_history:
         self.runner.set_history(req.row, req.prompt_token_ids, req.output_token_ids)
         req.needs_history = False
-      seqs.append(ScheduledSeq(
+      seq = ScheduledSeq(
           row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
           want_prompt_logprobs=self._wants_prompt_logprobs(req), draft_ids=req.spec_token_ids,
-          grammar=req.output.grammar))
+          grammar=req.output.grammar, feed=req.num_computed == len(req.token_ids))
+      seqs.append(seq)
+      # The committed tokens' KV is written by this step; accepted drafts join after it.
+      req.num_computed += seq.num_committed_new
+      req.num_inflight += seq.samples
     try:
-      result = self.runner.execute(seqs)
-    except Exception as e:  # the requests of this step end; the engine goes on
-      log.exception("engine step failed (%d requests)", len(seqs))
-      return pending + self._fail_step([req for req, _ in sched.scheduled], e)
+      handle = self.runner.launch(seqs)
+    except Exception as e:
+      return sched, None, e
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
+    needs_host = any(s.grammar is not None and s.samples for s in seqs)
+    return sched, _Launched(sched.scheduled, seqs, handle, needs_host), None
+
+  def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:
+    """Waits for a launched step and commits its tokens: stop checks, detokenization,
+    prefix caching of the blocks it completed, drafts' acceptance counts."""
+    scheduled, seqs = launched.scheduled, launched.seqs
+    for req, seq in zip((r for r, _ in scheduled), seqs):
+      req.num_inflight -= seq.samples
+    try:
+      result = self.runner.collect(launched.handle)
+    except Exception as e:
+      log.exception("engine step failed (%d requests)", len(seqs))
+      return self._fail_step([req for req, _ in scheduled if req.finish_reason is None], e)
     if self.expert_tokens.size:
       self.expert_tokens += result.expert_tokens
-    outputs = pending
+    outputs = []
     t = 0
-    for i, (req, n) in enumerate(sched.scheduled):
+    for i, (req, n) in enumerate(scheduled):
       try:
         seq = seqs[i]
+        if req.finish_reason is not None:
+          continue  # ended (stop, abort) while this step ran: its work is dropped
         if result.prompt is not None and seq.want_prompt_logprobs:
           self._collect_prompt_logprobs(req, seq, result, t)
         c = int(result.num_committed[i])  # 0 for a partial prefill chunk
@@ -489,9 +556,11 @@ class LLMEngine:
         self._count_acceptance(len(seq.draft_ids), len(accepted))
         # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
         # later and never cached (only verified tokens are).
-        req.num_computed += seq.num_committed_new + len(accepted)
-        self.kv.cache_blocks(req.request_id, req.token_ids + accepted if accepted else req.token_ids,
-                             req.num_computed)
+        req.num_computed += len(accepted)
+        if req.status is Status.RUNNING:  # (not preempted meanwhile)
+          # Under async scheduling num_computed may count a token still in flight.
+          known = req.token_ids + accepted if accepted else req.token_ids
+          self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
         if c:
           before = len(req.token_ids)
           self._append(req, result, i, c)
@@ -504,9 +573,8 @@ class LLMEngine:
       except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
-      t += n
-    if self.drafter is not None:
-      self._propose_drafts()
+      finally:
+        t += n
     return outputs
 
   def _propose_drafts(self) -> None:

@@ -111,6 +111,9 @@ class ScheduledSeq:
   want_prompt_logprobs: bool = False
   draft_ids: Sequence[int] = ()  # speculative tokens to verify after the committed ones
   grammar: Grammar | None = None  # structured output: its matcher, at the committed tokens
+  # Async scheduling: the one token to compute is the one the step before sampled, still on
+  # the device (not yet in token_ids); the step reads it from its history row.
+  feed: bool = False
 
   @property
   def num_committed_new(self) -> int:
@@ -119,7 +122,7 @@ class ScheduledSeq:
   @property
   def samples(self) -> bool:
     """Whether this step reaches the end of the known tokens (else: a prefill chunk)."""
-    return self.start + self.num_committed_new == len(self.token_ids)
+    return self.feed or self.start + self.num_committed_new == len(self.token_ids)
 
 
 class StepBatch(NamedTuple):
@@ -136,6 +139,7 @@ class StepBatch(NamedTuple):
   num_drafts: Any  # [S]
   targets: Any  # [T] next known token of each row (prompt logprobs, the MTP module's input)
   allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token)
+  feed: Any  # [T] history row whose last committed token (on device) this row reads; -1: tokens[t]
 
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
@@ -171,7 +175,14 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   targets = np.zeros(T, np.int32)
   # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
   # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
-  tokens[:t] = [x for s in seqs for x in (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids)]
+  tokens[:t] = [x for s in seqs for x in
+                ((0,) if s.feed else (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids))]
+  feed = np.full(T, -1, np.int32)
+  fed = [i for i, s in enumerate(seqs) if s.feed]
+  if fed:
+    if any(s.num_new != 1 for s in map(seqs.__getitem__, fed)):
+      raise ValueError("a sequence fed its in-flight token computes that one token only")
+    feed[cu[fed]] = [seqs[i].row for i in fed]
   targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
   positions[:t] = pos
   slots[:t] = page_indices[tok_seq, pos // ps] * ps + pos % ps
@@ -208,7 +219,7 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   sampling = SamplingBatch.from_params(params, seeds, sample_pos)
   fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
-                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed)
+                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed)
 
 
 def _padded(ids: Sequence[int], n: int) -> Sequence[int]:
@@ -236,6 +247,14 @@ class StepResult:
   expert_tokens: np.ndarray | None = None
   # MTP: k greedy drafts per sequence for the next step [S, k] (meaningful where it committed)
   drafts: np.ndarray | None = None
+
+
+class LaunchedStep(NamedTuple):
+  """A dispatched step: its device outputs (futures until `ModelRunner.collect`)."""
+
+  out: tuple
+  prompt_lp: bool
+  order: tuple[np.ndarray, np.ndarray] | None  # attention DP: (seq rows, token rows) of `pack_shards`
 
 
 class ModelRunner:
@@ -291,7 +310,7 @@ class ModelRunner:
     # Experts split over mesh axes: the MoE layers run the all-to-all EP FFN
     # (models/expert_parallel.py), set for the tracing of this runner's programs.
     self.expert_parallelism = ExpertParallelism.from_rules(mesh, self.sharding_rules)
-    self._result_order = None  # set by pack_step for run_batch under attention DP
+    self._result_order = None  # set by pack_step for launch_packed under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
     self._step = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
@@ -319,7 +338,8 @@ class ModelRunner:
     rows = self.max_num_seqs + 1
     self.cache = self.cache_spec.zeros(self.num_pages, self.page_size, self._cache_shardings(self.num_pages))
     self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                    "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_)}
+                    "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_),
+                    "last": jnp.zeros((rows,), jnp.int32)}
     if self.mesh is None:
       self.history = jax.device_put(self.history, jax.devices()[0])
       return
@@ -383,7 +403,12 @@ class ModelRunner:
 
   def execute(self, seqs: list[ScheduledSeq]) -> StepResult:
     """Runs one step for the scheduled sequences (in this order) and returns host results."""
-    return self.run_batch(*self.pack_step(seqs))
+    return self.collect(self.launch(seqs))
+
+  def launch(self, seqs: list[ScheduledSeq]) -> "LaunchedStep":
+    """Packs and dispatches one step, returning at once: the device runs it while the
+    host goes on (async scheduling packs the next step meanwhile). `collect` waits."""
+    return self.launch_packed(*self.pack_step(seqs))
 
   def pack_step(self, seqs: list[ScheduledSeq], T: int | None = None) -> tuple[int, bool, StepBatch]:
     """The step's inputs as host arrays: (token bucket, prompt logprobs wanted, batch).
@@ -410,18 +435,26 @@ class ModelRunner:
   def run_batch(self, T: int, prompt_lp: bool, batch: StepBatch) -> StepResult:
     """Runs one packed step on the devices and returns host results (multi-host
     followers call this with the leader's batch; see jaxinfer.distributed)."""
+    return self.collect(self.launch_packed(T, prompt_lp, batch))
+
+  def launch_packed(self, T: int, prompt_lp: bool, batch: StepBatch) -> "LaunchedStep":
+    """Enqueues one step packed by `pack_step`; the cache and history become its (future) outputs."""
+    order, self._result_order = self._result_order, None
     self._programs.add(("step", T, prompt_lp))
     self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
                                                prompt_logprobs=prompt_lp)
-    out = jax.device_get(out)
-    result = StepResult(*out[:5], prompt=out[7] if prompt_lp else None, expert_tokens=out[5],
-                        drafts=out[6])
-    if self._result_order is not None:  # attention DP: back from shard blocks to scheduled order
-      (seq_rows, token_rows), self._result_order = self._result_order, None
-      result = StepResult(*(a[seq_rows] for a in out[:5]),
-                          prompt=tuple(a[token_rows] for a in out[7]) if prompt_lp else None,
-                          expert_tokens=out[5], drafts=out[6][seq_rows])
-    return result
+    return LaunchedStep(out, prompt_lp, order)
+
+  def collect(self, launched: "LaunchedStep") -> StepResult:
+    """Waits for a dispatched step and returns its host results, in scheduled order."""
+    out = jax.device_get(launched.out)
+    prompt_lp = launched.prompt_lp
+    if launched.order is None:
+      return StepResult(*out[:5], prompt=out[7] if prompt_lp else None, expert_tokens=out[5], drafts=out[6])
+    seq_rows, token_rows = launched.order  # attention DP: back from shard blocks to scheduled order
+    return StepResult(*(a[seq_rows] for a in out[:5]),
+                      prompt=tuple(a[token_rows] for a in out[7]) if prompt_lp else None,
+                      expert_tokens=out[5], drafts=out[6][seq_rows])
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
     """Loads a request's prompt and output so far into its sampler row (for penalties)."""
@@ -669,7 +702,9 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
   layer; the step then also returns its drafts for the next step (else [S, 0])."""
   n = cfg.num_layers
-  hidden, model_cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, batch.tokens,
+  # Async scheduling: rows fed from the device's last committed token of their sequence.
+  tokens = jnp.where(batch.feed >= 0, history["last"][jnp.maximum(batch.feed, 0)], batch.tokens)
+  hidden, model_cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, tokens,
                                                 batch.positions, cache[:n], batch.paged)
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
@@ -679,7 +714,12 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   # The committed tokens join the output: later steps penalize them.
   keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)
   counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))
-  history = {"counts": counts, "prompt": history["prompt"]}
+  # Each sequence's last committed token, for a next step packed before this one's ids reach
+  # the host (padding sequences write the scratch row).
+  seq_rows = batch.rows.reshape(S, k + 1)[:, 0]
+  last_tok = jnp.take_along_axis(ids, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
+  last = history["last"].at[seq_rows].set(jnp.where(committed > 0, last_tok, history["last"][seq_rows]))
+  history = {"counts": counts, "prompt": history["prompt"], "last": last}
   if mtp_page_size:
     drafts, mtp_cache = mtp.propose(params["mtp"], params, cfg, hidden, batch.targets, batch.positions,
                                     batch.paged, batch.logits_indices, batch.samples, batch.num_drafts,
@@ -708,7 +748,7 @@ def _set_history_row(history, row, ids, prompt_len, total_len):
   is_output = (idx >= prompt_len) & (idx < total_len)
   prompt = jnp.zeros(V, jnp.bool_).at[ids].max(is_prompt)
   counts = jnp.zeros(V, jnp.int32).at[ids].add(is_output.astype(jnp.int32))
-  return {"counts": history["counts"].at[row].set(counts),
+  return {**history, "counts": history["counts"].at[row].set(counts),
           "prompt": history["prompt"].at[row].set(prompt)}
 
 

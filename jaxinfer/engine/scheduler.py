@@ -65,6 +65,7 @@ class Request:
   row: int | None = None  # sampler-history row while running
   needs_history: bool = False  # the row must be (re)loaded before the next step
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
+  num_inflight: int = 0  # async scheduling: tokens sampled by dispatched steps, not yet in token_ids
   finish_reason: str | None = None
   num_remote_tokens: int = 0  # prompt tokens whose KV another worker computed (disaggregation)
   num_remote_cached_tokens: int = 0  # of the prompt, what that worker took from its own prefix cache
@@ -85,7 +86,13 @@ class Request:
 
   @property
   def num_uncomputed(self) -> int:
-    return len(self.token_ids) - self.num_computed
+    return len(self.token_ids) + self.num_inflight - self.num_computed
+
+  @property
+  def last_token_inflight(self) -> bool:
+    """Its next step can only finish the request (max_tokens is reached by the tokens in
+    flight); if one of them is a stop token instead, the postprocess ends it anyway."""
+    return bool(self.num_inflight) and len(self.output_token_ids) + self.num_inflight >= self.params.max_tokens
 
 
 @dataclasses.dataclass
@@ -163,6 +170,9 @@ class Scheduler:
     i = 0
     while i < len(self.running) and budget > 0:
       req = self.running[i]
+      if req.last_token_inflight:
+        i += 1
+        continue
       n = min(req.num_uncomputed, budget)
       # Drafts only follow a caught-up request's last token, as far as the budget goes.
       spec = req.spec_token_ids[:budget - n] if n == req.num_uncomputed == 1 else []
@@ -186,6 +196,8 @@ class Scheduler:
   def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
     while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
       req = self.waiting[0]
+      if req.num_inflight:
+        break  # preempted while a step of its ran: recomputed once that step's token is known
       shard, cached = self._place(req)
       computed = len(cached) * self.kv.page_size
       # Only a fresh request's KV may come from elsewhere; once it has output (a remote

@@ -247,9 +247,11 @@ def test_a_request_that_fails_in_postprocessing_ends_alone():
   assert engine.kv.num_free_pages == engine.kv.num_pages - 1
 
 
-@pytest.mark.parametrize("lose_state", [False, True])
-def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_state):
-  llm = make_llm("llama3")
+@pytest.mark.parametrize("lose_state,async_scheduling", [(False, False), (True, False), (True, True)])
+def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_state, async_scheduling):
+  """Async: the failing launch comes while the step before it is in flight; that step's
+  tokens are still committed before its requests end."""
+  llm = make_llm("llama3", async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   want = llm.generate([[1, 2, 3]], greedy(10))[0]
   real = runner._step
