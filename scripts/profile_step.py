@@ -13,8 +13,9 @@ no-sampling, and the rest (the matmuls, norms, KV writes)
 
 Host overhead (engine.step() with the device call taken out): the
 scheduler, pack() and postprocessing (append, detokenize, stop checks) per
-step at --host-batches running sequences, and the share of the step they
-leave exposed (today all of it: the host does not overlap the device yet).
+step at --host-batches running sequences; then the wall time per step
+without and with async scheduling, and the share of it the device was idle
+(wall - device time, over wall).
 
 Prints tables; writes benchmarks/results/profile-step-<date>.json and a
 stacked-bar PNG beside it (matplotlib).
@@ -73,14 +74,30 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> dic
 
 
 def host_worker(batch: int, steps: int) -> dict:
-  """Host ms per engine step at `batch` running decodes, the device call excluded."""
+  """Host ms per engine step at `batch` running decodes (the device call excluded), and
+  the wall time per step with and without async scheduling."""
+  import numpy as np
+
+  sync = _host_run(batch, steps, async_scheduling=False, time_device=True)
+  device_ms = sync.pop("device_ms")
+  plain = _host_run(batch, steps, async_scheduling=False, time_device=False)
+  overlapped = _host_run(batch, steps, async_scheduling=True, time_device=False)
+  host_ms = float(np.median(sync["host"]) * 1000)
+  sync_ms, async_ms = plain["wall_ms"], overlapped["wall_ms"]
+  # Exposed: the part of a step's wall time the device was not running (host work it waited for).
+  return dict(batch=batch, host_ms=host_ms, device_ms=device_ms, step_ms=sync_ms, async_step_ms=async_ms,
+              exposed_share=max(0.0, sync_ms - device_ms) / sync_ms,
+              async_exposed_share=max(0.0, async_ms - device_ms) / async_ms)
+
+
+def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool) -> dict:
   import jax
   import numpy as np
 
   from jaxinfer import LLM, SamplingParams
   # Room for every sequence's KV (no preemption): 32 prompt + steps + 50 tokens each.
   llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=max(512, batch), warmup=False,
-            num_pages=batch * (-(-(32 + steps + 50) // 16)) + 1)
+            num_pages=batch * (-(-(32 + steps + 50) // 16)) + 1, async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   device = []
   step = runner._step
@@ -91,7 +108,8 @@ def host_worker(batch: int, steps: int) -> dict:
     device.append(time.perf_counter() - t0)
     return out
 
-  runner._step = timed
+  if time_device:
+    runner._step = timed
   rng = np.random.default_rng(0)
   sp = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True)
   for i in range(batch):
@@ -102,15 +120,19 @@ def host_worker(batch: int, steps: int) -> dict:
     engine.step()
   else:
     raise RuntimeError(f"{batch} requests never all ran at once")
+  for _ in range(3):  # the decode bucket compiled, and (async) a step in flight
+    engine.step()
   totals = []
   device.clear()
+  t_all = time.perf_counter()
   for _ in range(steps):
     t0 = time.perf_counter()
     engine.step()
     totals.append(time.perf_counter() - t0)
-  host = np.array(totals) - np.array(device)
-  return dict(batch=batch, host_ms=float(np.median(host) * 1000), step_ms=float(np.median(totals) * 1000),
-              exposed_share=float(np.median(host / np.array(totals))))
+  wall_ms = (time.perf_counter() - t_all) / steps * 1000
+  if not time_device:
+    return dict(wall_ms=wall_ms)
+  return dict(host=np.array(totals) - np.array(device), device_ms=float(np.median(device) * 1000), wall_ms=wall_ms)
 
 
 def _spawn(spec: dict) -> dict:
@@ -175,10 +197,12 @@ def main() -> int:
           f"{r['sampling_ms']:.1f} | {r['host_pack_ms']:.2f} | {r['rest_ms']:.1f} | {r['tokens_per_s']:.0f} |")
   host = [_spawn({"host": dict(batch=b, steps=args.iters)}) for b in map(int, args.host_batches.split(",") if args.host_batches else [])]
   if host:
-    print("\n| running sequences | host ms / step (schedule + pack + postprocess) | step ms | exposed share |")
-    print("|---|---|---|---|")
+    print("\n| running sequences | host ms / step (schedule + pack + postprocess) | device ms | step ms "
+          "| exposed | step ms, async scheduling | exposed, async |")
+    print("|---|---|---|---|---|---|---|")
     for h in host:
-      print(f"| {h['batch']} | {h['host_ms']:.2f} | {h['step_ms']:.1f} | {h['exposed_share']:.1%} |")
+      print(f"| {h['batch']} | {h['host_ms']:.2f} | {h['device_ms']:.1f} | {h['step_ms']:.1f} | "
+            f"{h['exposed_share']:.1%} | {h['async_step_ms']:.1f} | {h['async_exposed_share']:.1%} |")
   import bench_peers
   out = bench_peers.write_results("profile-step", dict(rows=rows, host=host), args.out)
   png = out.with_suffix(".png")
