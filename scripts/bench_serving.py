@@ -83,6 +83,8 @@ def engine_options(args) -> list[str]:
           str(args.max_num_batched_tokens), "--dtype", args.dtype]
   if args.model:
     opts = ["--model", str(args.model)] + opts
+  if args.async_scheduling:
+    opts.append("--async-scheduling")
   return opts
 
 
@@ -95,7 +97,7 @@ def worker(args) -> None:
 
   prompts = json.loads(Path(args.worker).read_text())
   llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens)
+            max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling)
   sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
   t = time.perf_counter()
   outs = llm.generate(prompts, sp)
@@ -213,6 +215,7 @@ def main() -> None:
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--async-scheduling", action="store_true", help="engine and server schedule one step ahead")
   p.add_argument("--no-load", action="store_true", help="skip phase 3")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-<date>.json)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -262,7 +265,8 @@ def main() -> None:
       "workload": {"model": args.model or "default (SmolLM2-135M-Instruct)", "dtype": args.dtype,
                    "prompts": len(prompts), "mean_input_len": float(np.mean([len(x) for x in prompts])),
                    "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens},
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "async_scheduling": args.async_scheduling},
       "overhead": {"engine_tokens_per_s": engine["tokens_per_s"], "engine_seconds": engine["seconds"],
                    "server_tokens_per_s": saturation["tokens_per_s"], "server_seconds": saturation["seconds"],
                    "ratio": saturation["tokens_per_s"] / engine["tokens_per_s"], "target": 0.9},
