@@ -599,6 +599,8 @@ class LLMEngine:
         req.spec_token_ids = drafts
 
   def _count_acceptance(self, proposed: int, accepted: int) -> None:
+    if not proposed:
+      return  # (numpy's += on an empty slice still costs ~10 us, per request per step)
     self.spec_proposed[:proposed] += 1
     self.spec_accepted[:accepted] += 1
 
