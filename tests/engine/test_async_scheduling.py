@@ -1,8 +1,8 @@
 """Async scheduling (EngineConfig.async_scheduling): step n+1 is scheduled, packed and
 dispatched before step n's sampled ids reach the host; the device feeds them to step n+1
 and the host reads them one call later. Outputs must be transformers' (greedy goldens) and
-the synchronous engine's, token for token, through preemption, prefix hits, stops, aborts,
-penalties, logprobs and structured output."""
+the synchronous engine's, token for token, through preemption, prefix hits, stops,
+penalties, logprobs and structured output (abort and failed steps: tests/engine/test_engine.py)."""
 
 import json
 
@@ -126,27 +126,6 @@ def test_structured_requests_wait_for_their_tokens_and_others_overlap(sync, llm)
   want, got = sync.generate(prompts, reqs), llm.generate(prompts, reqs)
   assert [o.token_ids for o in got] == [o.token_ids for o in want]
   assert all(o.finish_reason == "stop" for o in got[:3])
-
-
-def test_abort_while_a_step_is_in_flight(llm):
-  g = json.loads((DATA / "golden" / "batch_llama3.json").read_text())
-  engine = llm.engine
-  for i, r in enumerate(g["records"][:6]):
-    engine.add_request(f"r{i}", r["prompt_ids"], greedy(16))
-  for _ in range(5):
-    engine.step()
-  pages = len(engine.kv.pages("r2"))
-  free = engine.kv.num_free_pages
-  final = engine.abort("r2")  # its step 5 is on the device
-  assert final.finish_reason == "abort" and engine.kv.num_free_pages == free + pages
-  done = {}
-  while engine.has_unfinished():
-    for out in engine.step():
-      assert out.request_id != "r2"
-      if out.finished:
-        done[out.request_id] = out.token_ids
-  assert done == {f"r{i}": g["records"][i]["greedy_ids"] for i in (0, 1, 3, 4, 5)}
-  assert engine.kv.usage == 0.0
 
 
 def test_bad_options():

@@ -105,9 +105,10 @@ def test_prefix_caching_off_computes_everything():
   assert llm.engine.num_computed_tokens == 4 * (59 + 3)
 
 
-def test_abort_frees_pages_at_once_and_others_continue():
+@pytest.mark.parametrize("async_scheduling", [False, True])  # async: r2's step 5 is on the device
+def test_abort_frees_pages_at_once_and_others_continue(async_scheduling):
   g = batch_golden("llama3")
-  engine = make_llm("llama3").engine
+  engine = make_llm("llama3", async_scheduling=async_scheduling).engine
   prompts = [r["prompt_ids"] for r in g["records"][:6]]
   for i, p in enumerate(prompts):
     engine.add_request(f"r{i}", p, greedy(16))
