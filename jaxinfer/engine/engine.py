@@ -81,8 +81,9 @@ class EngineConfig:
   # e.g. {"method": "ngram", "num_speculative_tokens": 3}.
   speculative: SpeculativeConfig | None = None
   # Async scheduling: the host schedules and packs step n+1 while the device runs step n,
-  # whose sampled ids stay on the device and feed step n+1 (LLMEngine.step). Not with
-  # speculative decoding (drafts are proposed from the committed tokens).
+  # whose sampled ids stay on the device and feed step n+1 (LLMEngine.step). With
+  # speculative method 'mtp' the drafts stay there too; not with 'ngram' (its drafts are
+  # looked up in the committed tokens on the host).
   async_scheduling: bool = False
 
   def __post_init__(self):
@@ -100,10 +101,11 @@ class EngineConfig:
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
     if not isinstance(self.async_scheduling, bool):
       raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
-    if self.async_scheduling and self.speculative is not None:
-      raise InvalidRequestError("async_scheduling does not combine with speculative decoding: drafts are "
-                                "proposed from the committed tokens, which it leaves on the device; "
-                                "use one or the other")
+    if self.async_scheduling and self.speculative is not None and self.speculative.method == "ngram":
+      raise InvalidRequestError("async_scheduling does not combine with speculative method 'ngram': its "
+                                "drafts are looked up in the committed tokens on the host, which async "
+                                "scheduling leaves on the device for a step; use method 'mtp' or turn "
+                                "async_scheduling off")
 
 
 @dataclasses.dataclass
@@ -224,7 +226,8 @@ class LLMEngine:
           f"one sequence of max_model_len={self.max_model_len}: give more kv_cache_bytes / "
           f"num_pages or a smaller max_model_len")
     self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching, num_shards=shards)
-    self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens)
+    self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens,
+                               max_model_len=self.max_model_len)
     self.spec = ec.speculative
     self.drafter = make_drafter(self.spec) if self.spec is not None else None
     k = self.spec.num_speculative_tokens if self.spec is not None else 0
@@ -484,6 +487,8 @@ class LLMEngine:
     if inflight is not None and inflight.needs_host_tokens:
       outputs += self._postprocess(inflight)  # grammar masks need the in-flight tokens
       inflight = None
+    if self.drafter is not None:
+      self._propose_drafts()
     sched, launched, error = self._launch()
     if inflight is not None:
       outputs += self._postprocess(inflight)
@@ -494,8 +499,6 @@ class LLMEngine:
       self._inflight = launched
     elif launched is not None:
       outputs += self._postprocess(launched)
-      if self.drafter is not None:
-        self._propose_drafts()
     # Idle: nothing ran and a preemption cannot admit anyone next time; only a new command can change that.
     self.last_step_idle = not sched.scheduled and not sched.preempted and inflight is None
     return outputs
@@ -520,6 +523,7 @@ class LLMEngine:
       # The committed tokens' KV is written by this step; accepted drafts join after it.
       req.num_computed += seq.num_committed_new
       req.num_inflight += seq.samples
+      req.num_inflight_drafts += len(seq.draft_ids)
     try:
       handle = self.runner.launch(seqs)
     except Exception as e:
@@ -535,6 +539,7 @@ class LLMEngine:
     scheduled, seqs = launched.scheduled, launched.seqs
     for req, seq in zip((r for r, _ in scheduled), seqs):
       req.num_inflight -= seq.samples
+      req.num_inflight_drafts -= len(seq.draft_ids)
     try:
       result = self.runner.collect(launched.handle)
     except Exception as e:
@@ -556,8 +561,8 @@ class LLMEngine:
         self._count_acceptance(len(seq.draft_ids), len(accepted))
         # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
         # later and never cached (only verified tokens are).
-        req.num_computed += len(accepted)
-        if req.status is Status.RUNNING:  # (not preempted meanwhile)
+        if req.status is Status.RUNNING:  # (not preempted meanwhile: then nothing is computed)
+          req.num_computed += len(accepted)
           # Under async scheduling num_computed may count a token still in flight.
           known = req.token_ids + accepted if accepted else req.token_ids
           self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
@@ -578,7 +583,13 @@ class LLMEngine:
     return outputs
 
   def _propose_drafts(self) -> None:
-    """Drafts for the next step, for each running request that has caught up."""
+    """Drafts for the next step, for each running request that has caught up.
+
+    Async scheduling: a request whose newest token is still on the device (in the step in
+    flight) gets placeholders; the step reads the MTP drafts the step in flight made for it
+    (runner._feed). How many drafts that step accepts is unknown here, so the room left by
+    max_tokens assumes none (a run past max_tokens is cut by `_append`), and the room left by
+    max_model_len assumes all."""
     k = self.spec.num_speculative_tokens
     for req in self.scheduler.running:
       req.spec_token_ids = []
@@ -587,8 +598,11 @@ class LLMEngine:
       if req.num_uncomputed != 1 or req.params.uses_penalties:
         continue
       # Never draft past max_tokens: the bonus token needs one slot of its own.
-      room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-      if room > 0:
+      room = min(k, req.params.max_tokens - len(req.output_token_ids) - req.num_inflight - 1)
+      if req.num_inflight:
+        room = min(room, self.max_model_len - 1 - req.num_computed - req.num_inflight_drafts)
+        req.spec_token_ids = [0] * max(room, 0)
+      elif room > 0:
         if self.spec.method == "mtp":
           drafts = self.drafter.take(req.request_id, req.token_ids, room)
         else:

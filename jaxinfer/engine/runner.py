@@ -112,7 +112,9 @@ class ScheduledSeq:
   draft_ids: Sequence[int] = ()  # speculative tokens to verify after the committed ones
   grammar: Grammar | None = None  # structured output: its matcher, at the committed tokens
   # Async scheduling: the one token to compute is the one the step before sampled, still on
-  # the device (not yet in token_ids); the step reads it from its history row.
+  # the device (not yet in token_ids); the step reads it from its history row. Drafts of a
+  # fed sequence are placeholders: the step reads the MTP drafts that step made, and shifts
+  # the positions by the drafts it accepted (known on the device only).
   feed: bool = False
 
   @property
@@ -139,7 +141,12 @@ class StepBatch(NamedTuple):
   num_drafts: Any  # [S]
   targets: Any  # [T] next known token of each row (prompt logprobs, the MTP module's input)
   allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token)
-  feed: Any  # [T] history row whose last committed token (on device) this row reads; -1: tokens[t]
+  # Async scheduling. feed [T]: row * (k + 1) + j for the j-th token of a sequence fed from
+  # history row `row` (j = 0 its last committed token, j >= 1 its MTP draft j); -1: tokens[t].
+  # shift [S]: the history row whose last step's accepted drafts shift this sequence's
+  # positions, KV slots and lengths (the host packed it without them); -1: none.
+  feed: Any
+  shift: Any
 
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
@@ -176,13 +183,18 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
   # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
   tokens[:t] = [x for s in seqs for x in
-                ((0,) if s.feed else (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids))]
+                ((0,) * s.num_new if s.feed else (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids))]
   feed = np.full(T, -1, np.int32)
+  shift = np.full(S, -1, np.int32)
   fed = [i for i, s in enumerate(seqs) if s.feed]
   if fed:
-    if any(s.num_new != 1 for s in map(seqs.__getitem__, fed)):
-      raise ValueError("a sequence fed its in-flight token computes that one token only")
-    feed[cu[fed]] = [seqs[i].row for i in fed]
+    if any(s.num_committed_new != 1 for s in map(seqs.__getitem__, fed)):
+      raise ValueError("a sequence fed its in-flight token computes that token and its drafts only")
+    fed = np.asarray(fed)
+    shift[fed] = [seqs[i].row for i in fed]
+    f_tok = np.repeat(fed, n[fed])  # the fed sequences' token rows
+    f_j = np.arange(len(f_tok)) - np.repeat(np.cumsum(n[fed]) - n[fed], n[fed])
+    feed[cu[f_tok] + f_j] = shift[f_tok] * K1 + f_j
   targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
   positions[:t] = pos
   slots[:t] = page_indices[tok_seq, pos // ps] * ps + pos % ps
@@ -219,7 +231,7 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   sampling = SamplingBatch.from_params(params, seeds, sample_pos)
   fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
-                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed)
+                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed, shift)
 
 
 def _padded(ids: Sequence[int], n: int) -> Sequence[int]:
@@ -339,7 +351,11 @@ class ModelRunner:
     self.cache = self.cache_spec.zeros(self.num_pages, self.page_size, self._cache_shardings(self.num_pages))
     self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                     "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_),
-                    "last": jnp.zeros((rows,), jnp.int32)}
+                    # Async scheduling: each row's last committed token, the MTP drafts made
+                    # for it, and how many drafts its last step accepted (see `_feed`).
+                    "last": jnp.zeros((rows,), jnp.int32),
+                    "drafts": jnp.zeros((rows, self.num_speculative_tokens), jnp.int32),
+                    "accepted": jnp.zeros((rows,), jnp.int32)}
     if self.mesh is None:
       self.history = jax.device_put(self.history, jax.devices()[0])
       return
@@ -702,8 +718,7 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
   layer; the step then also returns its drafts for the next step (else [S, 0])."""
   n = cfg.num_layers
-  # Async scheduling: rows fed from the device's last committed token of their sequence.
-  tokens = jnp.where(batch.feed >= 0, history["last"][jnp.maximum(batch.feed, 0)], batch.tokens)
+  tokens, batch = _feed(batch, history, mtp_page_size)
   hidden, model_cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, tokens,
                                                 batch.positions, cache[:n], batch.paged)
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
@@ -718,13 +733,18 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   # the host (padding sequences write the scratch row).
   seq_rows = batch.rows.reshape(S, k + 1)[:, 0]
   last_tok = jnp.take_along_axis(ids, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
-  last = history["last"].at[seq_rows].set(jnp.where(committed > 0, last_tok, history["last"][seq_rows]))
-  history = {"counts": counts, "prompt": history["prompt"], "last": last}
+  def keep_committed(table, new):  # rows that committed take `new`, the others keep theirs
+    done = (committed > 0).reshape((S,) + (1,) * (new.ndim - 1))
+    return table.at[seq_rows].set(jnp.where(done, new, table[seq_rows]))
+
+  history = {**history, "counts": counts, "last": keep_committed(history["last"], last_tok),
+             "accepted": keep_committed(history["accepted"], accepted)}
   if mtp_page_size:
     drafts, mtp_cache = mtp.propose(params["mtp"], params, cfg, hidden, batch.targets, batch.positions,
                                     batch.paged, batch.logits_indices, batch.samples, batch.num_drafts,
                                     ids, committed, cache[n], k, mtp_page_size, attention_impl=attention_impl)
     cache = model_cache + [mtp_cache]
+    history["drafts"] = keep_committed(history["drafts"], drafts)
   else:
     drafts, cache = jnp.zeros((S, 0), jnp.int32), model_cache
   out = (ids, committed, lp.reshape(S, k + 1), top_ids.reshape(S, k + 1, -1),
@@ -735,6 +755,38 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
     p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
     out = out + ((target_lp, p_top_ids, p_top_lp),)
   return cache, history, out
+
+
+def _feed(batch: StepBatch, history, page_size: int) -> tuple[jax.Array, StepBatch]:
+  """Async scheduling: the step's tokens with the fed rows read from the device (the last
+  committed token of their sequence, then its MTP drafts), and, with an MTP module
+  (page_size > 0), the fed sequences' positions, KV slots, lengths, draft ids and sampling
+  positions moved on by the drafts their in-flight step accepted, which the host did not
+  know when it packed them. Returns (tokens [T], batch)."""
+  S, k = batch.draft_ids.shape
+  K1 = k + 1
+  nxt = jnp.concatenate([history["last"][:, None], history["drafts"]], axis=1).reshape(-1)  # [rows * K1]
+  tokens = jnp.where(batch.feed >= 0, nxt[jnp.maximum(batch.feed, 0)], batch.tokens)
+  if not page_size:
+    return tokens, batch
+  paged, T = batch.paged, tokens.shape[0]
+  fed = batch.shift >= 0
+  row = jnp.maximum(batch.shift, 0)
+  d = jnp.where(fed, history["accepted"][row], 0)  # [S]
+  t = jnp.arange(T, dtype=jnp.int32)
+  tok_seq = jnp.minimum(jnp.searchsorted(paged.cu_q_lens[1:], t, side="right"), S - 1)  # [T]
+  dt = jnp.where(t < paged.cu_q_lens[paged.num_seqs], d[tok_seq], 0)
+  positions = batch.positions + dt
+  # A position past the page table (a request that reached max_model_len in the step in
+  # flight, so is finished) writes the padding page, never a real slot.
+  P = paged.page_indices.shape[1]
+  page = paged.page_indices[tok_seq, jnp.minimum(positions // page_size, P - 1)]
+  slot = jnp.where(positions < P * page_size, page * page_size + positions % page_size, NULL_PAGE * page_size)
+  paged = paged._replace(slot_mapping=jnp.where(dt > 0, slot, paged.slot_mapping),
+                         kv_lens=jnp.minimum(paged.kv_lens + d, P * page_size))
+  sampling = batch.sampling._replace(position=batch.sampling.position + jnp.repeat(d, K1))
+  draft_ids = jnp.where(fed[:, None], history["drafts"][row], batch.draft_ids)
+  return tokens, batch._replace(positions=positions, paged=paged, sampling=sampling, draft_ids=draft_ids)
 
 
 def _run_length(runs: Sequence[dict[str, np.ndarray]]) -> int:

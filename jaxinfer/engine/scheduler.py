@@ -66,6 +66,9 @@ class Request:
   needs_history: bool = False  # the row must be (re)loaded before the next step
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
   num_inflight: int = 0  # async scheduling: tokens sampled by dispatched steps, not yet in token_ids
+  # Async scheduling: drafts verified by dispatched steps; as many more tokens may already be
+  # computed (the device knows how many), so the next step's pages allow for them.
+  num_inflight_drafts: int = 0
   finish_reason: str | None = None
   num_remote_tokens: int = 0  # prompt tokens whose KV another worker computed (disaggregation)
   num_remote_cached_tokens: int = 0  # of the prompt, what that worker took from its own prefix cache
@@ -109,8 +112,9 @@ class Scheduler:
   """FCFS continuous batching under a sequence limit and a token budget."""
 
   def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-               connector: KVConnector | None = None):
+               connector: KVConnector | None = None, max_model_len: int | None = None):
     self.kv = kv
+    self.max_model_len = max_model_len  # no sequence's pages go past it
     self.connector = connector
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
@@ -178,7 +182,11 @@ class Scheduler:
       spec = req.spec_token_ids[:budget - n] if n == req.num_uncomputed == 1 else []
       req.spec_token_ids = spec
       n += len(spec)
-      while not self.kv.can_allocate(req.request_id, req.num_computed + n):
+      # Tokens computed by the step in flight beyond num_computed (accepted drafts) push
+      # this step's on; none goes past max_model_len (runner._feed sends those to no page).
+      need = req.num_computed + n + req.num_inflight_drafts
+      need = min(need, self.max_model_len) if self.max_model_len else need
+      while not self.kv.can_allocate(req.request_id, need):
         shard = self.kv.request_shard(req.request_id)
         victim = next(r for r in reversed(self.running) if self.kv.request_shard(r.request_id) == shard)
         self._preempt(victim)
@@ -187,7 +195,7 @@ class Scheduler:
           break
       if req.status is not Status.RUNNING:
         break  # preempted itself: nobody after it is running either
-      self.kv.allocate(req.request_id, req.num_computed + n)
+      self.kv.allocate(req.request_id, need)
       out.scheduled.append((req, n))
       budget -= n
       i += 1

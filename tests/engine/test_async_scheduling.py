@@ -5,6 +5,7 @@ the synchronous engine's, token for token, through preemption, prefix hits, stop
 penalties, logprobs and structured output (abort and failed steps: tests/engine/test_engine.py)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -34,14 +35,29 @@ def llm():
   return make()
 
 
+@pytest.fixture(scope="module")
+def mtp_llm(tmp_path_factory):
+  """Async scheduling with MTP drafts (k = 3) from a head trained for the tiny llama3
+  (tests/data/mtp/llama3: `python scripts/train_mtp.py --model <a copy of tests/data/tiny/llama3>
+  --minutes 2`, train.json): a third of its first drafts match, so each fed sequence is moved
+  on by a count of accepted drafts that only the device knows when the step is packed."""
+  d = tmp_path_factory.mktemp("mtp") / "llama3"
+  shutil.copytree(tiny_dir("llama3"), d)
+  for f in ("mtp_head.safetensors", "mtp_head.json"):
+    shutil.copy(DATA / "mtp" / "llama3" / f, d / f)
+  return LLM(d, **(ENGINE | dict(async_scheduling=True, speculative={"method": "mtp", "num_speculative_tokens": 3})))
+
+
 def greedy(n, **kw):
   return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def test_golden_batch_with_preemption_and_prefix_hits_matches_transformers(llm):
+@pytest.mark.parametrize("engine", ["llm", "mtp_llm"])
+def test_golden_batch_with_preemption_and_prefix_hits_matches_transformers(engine, request):
   """16 mixed prompts in a pool of 17 usable pages (one full sequence): requests are
   preempted while a step of theirs is in flight, recomputed, and a second batch hits the
-  prefix cache; every output is transformers' greedy ids."""
+  prefix cache; every output is transformers' greedy ids. With MTP drafts too."""
+  llm = request.getfixturevalue(engine)
   g = json.loads((DATA / "golden" / "batch_llama3.json").read_text())
   p0 = llm.engine.stats()["preemptions"]
   prompts = [r["prompt_ids"] for r in g["records"]]
@@ -128,8 +144,39 @@ def test_structured_requests_wait_for_their_tokens_and_others_overlap(sync, llm)
   assert all(o.finish_reason == "stop" for o in got[:3])
 
 
+def test_mtp_runs_equal_the_engine_without_drafts(sync, mtp_llm):
+  """Greedy and seeded sampling with logprobs, and stop strings and max_tokens that fall
+  inside accepted runs: the same tokens, text, finish reasons and logprobs as the
+  synchronous engine without speculation (verification is lossless, and each token is
+  drawn with its position's key, so the device's shift must put every token where it is)."""
+  prompts = [[{"role": "user", "content": c}] for c in (  # chats, as the head was trained on
+      "What is the capital of France? Explain its history briefly.", "Write a haiku about the sea.",
+      "List three prime numbers.", "How do I sort a list in Python?")]
+  free = sync.generate(prompts, greedy(40))
+  stop_text = free[0].text[len(free[0].text) // 2:][:3]
+  assert stop_text.strip() and free[0].text.find(stop_text) > 0
+  prompts, params = prompts + prompts[1:2] * 6, [
+      greedy(40, stop=[stop_text], logprobs=2), greedy(40, logprobs=2), greedy(40),
+      SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=40, ignore_eos=True, logprobs=2),
+  ] + [greedy(n) for n in range(15, 21)]
+  stats = mtp_llm.engine.stats()
+  want, got = sync.generate(prompts, params), mtp_llm.generate(prompts, params)
+  for w, g in zip(want, got):
+    assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
+  assert got[0].finish_reason == "stop"
+  assert [list(t) for t in got[1].top_logprobs] == [list(t) for t in want[1].top_logprobs]
+  after = mtp_llm.engine.stats()
+  accepted = after["spec_accepted_tokens"] - stats["spec_accepted_tokens"]
+  drafted = after["spec_draft_tokens"] - stats["spec_draft_tokens"]
+  assert accepted >= 0.1 * drafted > 0, (accepted, drafted)
+  # (runs cut by a stop or max_tokens count in the engine's stats, not in the output)
+  assert 0.9 * accepted <= sum(o.num_accepted_draft_tokens for o in got) <= accepted
+  assert mtp_llm.engine.kv.usage == 0.0
+
+
 def test_bad_options():
-  with pytest.raises(InvalidRequestError, match="async_scheduling does not combine with speculative"):
+  with pytest.raises(InvalidRequestError, match="async_scheduling does not combine with speculative method 'ngram'"):
     EngineConfig(async_scheduling=True, speculative={"method": "ngram", "num_speculative_tokens": 2})
   with pytest.raises(InvalidRequestError, match="async_scheduling must be a bool, got 'yes'"):
     EngineConfig(async_scheduling="yes")
