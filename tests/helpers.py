@@ -10,6 +10,20 @@ import numpy as np
 from safetensors.numpy import load_file
 
 
+def with_trained_head(tmp_path_factory) -> Path:
+  """A copy of the tiny llama3 with the MTP head trained for it beside it (tests/data/mtp/llama3:
+  `python scripts/train_mtp.py --model <a copy of tests/data/tiny/llama3> --minutes 2`, see its
+  train.json). About one first draft in three matches on the chats it was trained on, so
+  verification accepts a varying number of drafts, as with a real model's head."""
+  import shutil
+  from conftest import DATA, tiny_dir
+  d = tmp_path_factory.mktemp("trained-head") / "llama3"
+  shutil.copytree(tiny_dir("llama3"), d)
+  for f in ("mtp_head.safetensors", "mtp_head.json"):
+    shutil.copy(DATA / "mtp" / "llama3" / f, d / f)
+  return d
+
+
 def run_engine(engine, prompts, params, max_steps=10_000):
   """Drives the engine step by step; returns the final outputs in order and the running
   count after each step."""

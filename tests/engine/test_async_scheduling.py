@@ -5,13 +5,12 @@ the synchronous engine's, token for token, through preemption, prefix hits, stop
 penalties, logprobs and structured output (abort and failed steps: tests/engine/test_engine.py)."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
-from helpers import run_engine
+from helpers import run_engine, with_trained_head
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.errors import InvalidRequestError
@@ -37,15 +36,10 @@ def llm():
 
 @pytest.fixture(scope="module")
 def mtp_llm(tmp_path_factory):
-  """Async scheduling with MTP drafts (k = 3) from a head trained for the tiny llama3
-  (tests/data/mtp/llama3: `python scripts/train_mtp.py --model <a copy of tests/data/tiny/llama3>
-  --minutes 2`, train.json): a third of its first drafts match, so each fed sequence is moved
-  on by a count of accepted drafts that only the device knows when the step is packed."""
-  d = tmp_path_factory.mktemp("mtp") / "llama3"
-  shutil.copytree(tiny_dir("llama3"), d)
-  for f in ("mtp_head.safetensors", "mtp_head.json"):
-    shutil.copy(DATA / "mtp" / "llama3" / f, d / f)
-  return LLM(d, **(ENGINE | dict(async_scheduling=True, speculative={"method": "mtp", "num_speculative_tokens": 3})))
+  """Async scheduling with MTP drafts (k = 3) from the head trained for the tiny llama3: each
+  fed sequence is moved on by a count of accepted drafts that only the device knows when
+  the step is packed."""
+  return LLM(with_trained_head(tmp_path_factory), **(ENGINE | dict(async_scheduling=True, speculative={"method": "mtp", "num_speculative_tokens": 3})))
 
 
 def greedy(n, **kw):

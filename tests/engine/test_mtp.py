@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
+from helpers import with_trained_head
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.hf import read_config
 from jaxinfer.checkpoint.mtp_head import save_mtp_head
@@ -48,8 +49,9 @@ def llama3_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=[1, 3])
-def llm(request, llama3_head):
-  return LLM(llama3_head, speculative=mtp(request.param), **OPTIONS)
+def llm(request, tmp_path_factory):
+  """The tiny llama3 with its trained head (helpers.with_trained_head): drafts are accepted."""
+  return LLM(with_trained_head(tmp_path_factory), speculative=mtp(request.param), **OPTIONS)
 
 
 def batch_golden(name):
@@ -80,6 +82,7 @@ def check_golden_batch(llm, family):
 
 def test_greedy_with_mtp_drafts_equals_greedy_without(llm):
   check_golden_batch(llm, "llama3")
+  assert llm.engine.stats()["spec_accepted_tokens"] > 0  # the trained head's drafts match at times
 
 
 def test_abort_mid_speculation_frees_every_page(llm):

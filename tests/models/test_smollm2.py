@@ -58,16 +58,17 @@ def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(s
   assert llm.engine.num_computed_tokens - computed == sum(len(p) - c for p, c in zip(prompts, cached)) + 16 * 23
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_sixteen_chats_with_drafts_match_transformers(default_checkpoint, method):
+@pytest.mark.parametrize("method,async_scheduling", [("mtp", True), ("ngram", False)])
+def test_sixteen_chats_with_drafts_match_transformers(default_checkpoint, method, async_scheduling):
   """Speculation changes no greedy token: the sixteen chats (chunked prefill mixed with
-  verification) with the shipped MTP head, and with prompt lookup. k = 2; a 16-token step
-  budget keeps it to five programs per method."""
+  verification) with the shipped MTP head, its drafts and acceptance kept on the device
+  by async scheduling, and with prompt lookup. k = 2; a 16-token step budget keeps it to
+  five programs per method."""
   from jaxinfer import LLM
   g = batch_golden()
   prompts = [r["prompt_ids"] for r in g["records"]]
   llm = LLM(default_checkpoint, speculative={"method": method, "num_speculative_tokens": 2},
-            max_num_seqs=16, max_num_batched_tokens=16, warmup=False)
+            max_num_seqs=16, max_num_batched_tokens=16, warmup=False, async_scheduling=async_scheduling)
   outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=g["max_new_tokens"], ignore_eos=True))
   assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
   stats = llm.engine.stats()
