@@ -733,6 +733,7 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   # the host (padding sequences write the scratch row).
   seq_rows = batch.rows.reshape(S, k + 1)[:, 0]
   last_tok = jnp.take_along_axis(ids, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
+
   def keep_committed(table, new):  # rows that committed take `new`, the others keep theirs
     done = (committed > 0).reshape((S,) + (1,) * (new.ndim - 1))
     return table.at[seq_rows].set(jnp.where(done, new, table[seq_rows]))
