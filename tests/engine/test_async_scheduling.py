@@ -99,7 +99,9 @@ def test_stops_inside_the_overlap_drop_the_extra_step(sync, llm):
     if out.finished:
       final[out.index] = out
   for w, f, t, i in zip(want, final, texts, ids):
-    assert (f.token_ids, f.text, f.finish_reason, f.logprobs) == (w.token_ids, w.text, w.finish_reason, w.logprobs)
+    assert (f.token_ids, f.text, f.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    # (two programs, fused differently: logprobs agree to float32 rounding)
+    np.testing.assert_allclose(f.logprobs, w.logprobs, rtol=0, atol=1e-5)
     assert (t, i) == (w.text, w.token_ids)
   # One request that stops by a stop token: one step more than the synchronous engine.
   stop = greedy(20, stop_token_ids=[free[0].token_ids[4]])
