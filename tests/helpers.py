@@ -13,8 +13,9 @@ from safetensors.numpy import load_file
 def with_trained_head(tmp_path_factory) -> Path:
   """A copy of the tiny llama3 with the MTP head trained for it beside it (tests/data/mtp/llama3:
   `python scripts/train_mtp.py --model <a copy of tests/data/tiny/llama3> --minutes 2`, see its
-  train.json). About one first draft in three matches on the chats it was trained on, so
-  verification accepts a varying number of drafts, as with a real model's head."""
+  train.json: first-draft accuracy 0.34 on its held-out continuations). In the engine about
+  15-20% of its k = 3 drafts are accepted on chats, so verification accepts a varying number
+  of drafts, as with a real model's head."""
   import shutil
   from conftest import DATA, tiny_dir
   d = tmp_path_factory.mktemp("trained-head") / "llama3"
