@@ -75,7 +75,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
   if args.speculative_method is not None:
     engine["speculative"] = {"method": args.speculative_method,
-                             "num_speculative_tokens": args.num_speculative_tokens}
+                             "num_speculative_tokens": args.num_speculative_tokens,
+                             "relaxed_top_n": args.speculative_relaxed_top_n,
+                             "relaxed_delta": args.speculative_relaxed_delta}
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
   return engine
@@ -206,6 +208,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="speculative decoding: ngram = prompt lookup, mtp = the model's MTP head (default: off)")
   p.add_argument("--num-speculative-tokens", type=int, default=3,
                  help="drafts per step with --speculative-method (1-8)")
+  p.add_argument("--speculative-relaxed-top-n", type=int, default=0, metavar="N",
+                 help="relaxed acceptance (lossy; default 0 = off): greedy requests also accept a draft "
+                      "among the target's N most likely tokens, within --speculative-relaxed-delta of "
+                      "the top token's probability")
+  p.add_argument("--speculative-relaxed-delta", type=float, default=0.0, metavar="P",
+                 help="with --speculative-relaxed-top-n: how far below the top probability a draft may be")
   p.add_argument("--mesh", default=None, metavar="DATA,EXPERT,MODEL",
                  help="shard over a (data, expert, model) device mesh, e.g. 1,1,8 (default: one device)")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",

@@ -240,7 +240,8 @@ class LLMEngine:
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k,
-                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype)
+                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype,
+                              relaxed_acceptance=self.spec.relaxed if self.spec is not None else None)
     self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
     log.info("KV cache: %s", self.kv_summary())

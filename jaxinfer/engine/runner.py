@@ -70,7 +70,7 @@ from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer.params import model_dtype
-from jaxinfer.engine.spec_decode import accept
+from jaxinfer.engine.spec_decode import accept, relax
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, chosen_logprobs, sample
 from pallas_kernels.spec_accept import spec_accept
 
@@ -275,13 +275,15 @@ class ModelRunner:
   def __init__(self, cfg: ModelConfig, params: Any, *, num_pages: int, page_size: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
                sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0,
-               mtp_params: Any = None, kv_cache_dtype: str | None = None):
+               mtp_params: Any = None, kv_cache_dtype: str | None = None,
+               relaxed_acceptance: tuple[int, float] | None = None):
     """`mesh` and `sharding_rules` (overrides of jaxinfer.sharding.RULES) shard the KV cache
     like the weights; without a mesh everything lives on the first device. `mtp_params`
     (jaxinfer.models.mtp): the step also drafts num_speculative_tokens tokens per sequence
     with that MTP module, whose K/V is one more cache layer in the same pages.
     `kv_cache_dtype`: the cache's dtype name (None: the model's; 'int8' / 'float8_e4m3fn'
-    quantize it, jaxinfer.models.cache)."""
+    quantize it, jaxinfer.models.cache). `relaxed_acceptance`: (top_n, delta) of
+    SpeculativeConfig's relaxed acceptance, or None (exact verification)."""
     from jaxinfer.sharding import make_rules
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
@@ -327,7 +329,7 @@ class ModelRunner:
     self.reset_state()
     self._step = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
                              _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
-                             page_size if self.mtp else 0)),
+                             page_size if self.mtp else 0, relaxed_acceptance)),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
@@ -680,7 +682,7 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
   return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
 
 
-def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
+def _sample_and_accept(logits, batch: StepBatch, history, attention_impl, relaxed=None):
   """(ids [S, k + 1], accepted drafts [S], logprobs [L], top-n ids and logprobs [L, N]).
 
   Every verify row draws its token with fold_in(seed, position) and drafts are accepted
@@ -688,7 +690,8 @@ def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
   batch of plain rows (no penalty, grammar mask or truncation) runs the fused kernel
   pallas_kernels.spec_accept instead, which draws the same tokens from the same keys and
   reads each logit row once; other batches, and every batch elsewhere, run sample() then
-  accept().
+  accept(). relaxed = (top_n, delta): greedy rows also take near-top drafts
+  (spec_decode.relax); the committed tokens' logprobs are then those of the drafts.
   """
   sp = batch.sampling
   S, k = batch.draft_ids.shape
@@ -697,9 +700,16 @@ def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
   def general(x):
     ids, lp, top_ids, top_lp = sample(x, sp, history["counts"], history["prompt"], batch.rows, batch.allowed)
     ids = ids.reshape(S, k + 1)
+    if relaxed is not None:
+      xf = x.astype(jnp.float32)
+      greedy = (sp.temperature == 0).reshape(S, k + 1)[:, :k]
+      taken = relax(xf.reshape(S, k + 1, V)[:, :k], ids, batch.draft_ids, batch.num_drafts, greedy, *relaxed)
+      taken_lp = chosen_logprobs(xf, taken.reshape(L), jnp.zeros_like(sp.want_logprobs))[0]  # (no top-n)
+      lp = jnp.where((taken != ids).reshape(L), taken_lp, lp)
+      ids = taken
     return ids, accept(ids, batch.draft_ids, batch.num_drafts), lp, top_ids, top_lp
 
-  if k == 0 or attention_impl not in ("pallas", "pallas_interpret"):
+  if k == 0 or relaxed is not None or attention_impl not in ("pallas", "pallas_interpret"):
     return general(logits)
 
   def fused(x):
@@ -713,8 +723,8 @@ def _sample_and_accept(logits, batch: StepBatch, history, attention_impl):
   return jax.lax.cond(plain, fused, general, logits)
 
 
-def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, history, batch: StepBatch, *,
-          prompt_logprobs: bool):
+def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, relaxed, params, cache, history,
+          batch: StepBatch, *, prompt_logprobs: bool):
   """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
   layer; the step then also returns its drafts for the next step (else [S, 0])."""
   n = cfg.num_layers
@@ -724,7 +734,7 @@ def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, params, cache, h
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
   S, k = batch.draft_ids.shape
-  ids, accepted, lp, top_ids, top_lp = _sample_and_accept(logits, batch, history, attention_impl)
+  ids, accepted, lp, top_ids, top_lp = _sample_and_accept(logits, batch, history, attention_impl, relaxed)
   committed = jnp.where(batch.samples, accepted + 1, 0)  # [S]
   # The committed tokens join the output: later steps penalize them.
   keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)

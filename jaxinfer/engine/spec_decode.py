@@ -46,6 +46,7 @@ SPEC_METHODS = ("ngram", "mtp")
 # How to get an MTP head for a model that ships none (quoted by the error that asks for one).
 TRAIN_MTP_COMMAND = "python scripts/train_mtp.py --model {model}"
 MAX_SPECULATIVE_TOKENS = 8
+MAX_RELAXED_TOP_N = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +61,20 @@ class SpeculativeConfig:
   num_hidden_layers, or a head trained by scripts/train_mtp.py and saved
   beside the checkpoint) drafts greedily, k times in a chain. The engine
   refuses it for a model with no head, saying how to train one.
+
+  Relaxed acceptance (TensorRT-LLM's, for reasoning phases; off by default,
+  and lossy: greedy output is no longer the model's argmax): a greedy row
+  also accepts a draft among the target's `relaxed_top_n` most likely tokens
+  whose probability is at least the top token's minus `relaxed_delta`; the
+  draft is then the committed token. Sampled rows always verify exactly.
   """
 
   method: str = "ngram"
   num_speculative_tokens: int = 3
   ngram_min: int = 1
   ngram_max: int = 4
+  relaxed_top_n: int = 0  # 0: off (exact verification)
+  relaxed_delta: float = 0.0
 
   def __post_init__(self):
     if self.method not in SPEC_METHODS:
@@ -80,6 +89,18 @@ class SpeculativeConfig:
         raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
     if self.ngram_min > self.ngram_max:
       raise InvalidRequestError(f"ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+    n, delta = self.relaxed_top_n, self.relaxed_delta
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_RELAXED_TOP_N:
+      raise InvalidRequestError(f"relaxed_top_n must be an int in [0, {MAX_RELAXED_TOP_N}] (0: off), got {n!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 <= delta <= 1.0:
+      raise InvalidRequestError(f"relaxed_delta must be a probability in [0, 1], got {delta!r}")
+    if delta and not n:
+      raise InvalidRequestError(f"relaxed_delta={delta!r} needs relaxed_top_n >= 1 (relaxed acceptance is off)")
+
+  @property
+  def relaxed(self) -> tuple[int, float] | None:
+    """(top_n, delta) when relaxed acceptance is on."""
+    return (self.relaxed_top_n, float(self.relaxed_delta)) if self.relaxed_top_n else None
 
   @classmethod
   def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -157,3 +178,22 @@ def accept(targets: jnp.ndarray, drafts: jnp.ndarray, num_drafts: jnp.ndarray) -
   k = drafts.shape[1]
   ok = (drafts == targets[:, :k]) & (jnp.arange(k) < num_drafts[:, None])
   return jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
+
+
+def relax(logits: jnp.ndarray, targets: jnp.ndarray, drafts: jnp.ndarray, num_drafts: jnp.ndarray,
+          greedy: jnp.ndarray, top_n: int, delta: float) -> jnp.ndarray:
+  """Targets [S, k + 1] with each greedy row's draft put in its place where relaxed
+  acceptance takes it: the draft is among the row's top_n logits and its probability is
+  at least the top one's minus delta. (accept() then takes the longest such prefix.)
+
+  logits [S, k, V] float32 (the rows that verify drafts 1..k), drafts [S, k], num_drafts
+  [S], greedy [S, k] bool (rows with temperature 0; sampled rows verify exactly).
+  """
+  k = drafts.shape[1]
+  top = jnp.max(logits, axis=-1)  # [S, k]
+  at = jnp.take_along_axis(logits, drafts[..., None], axis=-1)[..., 0]  # [S, k]
+  rank = jnp.sum(logits > at[..., None], axis=-1)  # tokens strictly more likely than the draft
+  z = jnp.sum(jnp.exp(logits - top[..., None]), axis=-1)  # p(x) = exp(x - top) / z
+  close = jnp.exp(at - top) / z >= 1.0 / z - delta
+  take = greedy & (rank < top_n) & close & (jnp.arange(k) < num_drafts[:, None])
+  return targets.at[:, :k].set(jnp.where(take, drafts, targets[:, :k]))

@@ -40,6 +40,9 @@ def test_ngram_drafter_continues_the_latest_longest_match():
     (dict(method="medusa"), r"speculative method must be one of \('ngram', 'mtp'\), got 'medusa'"),
     (dict(method="ngram", lookahead=2), r"unknown speculative option\(s\) \['lookahead'\]"),
     (dict(ngram_min=3, ngram_max=2), r"ngram_min=3 exceeds ngram_max=2"),
+    (dict(relaxed_top_n=-1), r"relaxed_top_n must be an int in \[0, 64\] \(0: off\), got -1"),
+    (dict(relaxed_top_n=2, relaxed_delta=1.5), r"relaxed_delta must be a probability in \[0, 1\], got 1.5"),
+    (dict(relaxed_delta=0.1), r"relaxed_delta=0.1 needs relaxed_top_n >= 1"),
     ("ngram", r"speculative must be a dict or SpeculativeConfig, got str"),
 ])
 def test_bad_speculative_options_name_the_option(value, message):
@@ -94,6 +97,36 @@ def test_greedy_with_ngram_drafts_equals_transformers(family, k, preempt):
   small = make_llm(family, speculative=ngram(k), num_pages=17)
   assert [o.token_ids for o in small.generate(prompts, greedy(g["max_new_tokens"]))] == want
   assert small.engine.stats()["preemptions"] > 0
+
+
+def test_relaxed_acceptance_commits_near_top_drafts_for_greedy_rows_only():
+  """Relaxed acceptance (opt-in, lossy): by the model's own full forward (LLM.logits), each
+  committed greedy token is the argmax or a draft among the top 3 within 0.3 of the top
+  probability, with that token's logprob; some are not the argmax. Seeded sampled rows in
+  the same steps still commit what they commit without speculation."""
+  g = batch_golden("llama3")
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  params = [SamplingParams(temperature=0, max_tokens=g["max_new_tokens"], ignore_eos=True, logprobs=1) if i % 4
+            else SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(len(prompts))]
+  llm = make_llm(speculative=ngram(3) | dict(relaxed_top_n=3, relaxed_delta=0.3))
+  outs = llm.generate(prompts, params)
+  sampled = [i for i, p in enumerate(params) if p.temperature]
+  want = make_llm().generate([prompts[i] for i in sampled], [params[i] for i in sampled])
+  assert [outs[i].token_ids for i in sampled] == [w.token_ids for w in want]
+  relaxed = 0
+  for prompt, p, o in zip(prompts, params, outs):
+    if p.temperature:
+      continue
+    logits = llm.logits(prompt + o.token_ids[:-1])[len(prompt) - 1:].astype(np.float64)  # row i predicts token i
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for row, pr, t, lp in zip(logits, probs, o.token_ids, o.logprobs):
+      if t != row.argmax():
+        relaxed += 1
+        assert np.sum(row > row[t]) < 3 and pr[t] >= pr.max() - 0.3 - 1e-5
+      np.testing.assert_allclose(lp, np.log(pr[t]), atol=1e-4)
+  assert relaxed > 0
+  assert llm.engine.stats()["spec_accepted_tokens"] >= relaxed
 
 
 # ---- sampling: the same tokens, and the target's distribution ----------------------------
@@ -217,6 +250,9 @@ def test_cli_generates_with_speculation_and_rejects_a_bad_count(capsys):
   assert main(["generate", "--model", model, "--speculative-method", "ngram", "--num-speculative-tokens",
                "0", "hello"]) == 1
   assert "num_speculative_tokens must be an int in [1, 8], got 0" in capsys.readouterr().err
+  assert main(["generate", "--model", model, "--speculative-method", "ngram", "--speculative-relaxed-top-n",
+               "2", "--speculative-relaxed-delta", "1.5", "hello"]) == 1
+  assert "relaxed_delta must be a probability in [0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_acceptance_stats_reach_prometheus_and_each_requests_usage():
