@@ -140,7 +140,7 @@ async def one_request(client, prompt, output_len) -> dict:
     gap = (stamps[i] - stamps[i - 1]) / counts[i]
     itl += [gap] * counts[i]
   return {"ttft": ttft, "latency": latency, "tokens": n, "itl": itl,
-          "tpot": (latency - ttft) / (n - 1) if n > 1 else 0.0, "sent": sent, "done": stamps[-1]}
+          "tpot": (latency - ttft) / (n - 1) if n > 1 else None, "sent": sent, "done": stamps[-1]}
 
 
 async def drive(port: int, prompts, output_len: int, *, rate: float | None, concurrency: int | None,
@@ -168,7 +168,9 @@ async def drive(port: int, prompts, output_len: int, *, rate: float | None, conc
 
 def summarize(results: list[dict], seconds: float) -> dict:
   def stats(xs):
-    xs = np.asarray(xs, float) * 1000.0
+    xs = np.asarray([x for x in xs if x is not None], float) * 1000.0
+    if not xs.size:  # e.g. TPOT and ITL of one-token outputs
+      return {"mean": None, "p50": None, "p90": None, "p99": None}
     return {"mean": float(xs.mean()), "p50": float(np.percentile(xs, 50)),
             "p90": float(np.percentile(xs, 90)), "p99": float(np.percentile(xs, 99))}
   tokens = sum(r["tokens"] for r in results)
@@ -195,8 +197,8 @@ def print_tables(report: dict) -> None:
           f"{r['request_throughput_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tok/s")
     print("| ms | mean | p50 | p90 | p99 |\n|---|---:|---:|---:|---:|")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
-      s = r[key]
-      print(f"| {key[:-3].upper()} | {s['mean']:.1f} | {s['p50']:.1f} | {s['p90']:.1f} | {s['p99']:.1f} |")
+      cells = " | ".join("-" if v is None else f"{v:.1f}" for v in r[key].values())
+      print(f"| {key[:-3].upper()} | {cells} |")
 
 
 def main() -> None:
