@@ -13,9 +13,10 @@ no-sampling, and the rest (the matmuls, norms, KV writes)
 
 Host overhead (engine.step() with the device call taken out): the
 scheduler, pack() and postprocessing (append, detokenize, stop checks) per
-step at --host-batches running sequences; then the wall time per step
-without and with async scheduling, and the share of it the device was idle
-(wall - device time, over wall).
+step at --host-batches running sequences, and its split between those
+parts (cProfile, in a run of its own); then the wall time per step without
+and with async scheduling, and the share of it the device was idle (wall -
+device time, over wall).
 
 Prints tables; writes benchmarks/results/profile-step-<date>.json and a
 stacked-bar PNG beside it (matplotlib).
@@ -80,17 +81,27 @@ def host_worker(batch: int, steps: int) -> dict:
 
   sync = _host_run(batch, steps, async_scheduling=False, time_device=True)
   device_ms = sync.pop("device_ms")
+  phases = _host_run(batch, steps, async_scheduling=False, time_device=True, profile=True)["phases"]
   plain = _host_run(batch, steps, async_scheduling=False, time_device=False)
   overlapped = _host_run(batch, steps, async_scheduling=True, time_device=False)
   host_ms = float(np.median(sync["host"]) * 1000)
   sync_ms, async_ms = plain["wall_ms"], overlapped["wall_ms"]
   # Exposed: the part of a step's wall time the device was not running (host work it waited for).
   return dict(batch=batch, host_ms=host_ms, device_ms=device_ms, step_ms=sync_ms, async_step_ms=async_ms,
-              exposed_share=max(0.0, sync_ms - device_ms) / sync_ms,
+              host_phases=phases, exposed_share=max(0.0, sync_ms - device_ms) / sync_ms,
               async_exposed_share=max(0.0, async_ms - device_ms) / async_ms)
 
 
-def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool) -> dict:
+# engine.step()'s host parts, by the function that does them (cProfile's cumulative time).
+HOST_PHASES = {"postprocess": "_postprocess", "schedule": "schedule", "pack": "pack_step"}
+
+
+def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool, profile: bool = False) -> dict:
+  """profile: the share of host time in each of HOST_PHASES (and 'other': launching,
+  drafting, the engine's own loop), from cProfile; its overhead inflates times, not shares."""
+  import cProfile
+  import pstats
+
   import jax
   import numpy as np
 
@@ -124,12 +135,23 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool)
     engine.step()
   totals = []
   device.clear()
+  profiler = cProfile.Profile() if profile else None
   t_all = time.perf_counter()
   for _ in range(steps):
     t0 = time.perf_counter()
-    engine.step()
+    if profiler is not None:
+      profiler.runcall(engine.step)
+    else:
+      engine.step()
     totals.append(time.perf_counter() - t0)
   wall_ms = (time.perf_counter() - t_all) / steps * 1000
+  if profiler is not None:
+    cumulative = {}
+    for (_, _, name), (_, _, _, ct, _) in pstats.Stats(profiler).stats.items():
+      cumulative[name] = cumulative.get(name, 0.0) + ct
+    host = cumulative["step"] - cumulative["timed"]
+    phases = {phase: cumulative.get(fn, 0.0) / host for phase, fn in HOST_PHASES.items()}
+    return dict(phases=phases | {"other": 1.0 - sum(phases.values())})
   if not time_device:
     return dict(wall_ms=wall_ms)
   return dict(host=np.array(totals) - np.array(device), device_ms=float(np.median(device) * 1000), wall_ms=wall_ms)
@@ -177,7 +199,7 @@ def main() -> int:
     print("RESULT", json.dumps(res))
     return 0
   rows = []
-  for batch in map(int, args.batches.split(",")):
+  for batch in map(int, args.batches.split(",") if args.batches else []):
     ms = {v: _spawn(dict(variant=v, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters))
           for v in ("full", "no-attention", "no-sampling")}
     full = ms["full"]["step_ms"]
@@ -203,8 +225,15 @@ def main() -> int:
     for h in host:
       print(f"| {h['batch']} | {h['host_ms']:.2f} | {h['device_ms']:.1f} | {h['step_ms']:.1f} | "
             f"{h['exposed_share']:.1%} | {h['async_step_ms']:.1f} | {h['async_exposed_share']:.1%} |")
+    print("\n| running sequences | " + " | ".join(f"host share: {p}" for p in (*HOST_PHASES, "other")) + " |")
+    print("|---|" + "---|" * (len(HOST_PHASES) + 1))
+    for h in host:
+      print(f"| {h['batch']} | " + " | ".join(f"{v:.0%}" for v in h["host_phases"].values()) + " |")
   import bench_peers
   out = bench_peers.write_results("profile-step", dict(rows=rows, host=host), args.out)
+  if not rows:  # (--batches ''): host overhead only, no picture
+    print(f"wrote {out}")
+    return 0
   png = out.with_suffix(".png")
   plot(rows, png)
   print(f"wrote {out} and {png}")
