@@ -201,7 +201,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--async-scheduling", action="store_true",
                  help="schedule and pack step n+1 while the device runs step n "
-                      "(with --speculative-method mtp too; not ngram)")
+                      "(with --speculative-method mtp too; ngram drafts need each step's tokens on "
+                      "the host, so those steps do not overlap)")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
   p.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],

@@ -82,8 +82,9 @@ class EngineConfig:
   speculative: SpeculativeConfig | None = None
   # Async scheduling: the host schedules and packs step n+1 while the device runs step n,
   # whose sampled ids stay on the device and feed step n+1 (LLMEngine.step). With
-  # speculative method 'mtp' the drafts stay there too; not with 'ngram' (its drafts are
-  # looked up in the committed tokens on the host).
+  # speculative method 'mtp' the drafts stay there too. 'ngram' drafts are looked up in the
+  # committed tokens on the host: a step that samples for a request that drafts is
+  # postprocessed before the next is packed, so such steps do not overlap.
   async_scheduling: bool = False
 
   def __post_init__(self):
@@ -101,11 +102,6 @@ class EngineConfig:
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
     if not isinstance(self.async_scheduling, bool):
       raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
-    if self.async_scheduling and self.speculative is not None and self.speculative.method == "ngram":
-      raise InvalidRequestError("async_scheduling does not combine with speculative method 'ngram': its "
-                                "drafts are looked up in the committed tokens on the host, which async "
-                                "scheduling leaves on the device for a step; use method 'mtp' or turn "
-                                "async_scheduling off")
 
 
 @dataclasses.dataclass
@@ -486,7 +482,7 @@ class LLMEngine:
     outputs, self._pending = self._pending, []
     inflight, self._inflight = self._inflight, None
     if inflight is not None and inflight.needs_host_tokens:
-      outputs += self._postprocess(inflight)  # grammar masks need the in-flight tokens
+      outputs += self._postprocess(inflight)  # grammar masks and n-gram drafts need its tokens
       inflight = None
     if self.drafter is not None:
       self._propose_drafts()
@@ -531,7 +527,10 @@ class LLMEngine:
       return sched, None, e
     self.num_steps += 1
     self.num_computed_tokens += sched.num_tokens
-    needs_host = any(s.grammar is not None and s.samples for s in seqs)
+    # Grammar masks and n-gram drafts for the next step are made from this step's tokens.
+    ngram = self.spec is not None and self.spec.method == "ngram"
+    needs_host = any(s.samples and (s.grammar is not None or (ngram and not s.params.uses_penalties))
+                     for s in seqs)
     return sched, _Launched(sched.scheduled, seqs, handle, needs_host), None
 
   def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:

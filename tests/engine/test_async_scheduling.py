@@ -171,8 +171,25 @@ def test_mtp_runs_equal_the_engine_without_drafts(sync, mtp_llm):
   assert mtp_llm.engine.kv.usage == 0.0
 
 
+def test_ngram_drafts_are_looked_up_after_the_step_that_makes_their_tokens():
+  """N-gram drafts come from the committed tokens on the host: a step that samples for a
+  request that drafts is postprocessed before the next is packed, so every draft is the
+  synchronous engine's (the same acceptance, step for step), and the outputs are
+  transformers' greedy ids. (Placeholder drafts for an in-flight token would be rejected.)"""
+  g = json.loads((DATA / "golden" / "batch_llama3.json").read_text())
+  prompts = [r["prompt_ids"] for r in g["records"]]
+  options = dict(max_num_seqs=16, max_num_batched_tokens=64, warmup=False,  # test_spec_decode's programs
+                 speculative={"method": "ngram", "num_speculative_tokens": 3})
+  sync = LLM(tiny_dir("llama3"), **options)
+  want = sync.generate(prompts, greedy(g["max_new_tokens"]))
+  llm = LLM(tiny_dir("llama3"), async_scheduling=True, **options)
+  got = llm.generate(prompts, greedy(g["max_new_tokens"]))
+  assert [o.token_ids for o in got] == [r["greedy_ids"] for r in g["records"]] == [o.token_ids for o in want]
+  stats, want_stats = llm.engine.stats(), sync.engine.stats()
+  assert stats["spec_accepted_tokens"] == want_stats["spec_accepted_tokens"] > 0
+  assert stats["spec_draft_tokens"] == want_stats["spec_draft_tokens"]
+
+
 def test_bad_options():
-  with pytest.raises(InvalidRequestError, match="async_scheduling does not combine with speculative method 'ngram'"):
-    EngineConfig(async_scheduling=True, speculative={"method": "ngram", "num_speculative_tokens": 2})
   with pytest.raises(InvalidRequestError, match="async_scheduling must be a bool, got 'yes'"):
     EngineConfig(async_scheduling="yes")
