@@ -529,7 +529,7 @@ class LLMEngine:
     self.num_computed_tokens += sched.num_tokens
     # Grammar masks and n-gram drafts for the next step are made from this step's tokens.
     ngram = self.spec is not None and self.spec.method == "ngram"
-    needs_host = any(s.samples and (s.grammar is not None or (ngram and not s.params.uses_penalties))
+    needs_host = any(s.samples and (s.grammar is not None or (ngram and _speculates(s.params)))
                      for s in seqs)
     return sched, _Launched(sched.scheduled, seqs, handle, needs_host), None
 
@@ -593,9 +593,7 @@ class LLMEngine:
     k = self.spec.num_speculative_tokens
     for req in self.scheduler.running:
       req.spec_token_ids = []
-      # Penalties would need each verified row to see the drafts before it in its
-      # history; such requests decode without speculation.
-      if req.num_uncomputed != 1 or req.params.uses_penalties:
+      if req.num_uncomputed != 1 or not _speculates(req.params):
         continue
       # Never draft past max_tokens: the bonus token needs one slot of its own.
       room = min(k, req.params.max_tokens - len(req.output_token_ids) - req.num_inflight - 1)
@@ -795,6 +793,12 @@ def _find_mtp_head(cfg: ModelConfig, params: Any, model_path: str | Path | None,
     return jax.device_put(weights, jax.devices()[0])
   # One block: replicated on every device of the mesh, beside the sharded model.
   return jax.device_put(weights, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _speculates(params: SamplingParams) -> bool:
+  """Whether a request gets drafts. Penalties would need each verified row to see the
+  drafts before it in its history; such requests decode without speculation."""
+  return not params.uses_penalties
 
 
 def _logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:
