@@ -23,6 +23,7 @@ through the engine's command queue (serving/disagg.py does).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Sequence
 
 from jaxinfer.errors import KVTransferError
@@ -45,7 +46,10 @@ class KVLayout:
   sizes may differ): the wire form of a `CacheSpec` (jaxinfer.models.cache) at one page
   size, built by `from_cache_spec`. One page per layer is `[page_size, num_kv_heads,
   head_dim]` of `dtype`, for each of the cache's arrays (`names`, e.g. ('k', 'v')); an
-  MLA layer's headless latent travels as one 'kv head' of head_dim r + R."""
+  MLA layer's headless latent travels as one 'kv head' of head_dim r + R. A quantized
+  cache (int8 / fp8) has `scale_groups` G > 0: after the values, each array's float32
+  '<name>_scale' as `[page_size, num_kv_heads, G]` per page (G = 1: one per token and
+  head; an MLA latent's G groups of its one 'head')."""
 
   num_layers: int
   page_size: int
@@ -53,6 +57,7 @@ class KVLayout:
   head_dim: int
   dtype: str
   names: tuple[str, ...] = ("k", "v")
+  scale_groups: int = 0
 
   @classmethod
   def from_cache_spec(cls, spec: "CacheSpec", page_size: int) -> "KVLayout":
@@ -63,24 +68,29 @@ class KVLayout:
       kinds = sorted({l.kind for l in spec.layers})
       raise KVTransferError(f"the KV cache mixes layer kinds {kinds}: KVLayout describes one page "
                             "layout for every layer, so these pages cannot be transferred")
-    if spec.quantized:
-      raise KVTransferError(f"a {spec.dtype} KV cache carries float32 scales beside its pages, which the "
-                            "KV transfer wire (one dtype and token shape for every array) does not describe "
-                            "yet: disaggregated workers need kv_cache_dtype 'auto', 'float32' or 'bfloat16'")
-    shapes = {a.shape for a in layer.arrays}
+    values = [a for a in layer.arrays if a.dtype is None]  # a scale has its own dtype
+    shapes = {a.shape for a in values}
     if len(shapes) != 1:
       raise KVTransferError(f"the KV cache's arrays {layer.names} have different token shapes {sorted(shapes)}")
     shape, = shapes
     heads, dim = shape if len(shape) == 2 else (1,) + shape
+    groups = {math.prod(a.shape) // heads for a in layer.arrays if a.dtype is not None}
+    if len(groups) > 1:
+      raise KVTransferError(f"the KV cache's scale arrays have different group counts {sorted(groups)}")
     return cls(num_layers=len(spec.layers), page_size=page_size, num_kv_heads=heads, head_dim=dim,
-               dtype=spec.dtype, names=layer.names)
+               dtype=spec.dtype, names=tuple(a.name for a in values), scale_groups=max(groups, default=0))
+
+  @property
+  def scale_names(self) -> tuple[str, ...]:
+    """The float32 scale arrays that follow the values on the wire ('k_scale', ...), if any."""
+    return tuple(f"{n}_scale" for n in self.names) if self.scale_groups else ()
 
   @property
   def page_bytes(self) -> int:
-    """Bytes of one page over every layer and array (what a transfer moves per page)."""
+    """Bytes of one page over every layer and array, scales included (what a transfer moves per page)."""
     import numpy as np
-    itemsize = np.dtype(self.dtype).itemsize
-    return self.num_layers * len(self.names) * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+    tokens = self.num_layers * len(self.names) * self.page_size * self.num_kv_heads
+    return tokens * (self.head_dim * np.dtype(self.dtype).itemsize + self.scale_groups * 4)
 
   def check_matches(self, other: "KVLayout", what: str = "the remote worker", *, page_size: bool = True) -> None:
     """KVTransferError naming every field that differs between self (ours) and `other`;

@@ -18,7 +18,8 @@ transfer to the server's asyncio loop); `KVTransferServicer` is the
 producer's RPC.
 
 Why gRPC streaming rather than jax.experimental.transfer: see the note
-below the imports. Pages go as raw bytes (C order, the cache dtype),
+below the imports. Pages go as raw bytes (C order, the cache dtype; a
+quantized cache's float32 scales after its values),
 `pages_per_chunk` per message (a power of two up to 4 MiB, so the
 export / import programs stay among the runner's bucketed few), in the
 prefill worker's page size (its KVLayout says which): the decode worker
@@ -101,12 +102,12 @@ class PrefillUnavailable(Unavailable):
 
 def layout_to_proto(l: KVLayout) -> kv_pb.KVLayout:
   return kv_pb.KVLayout(num_layers=l.num_layers, page_size=l.page_size, num_kv_heads=l.num_kv_heads,
-                        head_dim=l.head_dim, dtype=l.dtype, names=list(l.names))
+                        head_dim=l.head_dim, dtype=l.dtype, names=list(l.names), scale_groups=l.scale_groups)
 
 
 def layout_from_proto(m: kv_pb.KVLayout) -> KVLayout:
   return KVLayout(num_layers=m.num_layers, page_size=m.page_size, num_kv_heads=m.num_kv_heads,
-                  head_dim=m.head_dim, dtype=m.dtype, names=tuple(m.names))
+                  head_dim=m.head_dim, dtype=m.dtype, names=tuple(m.names), scale_groups=m.scale_groups)
 
 
 def pages_per_chunk(layout: KVLayout, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -116,30 +117,39 @@ def pages_per_chunk(layout: KVLayout, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def pack_pages(arrays: Sequence[Mapping[str, np.ndarray]], layout: KVLayout) -> bytes:
-  """KVChunk.data: per layer, per name of layout.names, the array's bytes (C order, little-endian)."""
-  return b"".join(np.ascontiguousarray(layer[name]).astype(np.dtype(layout.dtype).newbyteorder("<"),
-                                                           copy=False).tobytes()
-                  for layer in arrays for name in layout.names)
+  """KVChunk.data: per layer, each array of layout.names, then (a quantized cache) each
+  one's float32 scales, in C order, little-endian."""
+  return b"".join(np.ascontiguousarray(layer[name]).astype(dtype.newbyteorder("<"), copy=False).tobytes()
+                  for layer in arrays for name, dtype in _wire_arrays(layout))
 
 
 def unpack_pages(data: bytes, num_pages: int, layout: KVLayout) -> list[dict[str, np.ndarray]]:
-  """The inverse of pack_pages, or KVTransferError when the byte count is not num_pages pages'."""
+  """The inverse of pack_pages, or KVTransferError when the byte count is not num_pages pages'.
+  Values come as [num_pages, page_size, num_kv_heads, head_dim]; scales as [..., num_kv_heads,
+  scale_groups], or [..., num_kv_heads] with one group (the cache's own per-head shape)."""
   want = num_pages * layout.page_bytes
   if len(data) != want:
     raise KVTransferError(f"a chunk of {num_pages} pages carries {len(data)} bytes, expected {want} "
                           f"({layout.page_bytes} per page)")
-  dtype = np.dtype(layout.dtype).newbyteorder("<")
-  shape = (num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
-  size = math.prod(shape) * dtype.itemsize
+  lead = (num_pages, layout.page_size, layout.num_kv_heads)
   out, at = [], 0
   for _ in range(layout.num_layers):
     layer = {}
-    for name in layout.names:
-      layer[name] = np.frombuffer(data, dtype, count=size // dtype.itemsize, offset=at).reshape(shape)
-      layer[name] = layer[name].astype(np.dtype(layout.dtype), copy=False)
-      at += size
+    for name, dtype in _wire_arrays(layout):
+      last = (layout.scale_groups,) if name in layout.scale_names and layout.scale_groups > 1 else \
+             () if name in layout.scale_names else (layout.head_dim,)
+      count = math.prod(lead + last)
+      a = np.frombuffer(data, dtype.newbyteorder("<"), count=count, offset=at).reshape(lead + last)
+      layer[name] = a.astype(dtype, copy=False)
+      at += count * dtype.itemsize
     out.append(layer)
   return out
+
+
+def _wire_arrays(layout: KVLayout) -> list[tuple[str, np.dtype]]:
+  """(name, dtype) of each array of one layer, in wire order."""
+  return ([(n, np.dtype(layout.dtype)) for n in layout.names]
+          + [(n, np.dtype(np.float32)) for n in layout.scale_names])
 
 
 def _token_logprob(out: RequestOutput) -> pb.TokenLogprob:

@@ -8,7 +8,7 @@ import pytest
 from conftest import golden, tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.engine import EngineConfig
-from jaxinfer.engine.kv_connector import KVTransferError
+from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.errors import InvalidRequestError
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, warmup=False)
@@ -97,9 +97,35 @@ def test_kv_transfer_between_quantized_engines_continues_the_request():
   while cons.has_unfinished():
     got += cons.step()
   assert got[-1].token_ids == want.token_ids
-  # The gRPC wire (one dtype and token shape for every array) does not carry scales: refused up front.
-  with pytest.raises(KVTransferError, match="scales"):
-    cons.kv_layout()
+
+
+@pytest.mark.parametrize("family,kv,heads,dim,groups", [
+    ("qwen3", "int8", 2, 32, 1), ("qwen3", "fp8", 2, 32, 1), ("deepseek_v3", "int8", 1, 40, 5)])
+def test_the_grpc_wire_carries_values_and_scales_bit_exact(family, kv, heads, dim, groups):
+  """pack_pages -> bytes -> unpack_pages gives every array back bit-exact, in the dtype and
+  token shape the cache's own check accepts: per-head scales (GQA) and an MLA latent's
+  grouped ones (one 'kv head'); the byte count is the layout's, scales included."""
+  from jaxinfer.checkpoint.hf import read_config
+  from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
+  from jaxinfer.serving.disagg import layout_from_proto, layout_to_proto, pack_pages, unpack_pages
+  cfg = read_config(tiny_dir(family))
+  spec = CacheSpec.from_config(cfg, kv_cache_dtype(kv, "float32"))
+  layout = KVLayout.from_cache_spec(spec, page_size=4)
+  assert (layout.num_kv_heads, layout.head_dim, layout.scale_groups) == (heads, dim, groups)
+  assert layout_from_proto(layout_to_proto(layout)) == layout
+  rng = np.random.default_rng(0)
+  pages = [{name: (rng.standard_normal((3, 4) + shape) * 50).astype(spec.dtypes()[l][name])
+            for name, shape in ((a.name, a.shape) for a in layer.arrays)} for l, layer in enumerate(spec.layers)]
+  data = pack_pages(pages, layout)
+  assert len(data) == 3 * layout.page_bytes == 3 * spec.page_bytes(4)
+  back = spec.check_transfer(unpack_pages(data, 3, layout), page_major=True)
+  for want, got in zip(spec.check_transfer(pages, page_major=True), back):
+    assert want.keys() == got.keys()
+    for name in want:
+      assert got[name].dtype == want[name].dtype
+      np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8))
+  with pytest.raises(KVTransferError, match="scale_groups: ours 0"):
+    KVLayout.from_cache_spec(CacheSpec.from_config(cfg, "float32"), 4).check_matches(layout)
 
 
 def test_bad_kv_cache_dtypes_are_refused():

@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation with real processes on loopback: `jaxinfer serve
 --role prefill` and `--role decode`, over a tiny llama3 whose context was
 stretched to 4096 positions so that a long prompt keeps a transfer in flight
-long enough to cancel it or kill its prefill worker.
+long enough to cancel it or kill its prefill worker. The real pair keeps an int8 KV
+cache, so every transfer here carries scales beside the values (tests/serving/
+test_router_disagg.py moves float32 pages).
 
 Each worker's KV pool is read through its Prometheus gauge
 `jaxinfer_kv_cache_usage_ratio` (--metrics-port): 0 once nobody holds a page."""
@@ -75,16 +77,19 @@ def wait_for(predicate, timeout=15.0, what="condition", logs=()):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-  return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
+  return LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_dtype="int8", warmup=False)
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
   """A prefill worker (16-token pages; no Ack within 3 s frees its pages) and a decode
-  worker on it with 8-token pages: every transfer here is re-chunked on the way in."""
+  worker on it with 8-token pages: every transfer here is re-chunked on the way in. Both
+  keep an int8 KV cache (values and their per-token, per-head scales cross together)."""
   port = free_port()  # both start at once: the decode worker only dials it per request
-  prefill = start_worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3", port=port)
-  decode = start_worker(model_dir, "--role", "decode", "--prefill-workers", f"127.0.0.1:{port}", "--page-size", "8")
+  prefill = start_worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3", "--kv-cache-dtype", "int8",
+                         port=port)
+  decode = start_worker(model_dir, "--role", "decode", "--prefill-workers", f"127.0.0.1:{port}", "--page-size", "8",
+                        "--kv-cache-dtype", "int8")
   try:
     prefill.wait()
     decode.wait()
@@ -197,8 +202,9 @@ def test_cancel_during_transfer_frees_both_pools(pair):
 
 
 def test_transfer_metrics_count_the_pages_and_bytes_of_a_known_transfer(pair):
-  """A 99-token prompt neither worker has seen crosses as 7 pages of 16 tokens, 4096
-  bytes each (2 layers x k, v x 16 positions x 1 head x 16 dims x 4 bytes): the prefill
+  """A 99-token prompt neither worker has seen crosses as 7 pages of 16 tokens, 1280
+  bytes each (2 layers x k, v x 16 positions x 1 head x (16 int8 values + a float32
+  scale)): the prefill
   worker's "sent" and the decode worker's "received" counters (pages as sent, in the
   prefill worker's page size) move by exactly that, one completed transfer and one
   duration each, and no failure."""
@@ -215,7 +221,7 @@ def test_transfer_metrics_count_the_pages_and_bytes_of_a_known_transfer(pair):
              sample(before[d], "jaxinfer_kv_transfers_total", direction=d) + 1, what=f"the {d} transfer")
     after = w.metrics_text()
     moved = [sample(after, n, direction=d) - sample(before[d], n, direction=d) for n in names]
-    assert moved == [7, 7 * 4096, 1, 1], (d, moved)
+    assert moved == [7, 7 * 1280, 1, 1], (d, moved)
     failures = lambda text: re.findall(r"^jaxinfer_kv_transfer_failures_total\{.*$", text, re.M)
     assert failures(after) == failures(before[d])  # earlier tests' failures, none added
 
@@ -242,7 +248,7 @@ def test_prefill_worker_frees_held_pages_without_an_ack_or_on_cancel(pair):
       header, chunk, done = msgs[0].header, msgs[1].chunk, msgs[2].done
       assert (header.num_prompt_tokens, header.first_page, header.num_pages) == (99, 0, 7)
       assert (chunk.first_page, chunk.num_pages, done.num_bytes) == (0, 7, len(chunk.data))
-      assert len(chunk.data) == 7 * 2 * 2 * 16 * 1 * 16 * 4  # pages x layers x (k, v) x page bytes
+      assert len(chunk.data) == 7 * 2 * 2 * 16 * 1 * (16 + 4)  # pages x layers x (k, v) x tokens x (values + scale)
       held_at = time.monotonic()
       assert kv_usage(prefill) > 0
       with pytest.raises(grpc.aio.AioRpcError) as e:

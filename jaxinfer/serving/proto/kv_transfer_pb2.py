@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from jaxinfer.serving.proto import inference_pb2 as jaxinfer_dot_serving_dot_proto_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(jaxinfer/serving/proto/kv_transfer.proto\x12\x0bjaxinfer.v1\x1a&jaxinfer/serving/proto/inference.proto\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05R\nskip_pages\"\x05\n\x03\x41\x63k\"o\n\x14PrefillClientMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.jaxinfer.v1.PrefillRequestH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.jaxinfer.v1.AckH\x00\x42\x06\n\x04kind\"w\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05names\x18\x06 \x03(\t\"\xbf\x01\n\rPrefillHeader\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.KVLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\">\n\x07KVChunk\x12\x12\n\nfirst_page\x18\x01 \x01(\r\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\" \n\x0bPrefillDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x9d\x01\n\x14PrefillServerMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.jaxinfer.v1.PrefillHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.jaxinfer.v1.KVChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.jaxinfer.v1.PrefillDoneH\x00\x42\x06\n\x04kind2a\n\nKVTransfer\x12S\n\x07Prefill\x12!.jaxinfer.v1.PrefillClientMessage\x1a!.jaxinfer.v1.PrefillServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(jaxinfer/serving/proto/kv_transfer.proto\x12\x0bjaxinfer.v1\x1a&jaxinfer/serving/proto/inference.proto\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05R\nskip_pages\"\x05\n\x03\x41\x63k\"o\n\x14PrefillClientMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.jaxinfer.v1.PrefillRequestH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.jaxinfer.v1.AckH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05names\x18\x06 \x03(\t\x12\x14\n\x0cscale_groups\x18\x07 \x01(\r\"\xbf\x01\n\rPrefillHeader\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.KVLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\">\n\x07KVChunk\x12\x12\n\nfirst_page\x18\x01 \x01(\r\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\" \n\x0bPrefillDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x9d\x01\n\x14PrefillServerMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.jaxinfer.v1.PrefillHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.jaxinfer.v1.KVChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.jaxinfer.v1.PrefillDoneH\x00\x42\x06\n\x04kind2a\n\nKVTransfer\x12S\n\x07Prefill\x12!.jaxinfer.v1.PrefillClientMessage\x1a!.jaxinfer.v1.PrefillServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,16 +38,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACK']._serialized_end=254
   _globals['_PREFILLCLIENTMESSAGE']._serialized_start=256
   _globals['_PREFILLCLIENTMESSAGE']._serialized_end=367
-  _globals['_KVLAYOUT']._serialized_start=369
-  _globals['_KVLAYOUT']._serialized_end=488
-  _globals['_PREFILLHEADER']._serialized_start=491
-  _globals['_PREFILLHEADER']._serialized_end=682
-  _globals['_KVCHUNK']._serialized_start=684
-  _globals['_KVCHUNK']._serialized_end=746
-  _globals['_PREFILLDONE']._serialized_start=748
-  _globals['_PREFILLDONE']._serialized_end=780
-  _globals['_PREFILLSERVERMESSAGE']._serialized_start=783
-  _globals['_PREFILLSERVERMESSAGE']._serialized_end=940
-  _globals['_KVTRANSFER']._serialized_start=942
-  _globals['_KVTRANSFER']._serialized_end=1039
+  _globals['_KVLAYOUT']._serialized_start=370
+  _globals['_KVLAYOUT']._serialized_end=511
+  _globals['_PREFILLHEADER']._serialized_start=514
+  _globals['_PREFILLHEADER']._serialized_end=705
+  _globals['_KVCHUNK']._serialized_start=707
+  _globals['_KVCHUNK']._serialized_end=769
+  _globals['_PREFILLDONE']._serialized_start=771
+  _globals['_PREFILLDONE']._serialized_end=803
+  _globals['_PREFILLSERVERMESSAGE']._serialized_start=806
+  _globals['_PREFILLSERVERMESSAGE']._serialized_end=963
+  _globals['_KVTRANSFER']._serialized_start=965
+  _globals['_KVTRANSFER']._serialized_end=1062
 # @@protoc_insertion_point(module_scope)

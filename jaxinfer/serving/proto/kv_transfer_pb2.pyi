@@ -32,20 +32,22 @@ class PrefillClientMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "names")
+    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "names", "scale_groups")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     page_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    scale_groups: int
+    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., scale_groups: _Optional[int] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
     __slots__ = ("first_token", "layout", "num_prompt_tokens", "first_page", "num_pages", "cached_tokens")
