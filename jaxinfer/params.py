@@ -75,6 +75,9 @@ class WeightSpec:
   # The LM head, or the embedding tied to it: int8 quantizes it (jaxinfer/quant.py), other
   # formats keep it in the model dtype.
   head: bool = False
+  # An MoE router (or Qwen2-MoE's shared-expert gate): its logits choose experts, so it is
+  # read in float32 and never quantized.
+  router: bool = False
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -151,7 +154,6 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
     parse_quantization(quantization)
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
-    check_model_quantizable(cfg, quantization)
     return jax.tree.map(lambda s: quantized_spec(s, quantization=quantization) if quantizable(s, quantization)
                         else s, specs, is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
@@ -171,16 +173,6 @@ def model_dtype(params: Any):
   """The activation (and KV cache) dtype of a param tree: its final norm's, which no
   quantization touches (the embedding may be int8)."""
   return params["final_norm"].dtype
-
-
-def check_model_quantizable(cfg: ModelConfig, quantization: str | None) -> None:
-  """UnsupportedModelError for GPT-OSS with `quantization`: its experts ([in, out], with biases)
-  are not linear specs, so quant.check_quantizable would let them pass as floats beside an int8
-  router, which the MoE router does not read."""
-  if quantization is not None and cfg.expert_bias:
-    from jaxinfer.errors import UnsupportedModelError
-    raise UnsupportedModelError(f"quantization={quantization!r} is not supported for GPT-OSS "
-                                "mixture-of-experts weights; load this model unquantized")
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
@@ -266,7 +258,7 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
     hf, names = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
   spec: dict[str, Any] = {
       "router": WeightSpec((D, E), ("embed", None), "normal", hf + "gate.weight",
-                           gg + "ffn_gate_inp.weight", linear=True),
+                           gg + "ffn_gate_inp.weight", linear=True, router=True),
       **swiglu_specs(D, F, hf + "experts.{e}.", gg, "_exps", ("embed", "mlp"), names, experts=E),
   }
   if cfg.router_bias:
@@ -281,7 +273,7 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
     if cfg.shared_expert_gate:
       spec["shared"]["gate"] = WeightSpec((D, 1), ("embed", None), "normal",
                                           hf + "shared_expert_gate.weight",
-                                          gg + "ffn_gate_inp_shexp.weight", linear=True)
+                                          gg + "ffn_gate_inp_shexp.weight", linear=True, router=True)
   return spec
 
 
@@ -301,7 +293,7 @@ def gpt_oss_moe_specs(cfg: ModelConfig, i: int) -> dict[str, Any]:
 
   return {
       "router": WeightSpec((D, E), ("embed", None), "normal", hf + "router.weight",
-                           gg + "ffn_gate_inp.weight", linear=True),
+                           gg + "ffn_gate_inp.weight", linear=True, router=True),
       "router_logit_bias": WeightSpec((E,), (None,), "zeros", hf + "router.bias", gg + "ffn_gate_inp.bias"),
       "w_gate": w((D, F), ("embed", "mlp"), "gate_up_proj", "ffn_gate_exps.weight", interleave=(0, 2)),
       "w_up": w((D, F), ("embed", "mlp"), "gate_up_proj", "ffn_up_exps.weight", interleave=(1, 2)),

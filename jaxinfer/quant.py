@@ -11,6 +11,9 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
   mins    float32 [G, out...] int4 only (None otherwise): the group's offset
 
 so w[i, o] = values[i, o] * scales[g, o] (+ mins[g, o]) with g = i // (in / G).
+Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
+front of both: values [E, in, out], scales float32 [E, 1, out], one scale per (expert, output
+channel); models/moe.py multiplies each row's expert's scales after the grouped dot.
 - int8: symmetric, scale = max|w| / 127 over the group.
 - fp8 (e4m3fn, the GPU path): per-output-channel, scale = max|w| / 448 (e4m3fn's largest
   finite value), values = w / scale rounded to e4m3 (to nearest even). Per channel rather
@@ -162,46 +165,57 @@ def check_fp8() -> None:
 
 
 def num_in_axes(spec) -> int:
-  """How many leading axes of a linear weight are contracted: wo [H, Dh, D] reads H*Dh."""
-  return 2 if spec.axes[:2] == ("heads", "head_dim") else 1
+  """How many axes (after a stacked weight's experts axis) are contracted: wo [H, Dh, D] reads H*Dh."""
+  axes = spec.axes[1:] if spec.num_experts else spec.axes
+  return 2 if axes[:2] == ("heads", "head_dim") else 1
 
 
 def quantizable(spec, quantization: str | None = None) -> bool:
-  """Linear weights are quantized. The LM head, or the embedding tied to it (spec.head), only
-  by int8: on the CPU fp8 and int4 would write a float32 copy of the largest weight per step."""
+  """Linear weights and stacked expert matrices are quantized; routers never (their logits
+  choose the experts, in float32). The LM head, or the embedding tied to it (spec.head),
+  only by int8: on the CPU fp8 and int4 would write a float32 copy of the largest weight
+  per step."""
   if spec.head:
     return quantization == "int8"
-  return spec.linear and "vocab" not in spec.axes
+  if spec.router:
+    return False
+  experts = spec.num_experts and len(spec.shape) == 3  # [E, in, out] (GPT-OSS's are not `linear`)
+  return bool(spec.linear or experts) and "vocab" not in spec.axes
 
 
 def check_quantizable(specs: Any, quantization: str) -> None:
   """UnsupportedModelError unless every weight `quantization` would touch can be held that way.
 
-  Stacked expert weights [E, in, out] are not: their scales would be per
-  (expert, channel), which neither the scales layout above nor `linear`
-  (the grouped expert matmul is a ragged_dot) knows.
+  int4 is refused for stacked expert weights: its group-wise scales vary along the
+  contraction, so the grouped expert matmul (a ragged_dot over all E experts on the CPU)
+  would dequantize every expert's weight to floats on every step.
   int4 is refused for MLA's wkv_b: models/mla.py reads it dequantized as values x scales
   (its absorbed form contracts the output dims), which would drop int4's mins.
   """
   from jaxinfer.params import is_spec
+  if quantization != "int4":
+    return
   for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
     where = f"({jax.tree_util.keystr(path, simple=True, separator='/')}: {spec.hf})"
     if quantizable(spec, quantization) and spec.num_experts:
-      raise UnsupportedModelError(
-          f"quantization={quantization!r} is not supported for mixture-of-experts weights "
-          f"{where}; load this model unquantized")
-    if quantization == "int4" and quantizable(spec, quantization) and spec.hf.endswith("kv_b_proj.weight"):
+      raise UnsupportedModelError(f"quantization='int4' is not supported for mixture-of-experts weights "
+                                  f"{where}: use int8 or fp8")
+    if quantizable(spec, quantization) and spec.hf.endswith("kv_b_proj.weight"):
       raise UnsupportedModelError(f"quantization='int4' is not supported for MLA {where}: use int8 or fp8")
 
 
 def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:
   """The specs of a quantized weight: values keep the weight's axes, scales (and int4's mins)
-  its output axes. `groups` defaults to 1 (int8, fp8) or in / INT4_GROUP (int4)."""
+  its output axes (behind a stacked weight's experts axis). `groups` defaults to 1 (int8,
+  fp8) or in / INT4_GROUP (int4)."""
+  lead = 1 if spec.num_experts else 0
   n = num_in_axes(spec)
   if groups is None:
-    groups = max(1, math.prod(spec.shape[:n]) // INT4_GROUP) if quantization == "int4" else 1
+    in_size = math.prod(spec.shape[lead:lead + n])
+    groups = max(1, in_size // INT4_GROUP) if quantization == "int4" else 1
   values = dataclasses.replace(spec, dtype=VALUE_DTYPES[quantization].name)
-  scales = dataclasses.replace(spec, shape=(groups,) + spec.shape[n:], axes=(None,) + spec.axes[n:],
+  scales = dataclasses.replace(spec, shape=spec.shape[:lead] + (groups,) + spec.shape[lead + n:],
+                               axes=spec.axes[:lead] + (None,) + spec.axes[lead + n:],
                                init="ones", dtype="float32", linear=False)
   mins = dataclasses.replace(scales, init="zeros") if quantization == "int4" else None
   return QuantizedWeight(values, scales, mins)
@@ -260,6 +274,24 @@ def quantize(w: np.ndarray, n_in: int, quantization: str, group_size: int = INT4
   raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 
+def quantize_weight(spec, w: np.ndarray, quantization: str, group_size: int = INT4_GROUP) -> QuantizedWeight:
+  """`quantize` for the weight `spec` describes: a stacked expert weight expert by expert
+  (values [E, in, out], scales [E, G, out])."""
+  if not spec.num_experts:
+    return quantize(w, num_in_axes(spec), quantization, group_size, spec.hf)
+  parts = [quantize(e, num_in_axes(spec), quantization, group_size, spec.hf) for e in np.asarray(w)]
+  return QuantizedWeight(np.stack([p.values for p in parts]), np.stack([p.scales for p in parts]),
+                         None if parts[0].mins is None else np.stack([p.mins for p in parts]))
+
+
+def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
+  """The float32 weight `w` stands for, for the weight `spec` describes (experts too)."""
+  if not spec.num_experts:
+    return dequantize(w, num_in_axes(spec))
+  return np.stack([dequantize(QuantizedWeight(w.values[e], w.scales[e], None if w.mins is None else w.mins[e]),
+                              num_in_axes(spec)) for e in range(spec.num_experts)])
+
+
 def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
   """The float32 weight a QuantizedWeight stands for (the tests' reference)."""
   values = np.asarray(w.values)
@@ -281,7 +313,7 @@ def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_si
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec, quantization):
       return w
-    return quantize(np.asarray(w), num_in_axes(spec), quantization, group_size, spec.hf)
+    return quantize_weight(spec, np.asarray(w), quantization, group_size)
 
   return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or is_quantized(x))
 
@@ -309,6 +341,12 @@ def check_quantized(name: str, values_shape: tuple[int, ...], values_dtype, scal
   if tuple(values_shape) != spec.shape:
     raise CheckpointError(f"{name}: quantized values have shape {tuple(values_shape)}, "
                           f"expected {spec.shape}")
+  if spec.num_experts:  # per (expert, output channel) only: models/moe.py's layout
+    want = (spec.shape[0], 1) + spec.shape[1 + n:]
+    if tuple(scales_shape) != want:
+      raise CheckpointError(f"{name}: scales have shape {tuple(scales_shape)}, expected {want} "
+                            f"(per expert and output channel) for values {spec.shape}")
+    spec, scales_shape = spec.one_expert(), tuple(scales_shape)[1:]
   expected = VALUE_DTYPES[quantization]
   if np.dtype(values_dtype) != expected:
     raise CheckpointError(f"{name}: quantized values are {np.dtype(values_dtype)}, expected {expected} "

@@ -20,7 +20,7 @@ from jaxinfer.checkpoint.gguf import is_gguf, read_gguf
 from jaxinfer.checkpoint.hf import read_hf_dir
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequestError, ModelNotFoundError
-from jaxinfer.params import check_model_quantizable, param_specs
+from jaxinfer.params import param_specs
 from jaxinfer.quant import cast_floats, parse_quantization, quantize_tree
 from jaxinfer.tokenizer import Tokenizer
 
@@ -70,7 +70,6 @@ def import_model(path: str | Path, quantization: str | None = None) -> ImportedM
   if kind == "orbax":
     raise InvalidRequestError(f"{path}: already a jaxinfer checkpoint")
   model = read_gguf(path, quantization) if kind == "gguf" else read_hf_dir(path)
-  check_model_quantizable(model.config, quantization)
   if quantization:
     model.weights = quantize_tree(param_specs(model.config), model.weights, quantization)
   return model

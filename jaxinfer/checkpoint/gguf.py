@@ -16,7 +16,9 @@ interleaved RoPE layout; we undo it to get back Hugging Face's half-split
 layout, which our RoPE uses. Mixture-of-experts files (Mixtral as 'llama'
 with an expert count, 'qwen3moe') hold each layer's experts stacked in one
 tensor per projection (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]
-in numpy order), read as they are. The LM head (or the embedding tied to it),
+in numpy order), read as they are; with a quantization, quantized expert
+tensors are dequantized and requantized per (expert, channel), the layout the
+grouped expert matmul takes (logged once per type). The LM head (or the embedding tied to it),
 which int8 also quantizes, is read as floats and quantized per channel by
 import_model.
 """
@@ -129,13 +131,15 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
   # The tensors `quantization` applies to here. The head (int8 only) is read as floats and
   # quantized per channel by import_model: Q8_0 blocks would be dequantized on every step.
-  linear = set()
+  # So are stacked experts (their grouped matmul takes per-channel scales only).
+  linear, experts = set(), set()
   if quantization:
     check_quantizable(param_specs(cfg), quantization)
-    linear = {s.gguf for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
-              if s.linear and not s.head and quantizable(s, quantization)}
+    specs = [s for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if quantizable(s, quantization)]
+    linear = {s.gguf for s in specs if s.linear and not s.head and not s.num_experts}
+    experts = {s.gguf for s in specs if s.num_experts}
   kept = KEPT.get(quantization, ())
-  requantized: set[str] = set()
+  requantized: set[tuple[str, str]] = set()
 
   def fetch(name: str, expected: tuple[int, ...]) -> np.ndarray | None:
     t = tensors.get(name)
@@ -153,11 +157,12 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
       if name in linear and qtype in kept:
         w = read_q8_0(t.data, shape) if qtype == Q.Q8_0 else read_q4(t.data, shape, qtype)
       else:
-        if name in linear and qtype not in FLOAT_TYPES and qtype.name not in requantized:
-          requantized.add(qtype.name)
+        what = "expert tensors" if name in experts else "tensors"
+        if (name in linear or name in experts) and qtype not in FLOAT_TYPES and (qtype.name, what) not in requantized:
+          requantized.add((qtype.name, what))
           how = "per group of 32" if quantization == "int4" else "per channel"
-          log.warning("%s: %s tensors are not loaded quantized as they are: dequantized to float32 "
-                      "and requantized to %s %s", path.name, qtype.name, quantization, how)
+          log.warning("%s: %s %s are not loaded quantized as they are: dequantized to float32 "
+                      "and requantized to %s %s", path.name, qtype.name, what, quantization, how)
         w = gguf.quants.dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
     except (ValueError, IndexError) as e:
       raise CheckpointError(f"{path}: tensor {name!r} is corrupted ({e})") from None

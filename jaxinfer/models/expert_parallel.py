@@ -70,6 +70,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ShardingError
 from jaxinfer.models import moe
 from jaxinfer.models.layers import swiglu_mlp
+from jaxinfer.quant import QuantizedWeight, is_quantized
 
 # Per expert-weight key: the position of its 'mlp' (F) dimension after the experts axis (None: none).
 _EXPERT_KEYS = {"w_gate": 2, "w_up": 2, "w_down": 1, "b_gate": 1, "b_up": 1, "b_down": None}
@@ -128,7 +129,15 @@ def ep_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Arr
   experts = {k: p[k] for k in _EXPERT_KEYS if k in p}
   rest = {k: v for k, v in p.items() if k not in _EXPERT_KEYS and k != "shared"}
   lead, mlp = _axes_spec(inner), _axes_spec(mlp_axes)
-  expert_specs = {k: _spec(v.ndim, lead, _EXPERT_KEYS[k], mlp) for k, v in experts.items()}
+
+  def expert_spec(k, v):
+    if not is_quantized(v):
+      return _spec(v.ndim, lead, _EXPERT_KEYS[k], mlp)
+    # Scales [E, 1, out]: split like the values' output axis (w_gate / w_up's F), else by expert only.
+    out_mlp = _EXPERT_KEYS[k] if _EXPERT_KEYS[k] == v.values.ndim - 1 else None
+    return QuantizedWeight(_spec(v.values.ndim, lead, _EXPERT_KEYS[k], mlp), _spec(v.scales.ndim, lead, out_mlp, mlp))
+
+  expert_specs = {k: expert_spec(k, v) for k, v in experts.items()}
 
   def local(experts, rest, xl):
     # xl [Tl, D]: this device's tokens. experts: El experts, their F slice.
@@ -147,12 +156,12 @@ def ep_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Arr
     by_expert = jnp.argsort(recv_expert, stable=True)  # padding (El) last, outside every group
     group_sizes = jnp.bincount(recv_expert, length=El).astype(jnp.int32)  # [El]
     xs = recv.reshape(n * C, -1)[by_expert]
-    gate = jax.lax.ragged_dot(xs, experts["w_gate"], group_sizes)  # [n * C, F / tp]
-    up = jax.lax.ragged_dot(xs, experts["w_up"], group_sizes)
-    le = jnp.minimum(recv_expert[by_expert], El - 1)  # padding rows: any bias, their rows are dropped
+    le = jnp.minimum(recv_expert[by_expert], El - 1)  # padding rows: any bias or scale, their rows are dropped
+    gate = moe.expert_dot(xs, experts["w_gate"], group_sizes, le)  # [n * C, F / tp]
+    up = moe.expert_dot(xs, experts["w_up"], group_sizes, le)
     if has_bias:
       gate, up = gate + experts["b_gate"][le], up + experts["b_up"][le]
-    ys = jax.lax.ragged_dot(act(gate, up).astype(xl.dtype), experts["w_down"], group_sizes)  # [n * C, D]
+    ys = moe.expert_dot(act(gate, up).astype(xl.dtype), experts["w_down"], group_sizes, le)  # [n * C, D]
     if has_bias:  # one F shard adds the bias: the psum below sums the partial products
       first = jnp.asarray(True) if not mlp_axes else jax.lax.axis_index(mlp_axes) == 0
       ys = ys + jnp.where(first, experts["b_down"][le], 0).astype(ys.dtype)

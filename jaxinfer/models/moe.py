@@ -31,6 +31,11 @@ E=8); on GPU/TPU it is a grouped matmul. Steps with fewer copies than
 experts (decode) gather each copy's expert weights instead
 (`_per_copy_swiglu`). The sorted layout is also what an expert-parallel
 all-to-all dispatches.
+
+Quantized experts (int8 / fp8, jaxinfer/quant.py): values [E, in, out] with scales
+[E, 1, out], one per (expert, output channel). Those factor out of each row's dot
+(sum_i x_i q_eio s_eo = s_eo sum_i x_i q_eio), so `expert_dot` runs the grouped dot over
+the converted values and multiplies each row by its own expert's scales after it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.indexing import take
 from jaxinfer.models.layers import clamped_swiglu, swiglu_mlp
+from jaxinfer.quant import is_quantized
 
 
 class RouterStats(NamedTuple):
@@ -151,20 +157,39 @@ def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
   return _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down, biases, act)
 
 
+def expert_dot(xs: jax.Array, w: Any, group_sizes: jax.Array, expert: jax.Array) -> jax.Array:
+  """ragged_dot(xs [R, I], w [E, I, O], group_sizes [E]) -> [R, O] in xs's dtype, for float or
+  per-channel quantized experts; expert [R]: each row's expert (rows past the groups, which
+  ragged_dot leaves zero, may name any)."""
+  if not is_quantized(w):
+    return jax.lax.ragged_dot(xs, w, group_sizes)
+  y = jax.lax.ragged_dot(xs, w.values.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+  return (y * take(w.scales[:, 0], expert)).astype(xs.dtype)
+
+
+def per_copy_dot(eq: str, x: jax.Array, w: Any, ids: jax.Array) -> jax.Array:
+  """einsum(eq, x, w[ids]) -> [T, A, O] for ids [T, A]: each token copy against its own expert's
+  weight [I, O] (float, or quantized: the A gathered experts converted, their scales after)."""
+  if not is_quantized(w):
+    return jnp.einsum(eq, x, take(w, ids))
+  y = jnp.einsum(eq, x, take(w.values, ids).astype(x.dtype), preferred_element_type=jnp.float32)
+  return (y * take(w.scales, ids)[:, :, 0]).astype(x.dtype)
+
+
 def _ragged_swiglu(x, ids, weights, w_gate, w_up, w_down, biases=None, act=silu_glu) -> jax.Array:
   T, A = ids.shape
   E = w_gate.shape[0]
   flat = ids.reshape(-1)  # [R]: copy r = t * A + a
   order = jnp.argsort(flat, stable=True)  # [R] copies grouped by expert
   group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+  expert = flat[order]  # [R] each sorted copy's expert
   xs = jnp.take(x, order // A, axis=0)  # [R, D]
-  gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)  # [R, F]
-  up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+  gate = expert_dot(xs, w_gate, group_sizes, expert)  # [R, F]
+  up = expert_dot(xs, w_up, group_sizes, expert)
   if biases is not None:
     b_gate, b_up, b_down = biases
-    expert = flat[order]  # [R] each sorted copy's expert
     gate, up = gate + b_gate[expert], up + b_up[expert]
-  ys = jax.lax.ragged_dot(act(gate, up).astype(x.dtype), w_down, group_sizes)  # [R, D]
+  ys = expert_dot(act(gate, up).astype(x.dtype), w_down, group_sizes, expert)  # [R, D]
   if biases is not None:
     ys = ys + b_down[expert]
   y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(T, A, -1)  # [T, A, D]
@@ -181,12 +206,12 @@ def _per_copy_swiglu(x, ids, weights, w_gate, w_up, w_down, biases=None, act=sil
   the shared 2-core machine (D=1024, F=512, E=8, A=2, medians of 15 interleaved runs):
   T=1 64 ms -> 7 ms, T=2 64 -> 22 ms, T=3 67 -> 55 ms; from R = E on, ragged_dot is ahead.
   """
-  g = jnp.einsum("TD,TADF->TAF", x, take(w_gate, ids))  # [T, A, F]
-  u = jnp.einsum("TD,TADF->TAF", x, take(w_up, ids))
+  g = per_copy_dot("TD,TADF->TAF", x, w_gate, ids)  # [T, A, F]
+  u = per_copy_dot("TD,TADF->TAF", x, w_up, ids)
   if biases is not None:
     b_gate, b_up, b_down = biases
     g, u = g + b_gate[ids], u + b_up[ids]
-  y = jnp.einsum("TAF,TAFD->TAD", act(g, u).astype(x.dtype), take(w_down, ids))
+  y = per_copy_dot("TAF,TAFD->TAD", act(g, u).astype(x.dtype), w_down, ids)
   if biases is not None:
     y = y + b_down[ids]
   out = jnp.einsum("TAD,TA->TD", y.astype(jnp.float32), weights.astype(jnp.float32))

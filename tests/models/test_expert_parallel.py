@@ -132,6 +132,29 @@ def test_experts_are_split_and_tokens_move_by_all_to_all(mesh_name, n, tp):
       assert out_shape and out_shape.group(1).count(",") < 2, line
 
 
+@pytest.mark.parametrize("router", ["mixtral", "gpt_oss"])
+def test_ep_with_int8_experts_equals_the_single_program_moe_ffn(router):
+  """int8 experts on the wide mesh: values and their [E, 1, out] scales split by expert, and
+  w_gate / w_up's scales by F with their values ('model', tp 2), w_down's not (its output is
+  D): the same output as the single-program moe_ffn over the same quantized layer."""
+  from jaxinfer.quant import is_quantized, quantizable, quantize_tree, quantized_spec
+  cfg = config(router)
+  float_specs = moe_specs(cfg, 0)
+  p = jax.tree.map(jnp.asarray, quantize_tree(float_specs, jax.tree.map(np.asarray, random_params(cfg)), "int8"))
+  specs = jax.tree.map(lambda s: quantized_spec(s) if quantizable(s, "int8") else s, float_specs, is_leaf=is_spec)
+  mesh, rules = make_mesh(2, 2, 2), make_rules(WIDE)
+  shardings = jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), specs, is_leaf=is_spec)
+  ps = jax.device_put(p, shardings)
+  assert ps["w_gate"].scales.sharding.shard_shape((8, 1, 32)) == (2, 1, 16)
+  assert ps["w_down"].scales.sharding.shard_shape((8, 1, 64)) == (2, 1, 64)
+  x = jax.random.normal(jax.random.key(2), (13, cfg.hidden_size))
+  ref, _ = jax.jit(moe.moe_ffn, static_argnums=1)(p, cfg, x)
+  out, _ = jax.jit(lambda p, x: ep_moe_ffn(p, cfg, x, mesh=mesh, expert_axes=("data", "expert"),
+                                           mlp_axes=("model",)))(ps, x)
+  assert is_quantized(ps["w_up"]) and np.abs(np.asarray(ref)).min() > 0
+  np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+
+
 def test_capacity_is_the_worst_case():
   assert capacity(7, 2, 2) == 14  # all 7 tokens of a source pick 2 experts of one device
   assert capacity(7, 2, 1) == 7  # one expert per device: a token sends it at most one copy

@@ -18,7 +18,8 @@ from jaxinfer.checkpoint import import_model
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.models import moe
-from jaxinfer.params import init_params, is_spec, moe_specs
+from jaxinfer.params import init_params, is_spec, moe_specs, param_specs
+from jaxinfer.quant import dequantize_weight, is_quantized, quantize_tree
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
@@ -233,9 +234,10 @@ def to_checkpoint(spec, w: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(w.reshape(spec.fan_in, -1).T) if spec.linear else w
 
 
-def write_moe_gguf(family: str, out, arch: str):
+def write_moe_gguf(family: str, out, arch: str, qtype=None):
   """A GGUF of a tiny HF MoE dir as llama.cpp lays one out (Mixtral: 'llama' + expert count,
-  its q/k rows permuted; Qwen3-MoE: 'qwen3moe'), from the weights our HF importer reads."""
+  its q/k rows permuted; Qwen3-MoE: 'qwen3moe'), from the weights our HF importer reads;
+  `qtype` (e.g. Q8_0): every linear and expert tensor in that GGUF type."""
   import gguf
   from helpers import permute_rope_rows
   from jaxinfer.params import param_specs
@@ -267,7 +269,10 @@ def write_moe_gguf(family: str, out, arch: str):
     t = to_checkpoint(spec, np.asarray(a, np.float32))
     if arch == "llama" and spec.gguf.endswith(("attn_q.weight", "attn_k.weight")):
       t = permute_rope_rows(t, cfg.num_heads if "attn_q" in spec.gguf else cfg.num_kv_heads)
-    w.add_tensor(spec.gguf, t)
+    if qtype is not None and (spec.linear or spec.num_experts) and not spec.router:
+      w.add_tensor(spec.gguf, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+    else:
+      w.add_tensor(spec.gguf, t)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -285,6 +290,26 @@ def test_gguf_moe_import_matches_transformers(tmp_path, family, arch):
   assert cfg.architecture == family and cfg.num_experts == 8 and cfg.num_experts_per_token == 2
   assert cfg.norm_topk_prob == hf_cfg.norm_topk_prob and cfg.mlp_only_layers == hf_cfg.mlp_only_layers
   np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
+
+
+def test_gguf_q8_0_experts_are_requantized_per_channel_with_one_log_line(tmp_path, caplog):
+  """int8 keeps a Q8_0 file's dense linears as their blocks; its expert tensors become per
+  (expert, channel) int8 of their dequantized values (what the grouped expert matmul takes),
+  said once."""
+  import gguf
+  import logging
+  path = write_moe_gguf("mixtral", tmp_path / "q8.gguf", "llama", gguf.GGMLQuantizationType.Q8_0)
+  with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint.gguf"):
+    model = import_model(path, "int8")
+  lines = [r.getMessage() for r in caplog.records if "not loaded quantized" in r.getMessage()]
+  assert len(lines) == 1 and "Q8_0 expert tensors" in lines[0] and "int8 per channel" in lines[0], lines
+  layer = model.weights["layers"][0]
+  assert layer["wq"].scales.shape[0] == 64 // 32  # Q8_0 blocks kept
+  want = quantize_tree(moe_specs(model.config, 0), import_model(path).weights["layers"][0]["moe"], "int8")["w_up"]
+  got = layer["moe"]["w_up"]
+  assert got.values.shape == (8, 64, 32) and got.scales.shape == (8, 1, 32)
+  np.testing.assert_array_equal(got.values, want.values)
+  np.testing.assert_array_equal(got.scales, want.scales)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -327,10 +352,111 @@ def test_unsupported_moe_settings_are_named(tmp_path, change, message):
     LLM(d, warmup=False)
 
 
-def test_int8_quantization_of_experts_is_refused_by_name():
-  with pytest.raises(UnsupportedModelError, match=r"quantization='int8' is not supported for "
-                                                  r"mixture-of-experts weights \(layers/0/moe/w_down"):
-    LLM(tiny_dir("mixtral"), quantization="int8", warmup=False)
+def test_int4_quantization_of_experts_is_refused_by_name():
+  with pytest.raises(UnsupportedModelError, match=r"quantization='int4' is not supported for "
+                                                  r"mixture-of-experts weights \(layers/0/moe/w_down.*use int8 or fp8"):
+    LLM(tiny_dir("mixtral"), quantization="int4", warmup=False)
+
+
+# ---- quantized experts --------------------------------------------------------------------------
+
+def quantized_moe_params(cfg, quantization):
+  """(the layer's params with int8 / fp8 experts and shared experts, the same with every
+  quantized weight replaced by its dequantized float32 values)."""
+  specs = moe_specs(cfg, 0)
+  host = jax.tree.map(np.asarray, random_moe_params(cfg))
+  q = quantize_tree(specs, host, quantization)
+  deq = jax.tree.map(lambda s, w: jnp.asarray(dequantize_weight(s, w)) if is_quantized(w) else jnp.asarray(w),
+                     specs, q, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+  return jax.tree.map(jnp.asarray, q), deq
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("variant,T", [("mixtral", 13), ("mixtral", 3), ("deepseek_shared", 13),
+                                       ("gpt_oss", 13), ("gpt_oss", 3)])
+def test_quantized_experts_equal_a_per_token_loop_over_their_dequantized_weights(quantization, variant, T):
+  """Scales per (expert, output channel) multiply each row by its own expert's scales: the
+  grouped ragged_dot (T=13) and the per-copy gather (T=3) against reference_moe_ffn in float64
+  over the dequantized weights. The router stays float (it chooses the experts). A scale taken
+  from another expert or channel moves the output by tens of percent."""
+  cfg = config_of("mixtral")
+  if variant == "deepseek_shared":
+    cfg = ModelConfig(**(cfg.to_dict() | dict(
+        architecture="qwen3_moe", scoring_func="sigmoid", router_bias=True, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, num_shared_experts=2, shared_expert_intermediate_size=64)))
+  elif variant == "gpt_oss":  # expert biases, the clamped SwiGLU, [in, out] experts that are not `linear`
+    cfg = config_of("gpt_oss")
+  p, deq = quantized_moe_params(cfg, quantization)
+  assert is_quantized(p["w_gate"]) and p["w_gate"].scales.shape == (8, 1, cfg.moe_intermediate_size)
+  assert is_quantized(p["w_down"]) and p["w_down"].scales.shape == (8, 1, cfg.hidden_size)
+  assert not is_quantized(p["router"])
+  if "shared" in p:
+    assert is_quantized(p["shared"]["w_up"])
+  x = jax.random.normal(jax.random.key(2), (T, cfg.hidden_size))
+  out, _ = jax.jit(moe.moe_ffn, static_argnums=1)(p, cfg, x)
+  ref = moe.reference_moe_ffn(deq, cfg, x)
+  assert np.abs(ref).min() > 0
+  # The shared experts' int8 linears carry their activations to 2^-16 of each row's maximum
+  # (measured max |diff| 1.3e-4 with them, outputs ~0.5-3 in size; a scale from another expert
+  # or channel moves them by 0.1 or more).
+  np.testing.assert_allclose(out, ref, atol=5e-4 if quantization == "int8" and "shared" in p else 5e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def int8_mixtral(tmp_path_factory):
+  """tiny Mixtral converted with --quantize int8, and the float32 model of its dequantized weights."""
+  from jaxinfer.checkpoint import convert
+  dst = convert(tiny_dir("mixtral"), tmp_path_factory.mktemp("moe") / "int8", quantize="int8")
+  sp = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
+  llm = LLM(dst, **sp)
+  ref = LLM(tiny_dir("mixtral"), dtype="float32", **sp)
+  ref.runner.params = jax.tree.map(
+      lambda s, w: jnp.asarray(dequantize_weight(s, jax.device_get(w))) if is_quantized(w) else w,
+      param_specs(llm.config), llm.runner.params, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+  return llm, ref
+
+
+def test_int8_moe_checkpoint_holds_int8_experts_and_runs_like_their_dequantized_floats(int8_mixtral):
+  """Converted and restored: experts int8 [E, D, F] with [E, 1, F] scales, bit-exact to quantizing
+  at import; logits equal the float32 model of the same (dequantized) weights up to the split
+  int8 activations' 2^-16 (logits ~3.7 in size; a scale mix-up moves them by whole units), and
+  within the measured distance of transformers' float32 (max 0.79: quantization flips some
+  near-tied expert choices of the random router)."""
+  llm, ref = int8_mixtral
+  moe_p = llm.runner.params["layers"][1]["moe"]
+  assert moe_p["w_up"].values.dtype == np.int8 and moe_p["w_up"].scales.shape == (8, 1, 32)
+  assert moe_p["router"].dtype == np.float32
+  written = quantize_tree(param_specs(llm.config), import_model(tiny_dir("mixtral")).weights, "int8")
+  for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(llm.runner.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  g = golden("mixtral")
+  ids = g["token_ids"].tolist()
+  got = llm.logits(ids)
+  np.testing.assert_allclose(got, ref.logits(ids), atol=2e-3, rtol=0)
+  assert np.abs(got - g["logits"]).max() < 1.2 and np.abs(got - g["logits"]).mean() < 0.06
+
+
+def test_int8_moe_greedy_batch_invariance(int8_mixtral):
+  """Prompts run together (ragged_dot over the batch's copies) give what each gives alone
+  (the per-copy gather at decode), one prompt longer than the 32-token step."""
+  llm, _ = int8_mixtral
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 300, n).tolist() for n in (3, 40, 9)]
+  together = llm.generate(prompts, greedy(8))
+  for p, out in zip(prompts, together):
+    assert out.token_ids == llm.generate([p], greedy(8))[0].token_ids
+
+
+def test_expert_scales_that_do_not_match_name_the_tensor(tmp_path):
+  from jaxinfer.checkpoint import load_model, orbax_io
+  from jaxinfer.quant import QuantizedWeight
+  model = import_model(tiny_dir("mixtral"), "int8")
+  w = model.weights["layers"][0]["moe"]["w_down"]
+  model.weights["layers"][0]["moe"]["w_down"] = QuantizedWeight(w.values, np.repeat(w.scales, 2, axis=1))
+  dst = orbax_io.save(model, tmp_path / "bad")
+  with pytest.raises(CheckpointError, match=r"experts.\{e\}.w2.weight.*scales have shape \(8, 2, 64\), "
+                                            r"expected \(8, 1, 64\) \(per expert and output channel\)"):
+    load_model(dst)
 
 
 @pytest.mark.parametrize("mesh_shape, rules", [(None, None), ((2, 1, 1), {"pages": "data"})])
