@@ -2,17 +2,22 @@
 
 A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree node:
 
-  values  [in..., out...]     the weight's own shape and logical axes, in the format's dtype:
-                              int8 / float8_e4m3fn / int4
+  values  [out..., in...]     the float weight [in..., out...] with its output axes first (as
+                              HF and GGUF store it, and its logical axes likewise), in the
+                              format's dtype: int8 / float8_e4m3fn / int4
   scales  float32 [G, out...] G groups along the flattened input axes:
                               G = 1 per-output-channel (int8, fp8 as quantized here),
                               G = in / 32 for GGUF Q8_0 blocks kept as they are, and for
                               int4 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
   mins    float32 [G, out...] int4 only (None otherwise): the group's offset
 
-so w[i, o] = values[i, o] * scales[g, o] (+ mins[g, o]) with g = i // (in / G).
+so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o]) with g = i // (in / G). Output
+first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
+minor one 1.4-1.9x faster than one stored [in, out] (576 x 1536: 2.08 vs 2.83 ms per 30
+layers; 1536 x 576: 2.19 vs 4.16; scripts/bench_quant_matmul.py), and every other form is
+dequantized or converted first, where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
-front of both: values [E, in, out], scales float32 [E, 1, out], one scale per (expert, output
+front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
 channel); models/moe.py multiplies each row's expert's scales after the grouped dot.
 - int8: symmetric, scale = max|w| / 127 over the group.
 - fp8 (e4m3fn, the GPU path): per-output-channel, scale = max|w| / 448 (e4m3fn's largest
@@ -26,9 +31,9 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
   int4 but not uint4. The group size must divide the input size (ValueError naming it).
 The LM head is int8 too under int8 (quantizable: WeightSpec.head), not under fp8 / int4,
 whose CPU matmul would write a float32 copy of the largest weight per step. An untied
-lm_head [D, V] is an ordinary int8 linear weight (scales per vocab column). A tied
-embedding [V, D] (SmolLM2) keeps the same layout rule read the other way round: values
-[V, D], scales [1, D] per embedding column, so the lookup is values[t] * scales and the
+lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales per vocab column). A
+tied embedding [V, D] (SmolLM2) is stored as the table it is: values [V, D], scales [1, D]
+per embedding column, so the lookup is values[t] * scales and the
 head folds the scales into its input (head_logits). An untied embedding is only gathered
 and stays in the model dtype.
 
@@ -204,6 +209,31 @@ def check_quantizable(specs: Any, quantization: str) -> None:
       raise UnsupportedModelError(f"quantization='int4' is not supported for MLA {where}: use int8 or fp8")
 
 
+def is_table(spec) -> bool:
+  """The embedding table tied to the head [V, D]: quantized per D column, but its values stay
+  [V, D] (the rows the lookup gathers; the head contracts D, already the minor axis)."""
+  return spec.head and spec.axes[0] == "vocab"
+
+
+def values_shape(shape: tuple, n_in: int, lead: int = 0) -> tuple:
+  """A float weight's shape (or axes) [lead..., in..., out...] -> its quantized values'
+  [lead..., out..., in...] (n_in input axes)."""
+  shape = tuple(shape)
+  return shape[:lead] + shape[lead + n_in:] + shape[lead:lead + n_in]
+
+
+def to_values_layout(a: np.ndarray, n_in: int) -> np.ndarray:
+  """[in..., out...] -> [out..., in...] (a copy, C order)."""
+  axes = tuple(range(n_in, a.ndim)) + tuple(range(n_in))
+  return np.ascontiguousarray(np.transpose(a, axes))
+
+
+def from_values_layout(a, n_in: int):
+  """[out..., in...] -> [in..., out...] (numpy or jax)."""
+  k = a.ndim - n_in
+  return a.transpose(tuple(range(k, a.ndim)) + tuple(range(k)))
+
+
 def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:
   """The specs of a quantized weight: values keep the weight's axes, scales (and int4's mins)
   its output axes (behind a stacked weight's experts axis). `groups` defaults to 1 (int8,
@@ -213,7 +243,9 @@ def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") 
   if groups is None:
     in_size = math.prod(spec.shape[lead:lead + n])
     groups = max(1, in_size // INT4_GROUP) if quantization == "int4" else 1
-  values = dataclasses.replace(spec, dtype=VALUE_DTYPES[quantization].name)
+  moved = 0 if is_table(spec) else n
+  values = dataclasses.replace(spec, dtype=VALUE_DTYPES[quantization].name, shape=values_shape(spec.shape, moved, lead),
+                               axes=values_shape(spec.axes, moved, lead))
   scales = dataclasses.replace(spec, shape=spec.shape[:lead] + (groups,) + spec.shape[lead + n:],
                                axes=spec.axes[:lead] + (None,) + spec.axes[lead + n:],
                                init="ones", dtype="float32", linear=False)
@@ -231,7 +263,7 @@ def quantize_int8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   # An all-zero channel gets scale 1 (its values are 0 anyway), never a division by zero.
   scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
   values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-  return QuantizedWeight(values, scale.reshape((1,) + w.shape[n_in:]))
+  return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
 
 
 def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
@@ -241,7 +273,7 @@ def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
   # e4m3fn has no infinity: a value past 448 would become NaN, so clip the rounding overshoot.
   values = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-  return QuantizedWeight(values, scale.reshape((1,) + w.shape[n_in:]))
+  return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
 
 
 def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: str = "weight") -> QuantizedWeight:
@@ -257,10 +289,10 @@ def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: 
   # A constant group gets scale 1: all its values land on the min, exactly.
   scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
   q = np.clip(np.rint((grouped - lo[:, None]) / scale[:, None]), 0, 15)
-  values = (q - 8).astype(ml_dtypes.int4).reshape(w.shape)
+  values = (q - 8).astype(np.int8).reshape(w.shape)
   mins = (lo + 8.0 * scale).astype(np.float32)
   out = (G,) + w.shape[n_in:]
-  return QuantizedWeight(values, scale.reshape(out), mins.reshape(out))
+  return QuantizedWeight(to_values_layout(values, n_in).astype(ml_dtypes.int4), scale.reshape(out), mins.reshape(out))
 
 
 def quantize(w: np.ndarray, n_in: int, quantization: str, group_size: int = INT4_GROUP,
@@ -276,7 +308,10 @@ def quantize(w: np.ndarray, n_in: int, quantization: str, group_size: int = INT4
 
 def quantize_weight(spec, w: np.ndarray, quantization: str, group_size: int = INT4_GROUP) -> QuantizedWeight:
   """`quantize` for the weight `spec` describes: a stacked expert weight expert by expert
-  (values [E, in, out], scales [E, G, out])."""
+  (values [E, out, in], scales [E, G, out])."""
+  if is_table(spec):
+    q = quantize(w, 1, quantization, group_size, spec.hf)
+    return QuantizedWeight(np.ascontiguousarray(from_values_layout(q.values, 1)), q.scales)
   if not spec.num_experts:
     return quantize(w, num_in_axes(spec), quantization, group_size, spec.hf)
   parts = [quantize(e, num_in_axes(spec), quantization, group_size, spec.hf) for e in np.asarray(w)]
@@ -286,6 +321,8 @@ def quantize_weight(spec, w: np.ndarray, quantization: str, group_size: int = IN
 
 def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
   """The float32 weight `w` stands for, for the weight `spec` describes (experts too)."""
+  if is_table(spec):
+    return dequantize(QuantizedWeight(to_values_layout(np.asarray(w.values), 1), w.scales), 1)
   if not spec.num_experts:
     return dequantize(w, num_in_axes(spec))
   return np.stack([dequantize(QuantizedWeight(w.values[e], w.scales[e], None if w.mins is None else w.mins[e]),
@@ -293,8 +330,8 @@ def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
 
 
 def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
-  """The float32 weight a QuantizedWeight stands for (the tests' reference)."""
-  values = np.asarray(w.values)
+  """The float32 weight [in..., out...] a QuantizedWeight stands for (the tests' reference)."""
+  values = from_values_layout(np.asarray(w.values), n_in)
   scales = np.asarray(w.scales, np.float32)
   in_size = math.prod(values.shape[:n_in])
   G = scales.shape[0]
@@ -333,19 +370,20 @@ def with_mins(shardings: Any, weights: Any) -> Any:
   return jax.tree.map(one, shardings, weights, is_leaf=lambda x: is_quantized(x) or isinstance(x, jax.sharding.Sharding))
 
 
-def check_quantized(name: str, values_shape: tuple[int, ...], values_dtype, scales_shape: tuple[int, ...],
+def check_quantized(name: str, values_shape_: tuple[int, ...], values_dtype, scales_shape: tuple[int, ...],
                     spec, quantization: str = "int8", mins_shape: tuple[int, ...] | None = None) -> None:
   """CheckpointError naming the tensor unless values / scales (/ mins) fit `spec` (a float
   WeightSpec) and `quantization`'s layout."""
   n = num_in_axes(spec)
-  if tuple(values_shape) != spec.shape:
-    raise CheckpointError(f"{name}: quantized values have shape {tuple(values_shape)}, "
-                          f"expected {spec.shape}")
+  want_values = values_shape(spec.shape, 0 if is_table(spec) else n, 1 if spec.num_experts else 0)
+  if tuple(values_shape_) != want_values:
+    raise CheckpointError(f"{name}: quantized values have shape {tuple(values_shape_)}, "
+                          f"expected {want_values} (output axes first)")
   if spec.num_experts:  # per (expert, output channel) only: models/moe.py's layout
     want = (spec.shape[0], 1) + spec.shape[1 + n:]
     if tuple(scales_shape) != want:
       raise CheckpointError(f"{name}: scales have shape {tuple(scales_shape)}, expected {want} "
-                            f"(per expert and output channel) for values {spec.shape}")
+                            f"(per expert and output channel) for values {want_values}")
     spec, scales_shape = spec.one_expert(), tuple(scales_shape)[1:]
   expected = VALUE_DTYPES[quantization]
   if np.dtype(values_dtype) != expected:
@@ -356,7 +394,8 @@ def check_quantized(name: str, values_shape: tuple[int, ...], values_dtype, scal
   if (tuple(scales_shape[1:]) != spec.shape[n:] or len(scales_shape) != 1 + len(spec.shape) - n
       or groups < 1 or in_size % groups):
     raise CheckpointError(f"{name}: scales have shape {tuple(scales_shape)}, which does not match "
-                          f"values {spec.shape}: expected (G,) + {spec.shape[n:]} with G dividing {in_size}")
+                          f"values {values_shape(spec.shape, n)}: expected (G,) + {spec.shape[n:]} with G "
+                          f"dividing {in_size}")
   if (quantization == "int4") != (mins_shape is not None):
     raise CheckpointError(f"{name}: {quantization} weights {'need' if quantization == 'int4' else 'have no'} mins")
   if mins_shape is not None and tuple(mins_shape) != tuple(scales_shape):
@@ -384,11 +423,11 @@ def linear(eq: str, x: jax.Array, w: Any, out_dtype=None) -> jax.Array:
   xs, ws, out, n = _split_eq(eq)
   if not (n and xs.endswith(ws[:n]) and out == xs[:len(xs) - n] + ws[n:]):
     raise ValueError(f"linear({eq!r}): the contracted axes must end x and start the weight")
-  in_shape, out_shape = w.values.shape[:n], w.values.shape[n:]
+  out_shape, in_shape = w.values.shape[:w.values.ndim - n], w.values.shape[w.values.ndim - n:]
   lead = x.shape[:x.ndim - n]
   in_size = math.prod(in_shape)
   G = w.scales.shape[0]
-  y = quantized_matmul(x.reshape(-1, in_size), w.values.reshape(in_size, -1), w.scales.reshape(G, -1),
+  y = quantized_matmul(x.reshape(-1, in_size), w.values.reshape(-1, in_size), w.scales.reshape(G, -1),
                        None if w.mins is None else w.mins.reshape(G, -1))
   return y.reshape(*lead, *out_shape).astype(out_dtype or x.dtype)
 
@@ -410,9 +449,9 @@ def head_logits(x: jax.Array, w: Any, tied: bool) -> jax.Array:
   lead = x.shape[:-1]
   xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32) * w.scales  # [M, D] * [1, D]
   if jax.default_backend() == "cpu" and xs.shape[1] <= SPLIT_INT8_MAX_IN:
-    y = split_int8_matmul(xs, w.values, q_contract=1)
+    y = split_int8_matmul(xs, w.values)
   else:
-    y = jnp.dot(xs, w.values.astype(jnp.float32).T)
+    y = _dot_t(xs, w.values.astype(jnp.float32))
   return y.reshape(*lead, -1)
 
 
@@ -445,7 +484,7 @@ def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """x [M, I] float, q [I, O] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
+  """x [M, I] float, q [O, I] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
   Per channel (G = 1, no mins): the dot over the converted values, then the
   scales (exact factoring). Group-wise (Q8_0, int4): the scales differ along
@@ -456,10 +495,15 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """
   x = x.astype(jnp.float32)
   if scales.shape[0] > 1 or mins is not None:
-    return jnp.dot(x, dequantize_groups(q, scales, mins))
-  if q.dtype == jnp.int8 and jax.default_backend() == "cpu" and q.shape[0] <= SPLIT_INT8_MAX_IN:
+    return _dot_t(x, dequantize_groups(q, scales, mins))
+  if q.dtype == jnp.int8 and jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
     return split_int8_matmul(x, q, scales[0])
-  return jnp.dot(x, q.astype(jnp.float32)) * scales[0]
+  return _dot_t(x, q.astype(jnp.float32)) * scales[0]
+
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [M, I] @ w [O, I]^T -> [M, O] (no transposed copy: the dot contracts both minor axes)."""
+  return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
 
 
 # |hi|, |lo| <= 127 and |q| <= 127: a dot over I inputs stays inside int32 while I * 127^2 < 2^31.
@@ -487,10 +531,9 @@ def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.concatenate([hi, lo]).astype(jnp.int8), a
 
 
-def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None, q_contract: int = 0
-                      ) -> jax.Array:
-  """x [M, I] float32, q [I, O] int8 (q_contract=1: [O, I]), per-channel scale [O] or None
-  -> float32 [M, O]: x @ (q * scale).
+def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+  """x [M, I] float32, q [O, I] int8, per-channel scale [O] or None -> float32 [M, O]:
+  x @ (q * scale)^T.
 
   The int8 weight is read as int8: XLA CPU hands an int8 x int8 -> int32 dot of two or
   more rows to its YNNPACK fusion, while any float or one-row form of the same product
@@ -502,27 +545,37 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
   """
   M = x.shape[0]
   limbs, a = split_activations(x)
-  acc = jax.lax.dot_general(limbs, q, (((1,), (q_contract,)), ((), ())),
+  acc = jax.lax.dot_general(limbs, q, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.int32).astype(jnp.float32)
   y = (acc[:M] + acc[M:] * (1.0 / SPLIT_INT8_LO)) * a
   return y if scale is None else y * scale
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """q [I, O], scales (mins) [G, O] -> the float32 weight [I, O] (materialized by XLA CPU)."""
-  G, (I, O) = scales.shape[0], q.shape
-  w = q.reshape(G, I // G, O).astype(jnp.float32) * scales[:, None, :]
+  """q [O, I], scales (mins) [G, O] -> the float32 weight [O, I] (materialized by XLA CPU)."""
+  G, (O, I) = scales.shape[0], q.shape
+  w = q.reshape(O, G, I // G).astype(jnp.float32) * scales.T[:, :, None]
   if mins is not None:
-    w = w + mins[:, None, :]
-  return w.reshape(I, O)
+    w = w + mins.T[:, :, None]
+  return w.reshape(O, I)
+
+
+def dequantize_jnp(w: QuantizedWeight, n_in: int) -> jax.Array:
+  """The float32 weight [in..., out...] of a quantized linear weight, in the program (what a
+  reader that contracts its output axes, MLA's absorbed wkv_b, takes)."""
+  v = w.values
+  q = v.reshape(-1, math.prod(v.shape[v.ndim - n_in:]))
+  G = w.scales.shape[0]
+  dense = dequantize_groups(q, w.scales.reshape(G, -1), None if w.mins is None else w.mins.reshape(G, -1))
+  return from_values_layout(dense.reshape(v.shape), n_in)
 
 
 def quantized_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
                                mins: np.ndarray | None = None) -> np.ndarray:
-  """What quantized_matmul computes, in float64 numpy: x @ the dequantized weight."""
+  """What quantized_matmul computes, in float64 numpy: x @ the dequantized weight (q [O, I])."""
   G = scales.shape[0]
-  I, O = q.shape
-  w = q.astype(np.float64).reshape(G, I // G, O) * np.asarray(scales, np.float64)[:, None, :]
+  O, I = q.shape
+  w = q.astype(np.float64).reshape(O, G, I // G) * np.asarray(scales, np.float64).T[:, :, None]
   if mins is not None:
-    w = w + np.asarray(mins, np.float64)[:, None, :]
-  return np.asarray(x, np.float64) @ w.reshape(I, O)
+    w = w + np.asarray(mins, np.float64).T[:, :, None]
+  return np.asarray(x, np.float64) @ w.reshape(O, I).T

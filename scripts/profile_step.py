@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a step's time goes, as a table, a JSON and a picture.
 
-  python scripts/profile_step.py [--dtype float32] [--batches 64,1] [--kv-len 100]
+  python scripts/profile_step.py [--dtype float32] [--quantization int8] [--batches 64,1] [--kv-len 100]
                                  [--host-batches 64,256]
 
 Device step (one decode token per sequence, kv length --kv-len): the full
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> dict:
+def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int, quantization: str | None = None) -> dict:
   """ms per step of `variant` (full | no-attention | no-sampling), and of pack() alone."""
   import jax.numpy as jnp
 
@@ -54,7 +54,8 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int) -> dic
     runner_mod.sample = reduce_only
   from jaxinfer import LLM, SamplingParams
   from jaxinfer.engine.runner import ScheduledSeq, bucket, pack
-  llm = LLM(None, dtype=dtype, max_num_seqs=max(batch, 1), warmup=False, kv_cache_bytes=600_000_000)
+  llm = LLM(None, dtype=dtype, max_num_seqs=max(batch, 1), warmup=False, kv_cache_bytes=600_000_000,
+            quantization=quantization)
   sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
   per_seq = kv_len // 16 + 2
   seqs = [ScheduledSeq(row=i, token_ids=[5] * (kv_len + 1), start=kv_len, num_new=1,
@@ -187,6 +188,8 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
+                  help="weights quantized at load (the device-step rows)")
   ap.add_argument("--batches", default="64,1")
   ap.add_argument("--host-batches", default="64,256")
   ap.add_argument("--kv-len", type=int, default=100)
@@ -200,7 +203,8 @@ def main() -> int:
     return 0
   rows = []
   for batch in map(int, args.batches.split(",") if args.batches else []):
-    ms = {v: _spawn(dict(variant=v, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters))
+    ms = {v: _spawn(dict(variant=v, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters,
+                         quantization=args.quantization))
           for v in ("full", "no-attention", "no-sampling")}
     full = ms["full"]["step_ms"]
     attention = full - ms["no-attention"]["step_ms"]
@@ -208,7 +212,8 @@ def main() -> int:
     # the difference can come out below zero: that is noise, counted as 0.
     sampling = max(0.0, full - ms["no-sampling"]["step_ms"])
     pack_ms = ms["full"]["pack_ms"]
-    rows.append(dict(batch=batch, kv_len=args.kv_len, dtype=args.dtype, step_ms=full, attention_ms=attention,
+    rows.append(dict(batch=batch, kv_len=args.kv_len, dtype=args.dtype + (f"+{args.quantization}" if args.quantization else ""),
+                     step_ms=full, attention_ms=attention,
                      sampling_ms=sampling, host_pack_ms=pack_ms, rest_ms=full - attention - sampling - pack_ms,
                      tokens_per_s=batch / full * 1000,
                      tokens_per_s_without_attention=batch / ms["no-attention"]["step_ms"] * 1000))

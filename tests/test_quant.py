@@ -25,11 +25,11 @@ def test_quantize_int8_is_symmetric_per_output_channel():
   w[..., 5] = 0  # an all-zero output channel
   q = quantize_int8(w, 2)
   assert q.values.dtype == np.int8 and q.scales.dtype == np.float32
-  assert q.values.shape == w.shape and q.scales.shape == (1, 8)
+  assert q.values.shape == (8, 6, 3) and q.scales.shape == (1, 8)  # output axes first
   expected = np.abs(w).max(axis=(0, 1)) / 127
   expected[5] = 1.0
   np.testing.assert_array_equal(q.scales[0], expected.astype(np.float32))
-  assert np.abs(q.values).max() == 127 and not q.values[..., 5].any()
+  assert np.abs(q.values).max() == 127 and not q.values[5].any()
   # Rounding to the nearest step: off by at most half a step per element.
   assert np.all(np.abs(dequantize(q, 2) - w) <= q.scales[0] / 2 + 1e-7)
 
@@ -41,7 +41,7 @@ def test_quantize_fp8_is_per_output_channel_e4m3():
   q = quantize_fp8(w, 2)
   assert q.values.dtype == jnp.float8_e4m3fn and q.scales.shape == (1, 8) and q.mins is None
   v = q.values.astype(np.float32)
-  assert np.all(np.abs(v).max(axis=(0, 1))[[0, 1, 2, 3, 4, 6, 7]] == FP8_MAX) and not v[..., 5].any()
+  assert np.all(np.abs(v).max(axis=(1, 2))[[0, 1, 2, 3, 4, 6, 7]] == FP8_MAX) and not v[5].any()
   assert np.isfinite(v).all()
   # e4m3 keeps 3 mantissa bits: off by at most 1/16 of |w|, or half a subnormal step (2^-10 * scale).
   assert np.all(np.abs(dequantize(q, 2) - w) <= np.abs(w) / 16 + q.scales[0] * 2.0 ** -10)
@@ -95,7 +95,7 @@ def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in, qu
     np.testing.assert_allclose(y.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
   G = q.scales.shape[0]
   mins = None if q.mins is None else q.mins.reshape(G, -1)
-  np.testing.assert_allclose(ref, quantized_matmul_reference(x2, q.values.reshape(in_size, -1),
+  np.testing.assert_allclose(ref, quantized_matmul_reference(x2, q.values.reshape(-1, in_size),
                                                              q.scales.reshape(G, -1), mins), rtol=1e-5, atol=1e-5)
   assert y.shape == jnp.einsum(eq, x, w).shape
 
@@ -105,9 +105,9 @@ def test_group_scales_run_the_dequantized_weight():
   # float), so the result is x @ w up to float32 rounding.
   rng = np.random.default_rng(2)
   x = rng.standard_normal((4, 64)).astype(np.float32)
-  q = rng.integers(-127, 128, (64, 12)).astype(np.int8)
+  q = rng.integers(-127, 128, (12, 64)).astype(np.int8)  # [out, in]
   groups = rng.uniform(0.001, 0.01, (2, 12)).astype(np.float32)  # Q8_0-like: groups of 32 inputs
-  w = (q.reshape(2, 32, 12) * groups[:, None, :]).reshape(64, 12).astype(np.float64)
+  w = (q.reshape(12, 2, 32) * groups.T[:, :, None]).reshape(12, 64).T.astype(np.float64)
   got = np.asarray(quantized_matmul(x, q, groups))
   np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got, quantized_matmul_reference(x, q, groups), rtol=1e-5, atol=1e-5)
@@ -128,13 +128,13 @@ def _hlo(f, *args) -> str:
 @pytest.mark.parametrize("quantization", ["fp8", "int4"])
 def test_xla_cpu_materializes_a_float_copy_of_fp8_and_int4_weights(quantization):
   # What quant.linear compiles to for fp8 and int4: XLA CPU does not fuse the convert into
-  # the dot, it writes the whole float32 [576, 1536] weight (a convert fusion; for int4 it
-  # also applies the group scales and mins) and feeds that to the dot; fp8's per-channel
-  # scales multiply the [1, 1536] output after it.
+  # the dot, it writes the whole float32 weight (values [1536, 576], output first; a convert
+  # fusion, for int4 also applying the group scales and mins) and feeds that to the dot;
+  # fp8's per-channel scales multiply the [1, 1536] output after it.
   x = jnp.ones((1, 576), jnp.float32)
   w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, quantization))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
-  converts = [l for l in lines if "= f32[576,1536]" in l and "fusion(" in l]
+  converts = [l for l in lines if "= f32[1536,576]" in l and "fusion(" in l]
   assert len(converts) == 1, lines
   copy = converts[0].split("=")[0].strip()
   dots = [l for l in lines if " dot(" in l]
@@ -142,33 +142,35 @@ def test_xla_cpu_materializes_a_float_copy_of_fp8_and_int4_weights(quantization)
 
 
 def _widened_copies(lines):
-  """Fusions whose result is a [576, 1536] array: a copy of the weight written per call."""
-  return [l for l in lines if "fusion(" in l and "[576,1536]" in l.split("=")[1].split("(")[0]]
+  """Fusions whose result is a [576, 1536] (or [1536, 576]) array: a copy of the weight written per call."""
+  return [l for l in lines if "fusion(" in l and any(s in l.split("=")[1].split("(")[0]
+                                                     for s in ("[576,1536]", "[1536,576]"))]
 
 
 def test_int8_is_read_as_int8_by_a_dot_of_the_two_activation_limbs():
-  # One token's int8 linear on the CPU: a [2, 576] s8 x [576, 1536] s8 -> s32 dot (hi and
-  # lo limbs) over the int8 parameter itself; no [576, 1536] copy of the weight is written.
+  # One token's int8 linear on the CPU: a [2, 576] s8 x [1536, 576] s8 -> s32 dot (hi and
+  # lo limbs; the values output first, contracted on their minor axis) over the int8
+  # parameter itself; no copy of the weight is written.
   x = jnp.ones((1, 576), jnp.float32)
   w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int8"))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
   assert not _widened_copies(lines), lines
   dots = [l for l in lines if " dot(" in l]
   assert len(dots) == 1 and "= s32[2,1536]" in dots[0], dots
-  assert any(l.strip().startswith("%param_1 = s8[576,1536]") for l in lines), lines
+  assert any(l.strip().startswith("%param_1 = s8[1536,576]") for l in lines), lines
 
 
 def test_a_one_row_int8_dot_widens_the_weight_and_two_rows_do_not():
   # Why the limbs: XLA CPU lowers a one-row int8 x int8 dot (a matrix-vector product)
-  # through an s32 [576, 1536] copy of the weight, and two rows through no copy at all.
-  q = jnp.ones((576, 1536), jnp.int8)
+  # through an s32 copy of the weight, and two rows through no copy at all.
+  q = jnp.ones((1536, 576), jnp.int8)
 
   def dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
   one = _hlo(dot, jnp.ones((1, 576), jnp.int8), q).splitlines()
   two = _hlo(dot, jnp.ones((2, 576), jnp.int8), q).splitlines()
-  assert [l.split("=")[1].split()[0] for l in _widened_copies(one)] == ["s32[576,1536]{1,0}"], one
+  assert [l.split("=")[1].split()[0].split("{")[0] for l in _widened_copies(one)] == ["s32[1536,576]"], one
   assert not _widened_copies(two), two
 
 
@@ -201,9 +203,9 @@ def test_split_int8_matmul_is_exact_at_the_limits_and_batch_invariant():
   limbs, a = split_activations(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(limbs)[:3], x.astype(np.int8))
   assert not np.asarray(limbs)[3:].any() and np.all(np.asarray(a) == 1.0)
-  q = np.full((1536, 8), -127, np.int8)
+  q = np.full((8, 1536), -127, np.int8)  # [out, in]
   y = np.asarray(split_int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.ones((8,), jnp.float32)))
-  np.testing.assert_array_equal(y, x.astype(np.float64) @ q.astype(np.float64))
+  np.testing.assert_array_equal(y, x.astype(np.float64) @ q.T.astype(np.float64))
   # A row's result does not depend on the rows beside it (integer sums in any order).
   rng = np.random.default_rng(3)
   x = rng.standard_normal((16, 576)).astype(np.float32)
@@ -230,11 +232,11 @@ def test_quantized_specs_abstract_and_init_agree():
   wo = abstract["layers"][0]["wo"]
   H, Dh, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
   assert isinstance(wo, QuantizedWeight)
-  assert (wo.values.shape, wo.values.dtype) == ((H, Dh, D), jnp.int8)
+  assert (wo.values.shape, wo.values.dtype) == ((D, H, Dh), jnp.int8)  # output axes first
   assert (wo.scales.shape, wo.scales.dtype) == ((1, D), jnp.float32)
   # int8 quantizes the LM head too (per vocab column); the untied embedding is only gathered.
   head = abstract["lm_head"]
-  assert (head.values.shape, head.values.dtype, head.scales.shape) == ((D, cfg.vocab_size), jnp.int8,
+  assert (head.values.shape, head.values.dtype, head.scales.shape) == ((cfg.vocab_size, D), jnp.int8,
                                                                      (1, cfg.vocab_size))
   assert abstract["embed"].dtype == jnp.bfloat16
   assert abstract["layers"][0]["attn_norm"].dtype == jnp.bfloat16
@@ -261,9 +263,10 @@ def test_quantized_shardings_follow_the_logical_axes():
   rules = make_rules({"kv_heads": None})  # tiny llama3 has 1 KV head
   sh = param_shardings(cfg, mesh, "int8", rules)["layers"][0]
   P = jax.sharding.PartitionSpec
-  assert sh["w_gate"].values.spec == P(None, "model") and sh["w_gate"].scales.spec == P(None, "model")
-  assert sh["w_down"].values.spec == P("model", None) and sh["w_down"].scales.spec == P(None, None)
-  assert sh["wq"].values.spec == P(None, "model", None) and sh["wq"].scales.spec == P(None, "model", None)
+  # Values [out..., in...]: w_gate [F, D] splits its first axis, w_down [D, F] its last.
+  assert sh["w_gate"].values.spec == P("model", None) and sh["w_gate"].scales.spec == P(None, "model")
+  assert sh["w_down"].values.spec == P(None, "model") and sh["w_down"].scales.spec == P(None, None)
+  assert sh["wq"].values.spec == P("model", None, None) and sh["wq"].scales.spec == P(None, "model", None)
   # Every quantized leaf of the spec tree got a sharding.
   n_specs = len(jax.tree.leaves(param_specs(cfg, "int8"), is_leaf=is_spec))
   assert len(jax.tree.leaves(param_shardings(cfg, mesh, "int8", rules))) == n_specs
@@ -329,6 +332,6 @@ def test_int8_sharded_over_a_mesh_matches_one_device(int8_llms):
   sharded = LLM(tiny_dir("smollm2"), max_model_len=256, max_num_seqs=8, warmup=False, quantization="int8",
                 mesh=mesh, sharding_rules={"kv_heads": None})  # 1 KV head: replicated on purpose
   w = sharded.runner.params["layers"][0]["w_gate"]
-  assert w.values.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  assert w.values.sharding.spec == jax.sharding.PartitionSpec("model", None)
   ids = golden("smollm2")["token_ids"].tolist()
   np.testing.assert_allclose(sharded.logits(ids), int8_llms["smollm2"].logits(ids), atol=1e-3, rtol=0)

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import WeightSpec, is_spec, param_specs
-from jaxinfer.quant import QuantizedWeight, num_in_axes
+from jaxinfer.quant import QuantizedWeight, num_in_axes, values_shape
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -72,10 +72,10 @@ def assemble(cfg: ModelConfig, source: str, key: str,
 
 
 def quantized_from_checkpoint(spec: WeightSpec, w: QuantizedWeight) -> QuantizedWeight:
-  """[out, in] values and [out, G] scales (and mins) (HF/GGUF layout) -> ours: [in..., out...],
-  [G, out...]."""
+  """[out, in] values and [out, G] scales (and mins) (HF/GGUF layout) -> ours: values
+  [out..., in...] (the same bytes), scales [G, out...]."""
   n = num_in_axes(spec)
-  values = np.asarray(w.values).T.reshape(spec.shape)
+  values = np.asarray(w.values).reshape(values_shape(spec.shape, n))
 
   def groups(a):
     a = np.asarray(a, np.float32).T

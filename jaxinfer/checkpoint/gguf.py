@@ -115,8 +115,8 @@ KEPT = {"int8": (Q.Q8_0,), "int4": (Q.Q4_0, Q.Q4_1), "fp8": ()}
 
 def _quantize_rows(w: np.ndarray, quantization: str, name: str) -> QuantizedWeight:
   """A float [out, in] tensor quantized along `in`, in checkpoint layout (scales [out, G])."""
-  q = quantize(w.T, 1, quantization, name=name)
-  return QuantizedWeight(q.values.T, q.scales.T, None if q.mins is None else q.mins.T)
+  q = quantize(w.T, 1, quantization, name=name)  # values come back [out, in], as stored here
+  return QuantizedWeight(q.values, q.scales.T, None if q.mins is None else q.mins.T)
 
 
 def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedModel:

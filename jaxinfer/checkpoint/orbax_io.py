@@ -34,6 +34,9 @@ from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
 FORMAT_VERSION = 1
+# How quantized values are laid out (jaxinfer/quant.py): output axes first since this key
+# appeared; a quantized checkpoint without it holds [in, out] values and must be rewritten.
+VALUES_LAYOUT = "out_in"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -59,6 +62,8 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
     model.tokenizer.save(tmp / "tokenizer")
   manifest = dict(format_version=FORMAT_VERSION, config=model.config.to_dict(),
                   source=model.source, dtype=dtype, quantization=formats.pop() if formats else None)
+  if manifest["quantization"]:
+    manifest["values_layout"] = VALUES_LAYOUT
   (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
   if dst.exists():
     shutil.rmtree(dst)
@@ -142,6 +147,9 @@ def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None
   stored_q = manifest.get("quantization")
   if stored_q not in (None,) + QUANTIZATIONS:
     raise CheckpointError(f"{path / MANIFEST}: unknown quantization {stored_q!r}")
+  if stored_q and manifest.get("values_layout") != VALUES_LAYOUT:
+    raise CheckpointError(f"{path / MANIFEST}: {stored_q} values stored as [in, out] by an older jaxinfer "
+                          f"(now [out, in]); re-run `jaxinfer convert ... --quantize {stored_q}`")
   load_q = stored_q or quantization
   if shardings_fn is not None:
     shardings = shardings_fn(cfg, load_q) if load_q else shardings_fn(cfg)

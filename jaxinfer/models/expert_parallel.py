@@ -133,9 +133,10 @@ def ep_moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Arr
   def expert_spec(k, v):
     if not is_quantized(v):
       return _spec(v.ndim, lead, _EXPERT_KEYS[k], mlp)
-    # Scales [E, 1, out]: split like the values' output axis (w_gate / w_up's F), else by expert only.
-    out_mlp = _EXPERT_KEYS[k] if _EXPERT_KEYS[k] == v.values.ndim - 1 else None
-    return QuantizedWeight(_spec(v.values.ndim, lead, _EXPERT_KEYS[k], mlp), _spec(v.scales.ndim, lead, out_mlp, mlp))
+    # Values [E, out, in]: F is where the float weight does not have it. Scales [E, 1, out]:
+    # split like the output axis when that is F (w_gate / w_up), else by expert only.
+    out_mlp = 2 if _EXPERT_KEYS[k] == 2 else None
+    return QuantizedWeight(_spec(3, lead, 3 - _EXPERT_KEYS[k], mlp), _spec(3, lead, out_mlp, mlp))
 
   expert_specs = {k: expert_spec(k, v) for k, v in experts.items()}
 

@@ -39,7 +39,7 @@ from jaxinfer.models.cache import write
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, yarn_mscale
 from jaxinfer.models.transformer import PagedBatch
 from jaxinfer.params import WeightSpec
-from jaxinfer.quant import is_quantized, linear
+from jaxinfer.quant import dequantize_jnp, is_quantized, linear
 
 # The q and kv latent norms use DeepSeek's fixed epsilon, not the config's
 # rms_norm_eps (DeepSeek's reference code and transformers build them with the
@@ -111,15 +111,10 @@ def _rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def _dense(w) -> jax.Array:
-  """A float view of wkv_b: the absorbed form contracts it over its output dims, which the
-  int8 `linear` cannot do, so a quantized one is dequantized (scales per output channel,
-  or per group of input rows)."""
-  if not is_quantized(w):
-    return w
-  values, scales = w.values, w.scales  # [R, H, C + V], [G, H, C + V]
-  G = scales.shape[0]
-  grouped = values.reshape(G, -1, *values.shape[1:]).astype(scales.dtype) * scales[:, None]
-  return grouped.reshape(values.shape)
+  """A float view of wkv_b [R, H, C + V]: the absorbed form contracts it over its output dims,
+  which the int8 `linear` cannot do, so a quantized one is dequantized (scales per output
+  channel, or per group of input rows)."""
+  return dequantize_jnp(w, 1) if is_quantized(w) else w
 
 
 def mla_attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, positions: jax.Array,

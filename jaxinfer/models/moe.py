@@ -32,7 +32,7 @@ experts (decode) gather each copy's expert weights instead
 (`_per_copy_swiglu`). The sorted layout is also what an expert-parallel
 all-to-all dispatches.
 
-Quantized experts (int8 / fp8, jaxinfer/quant.py): values [E, in, out] with scales
+Quantized experts (int8 / fp8, jaxinfer/quant.py): values [E, out, in] with scales
 [E, 1, out], one per (expert, output channel). Those factor out of each row's dot
 (sum_i x_i q_eio s_eo = s_eo sum_i x_i q_eio), so `expert_dot` runs the grouped dot over
 the converted values and multiplies each row by its own expert's scales after it.
@@ -163,7 +163,8 @@ def expert_dot(xs: jax.Array, w: Any, group_sizes: jax.Array, expert: jax.Array)
   ragged_dot leaves zero, may name any)."""
   if not is_quantized(w):
     return jax.lax.ragged_dot(xs, w, group_sizes)
-  y = jax.lax.ragged_dot(xs, w.values.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+  values = jnp.swapaxes(w.values, 1, 2).astype(xs.dtype)  # [E, O, I] -> [E, I, O]
+  y = jax.lax.ragged_dot(xs, values, group_sizes, preferred_element_type=jnp.float32)
   return (y * take(w.scales[:, 0], expert)).astype(xs.dtype)
 
 
@@ -172,7 +173,8 @@ def per_copy_dot(eq: str, x: jax.Array, w: Any, ids: jax.Array) -> jax.Array:
   weight [I, O] (float, or quantized: the A gathered experts converted, their scales after)."""
   if not is_quantized(w):
     return jnp.einsum(eq, x, take(w, ids))
-  y = jnp.einsum(eq, x, take(w.values, ids).astype(x.dtype), preferred_element_type=jnp.float32)
+  values = jnp.swapaxes(take(w.values, ids), -1, -2).astype(x.dtype)  # [T, A, O, I] -> [T, A, I, O]
+  y = jnp.einsum(eq, x, values, preferred_element_type=jnp.float32)
   return (y * take(w.scales, ids)[:, :, 0]).astype(x.dtype)
 
 

@@ -17,8 +17,8 @@ from jaxinfer.checkpoint import import_model, load_model, orbax_io
 from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
-from jaxinfer.quant import (QuantizedWeight, dequantize, format_of, is_quantized, num_in_axes, quantize_int8,
-                            quantize_tree)
+from jaxinfer.quant import (QuantizedWeight, dequantize, dequantize_weight, format_of, is_quantized, num_in_axes,
+                            quantize_tree, quantize_weight)
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 Q = gguf.GGMLQuantizationType
@@ -48,6 +48,20 @@ def test_convert_quantize_round_trips_bit_exactly(converted):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_quantized_checkpoint_of_the_old_in_out_layout_is_refused(converted, tmp_path):
+  # Quantized values were stored [in..., out...] before the manifest gained values_layout;
+  # their shapes can coincide with today's (square weights), so the manifest decides.
+  import shutil
+  old = tmp_path / "old"
+  shutil.copytree(converted, old)
+  manifest = json.loads((old / orbax_io.MANIFEST).read_text())
+  assert manifest.pop("values_layout") == "out_in"
+  (old / orbax_io.MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(CheckpointError, match=r"int8 values stored as \[in, out\] by an older jaxinfer.*re-run "
+                                            r"`jaxinfer convert \.\.\. --quantize int8`"):
+    load_model(old)
+
+
 def test_converted_int8_generates_like_quantizing_at_load(converted):
   prompt = [5, 17, 200, 3, 99, 42, 7]
   sp = dict(max_model_len=64, warmup=False)
@@ -62,7 +76,7 @@ def test_converted_int8_restores_sharded_over_a_mesh(converted):
   params = load_model(converted, shardings_fn=lambda cfg, q=None: param_shardings(cfg, mesh, q, rules)).params
   P = jax.sharding.PartitionSpec
   w = params["layers"][0]["w_up"]
-  assert w.values.sharding.spec == P(None, "model") and w.scales.sharding.spec == P(None, "model")
+  assert w.values.sharding.spec == P("model", None) and w.scales.sharding.spec == P(None, "model")
   single = load_model(converted).params
   for a, b in zip(_leaves(single), _leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -91,7 +105,7 @@ def test_scales_that_do_not_match_their_values_name_the_tensor(tmp_path):
 def test_scales_with_groups_that_do_not_divide_the_input(tmp_path):
   model = import_model(tiny_dir("llama3"), "int8")
   w = model.weights["layers"][0]["wk"]
-  D = w.values.shape[0]
+  D = w.values.shape[-1]  # [kv heads, head dim, D]: the inputs last
   model.weights["layers"][0]["wk"] = QuantizedWeight(w.values, np.repeat(w.scales, D - 1, axis=0))
   dst = orbax_io.save(model, tmp_path / "bad")
   with pytest.raises(CheckpointError, match=r"k_proj\.weight.*G dividing"):
@@ -122,7 +136,7 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
   (head_spec, head, table), = [(s, q, f) for s, q, f in leaves if s.head]
   # The tied head is not kept as Q8_0 blocks (they would be dequantized every step): per column.
   assert head_spec.axes == ("vocab", "embed") and head.scales.shape == (1, head_spec.shape[1])
-  np.testing.assert_array_equal(head.values, quantize_int8(table, 1).values)
+  np.testing.assert_array_equal(head.values, quantize_weight(head_spec, table, "int8").values)
   for spec, q, f in leaves:
     if spec.head:
       continue
@@ -141,8 +155,9 @@ def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
   # activations carry 2^-16 of their row maximum, well inside the tolerance.
   ids = golden("smollm2")["token_ids"].tolist()
   ref_llm = LLM(q8_0_file, max_model_len=64, warmup=False)
-  table = quantize_int8(np.asarray(ref_llm.runner.params["embed"]), 1)
-  ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize(table, 1))}
+  spec = param_specs(ref_llm.config)["embed"]
+  table = quantize_weight(spec, np.asarray(ref_llm.runner.params["embed"]), "int8")
+  ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize_weight(spec, table))}
   got_llm = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8")
   np.testing.assert_array_equal(np.asarray(got_llm.runner.params["embed"].values), table.values)
   np.testing.assert_allclose(got_llm.logits(ids), ref_llm.logits(ids), atol=1e-4, rtol=0)

@@ -307,7 +307,7 @@ def test_gguf_q8_0_experts_are_requantized_per_channel_with_one_log_line(tmp_pat
   assert layer["wq"].scales.shape[0] == 64 // 32  # Q8_0 blocks kept
   want = quantize_tree(moe_specs(model.config, 0), import_model(path).weights["layers"][0]["moe"], "int8")["w_up"]
   got = layer["moe"]["w_up"]
-  assert got.values.shape == (8, 64, 32) and got.scales.shape == (8, 1, 32)
+  assert got.values.shape == (8, 32, 64) and got.scales.shape == (8, 1, 32)  # [E, out, in]
   np.testing.assert_array_equal(got.values, want.values)
   np.testing.assert_array_equal(got.scales, want.scales)
 
