@@ -235,9 +235,9 @@ def from_values_layout(a, n_in: int):
 
 
 def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:
-  """The specs of a quantized weight: values keep the weight's axes, scales (and int4's mins)
-  its output axes (behind a stacked weight's experts axis). `groups` defaults to 1 (int8,
-  fp8) or in / INT4_GROUP (int4)."""
+  """The specs of a quantized weight: values the weight's axes, output axes first (the tied
+  table as it is), scales (and int4's mins) its output axes (behind a stacked weight's
+  experts axis). `groups` defaults to 1 (int8, fp8) or in / INT4_GROUP (int4)."""
   lead = 1 if spec.num_experts else 0
   n = num_in_axes(spec)
   if groups is None:
