@@ -13,9 +13,10 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
 
 so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o]) with g = i // (in / G). Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
-minor one 1.4-1.9x faster than one stored [in, out] (576 x 1536: 2.08 vs 2.83 ms per 30
-layers; 1536 x 576: 2.19 vs 4.16; scripts/bench_quant_matmul.py), and every other form is
-dequantized or converted first, where the layout costs nothing.
+minor one 1.2-1.7x faster than one stored [in, out] (one token, per matmul: 576 x 1536 92
+vs 124 us, 1536 x 576 100 vs 165 us; scripts/bench_quant_matmul.py,
+quant-matmul-2026-11-24.json), and every other form is dequantized or converted first,
+where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
 front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
 channel); models/moe.py multiplies each row's expert's scales after the grouped dot.

@@ -12,7 +12,7 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   float32           x @ W
   (Q: the quantized values as jaxinfer stores them, [out, in]; "@ Q" contracts their minor axis)
   int8 split [in,out]  the same dot over values stored [in, out] (the layout before
-                    2026-11-24): XLA CPU's int8 dot reads it 1.4-1.9x slower
+                    2026-11-24): XLA CPU's int8 dot reads it 1.2-1.7x slower at one token
   int8 split        ([hi; lo] @ Q, int32) * a * s  what jaxinfer.quant.linear runs on CPU: x in two
                                               int8 limbs per token (x = a (hi + lo / 254)), one
                                               int8 x int8 dot of 2T rows that reads Q as int8
