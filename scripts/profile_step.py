@@ -151,7 +151,10 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool,
     for (_, _, name), (_, _, _, ct, _) in pstats.Stats(profiler).stats.items():
       cumulative[name] = cumulative.get(name, 0.0) + ct
     host = cumulative["step"] - cumulative["timed"]
-    phases = {phase: cumulative.get(fn, 0.0) / host for phase, fn in HOST_PHASES.items()}
+    missing = sorted(fn for fn in HOST_PHASES.values() if fn not in cumulative)
+    if missing:  # a renamed engine method would otherwise count as a 0% phase
+      raise RuntimeError(f"profile_step: no calls to {missing} in the profile; update HOST_PHASES")
+    phases = {phase: cumulative[fn] / host for phase, fn in HOST_PHASES.items()}
     return dict(phases=phases | {"other": 1.0 - sum(phases.values())})
   if not time_device:
     return dict(wall_ms=wall_ms)
