@@ -371,14 +371,14 @@ def with_mins(shardings: Any, weights: Any) -> Any:
   return jax.tree.map(one, shardings, weights, is_leaf=lambda x: is_quantized(x) or isinstance(x, jax.sharding.Sharding))
 
 
-def check_quantized(name: str, values_shape_: tuple[int, ...], values_dtype, scales_shape: tuple[int, ...],
+def check_quantized(name: str, stored_shape: tuple[int, ...], values_dtype, scales_shape: tuple[int, ...],
                     spec, quantization: str = "int8", mins_shape: tuple[int, ...] | None = None) -> None:
   """CheckpointError naming the tensor unless values / scales (/ mins) fit `spec` (a float
   WeightSpec) and `quantization`'s layout."""
   n = num_in_axes(spec)
   want_values = values_shape(spec.shape, 0 if is_table(spec) else n, 1 if spec.num_experts else 0)
-  if tuple(values_shape_) != want_values:
-    raise CheckpointError(f"{name}: quantized values have shape {tuple(values_shape_)}, "
+  if tuple(stored_shape) != want_values:
+    raise CheckpointError(f"{name}: quantized values have shape {tuple(stored_shape)}, "
                           f"expected {want_values} (output axes first)")
   if spec.num_experts:  # per (expert, output channel) only: models/moe.py's layout
     want = (spec.shape[0], 1) + spec.shape[1 + n:]

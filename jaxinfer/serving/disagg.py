@@ -136,8 +136,10 @@ def unpack_pages(data: bytes, num_pages: int, layout: KVLayout) -> list[dict[str
   for _ in range(layout.num_layers):
     layer = {}
     for name, dtype in _wire_arrays(layout):
-      last = (layout.scale_groups,) if name in layout.scale_names and layout.scale_groups > 1 else \
-             () if name in layout.scale_names else (layout.head_dim,)
+      if name not in layout.scale_names:
+        last = (layout.head_dim,)
+      else:  # one group: the cache's own per-head scale shape
+        last = (layout.scale_groups,) if layout.scale_groups > 1 else ()
       count = math.prod(lead + last)
       a = np.frombuffer(data, dtype.newbyteorder("<"), count=count, offset=at).reshape(lead + last)
       layer[name] = a.astype(dtype, copy=False)
