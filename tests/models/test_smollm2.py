@@ -59,18 +59,21 @@ def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(s
 
 
 @pytest.mark.parametrize("method,async_scheduling", [("mtp", True), ("ngram", False)])
-def test_sixteen_chats_with_drafts_match_transformers(default_checkpoint, method, async_scheduling):
-  """Speculation changes no greedy token: the sixteen chats (chunked prefill mixed with
-  verification) with the shipped MTP head, its drafts and acceptance kept on the device
-  by async scheduling, and with prompt lookup. k = 2; a 16-token step budget keeps it to
-  five programs per method."""
+def test_eight_chats_with_drafts_match_transformers(default_checkpoint, method, async_scheduling):
+  """Speculation changes no greedy token: the first eight golden chats (35-128 prompt
+  tokens, so chunked prefill mixes with verification) with the shipped MTP head, its
+  drafts and acceptance kept on the device by async scheduling, and with prompt lookup.
+  k = 2; a 16-token step budget keeps it to five programs per method. Eight, not all
+  sixteen: the other eight's 1240 prompt tokens would add ~80 sixteen-token steps of a
+  30-layer model per method to CI and no new case."""
   from jaxinfer import LLM
   g = batch_golden()
-  prompts = [r["prompt_ids"] for r in g["records"]]
+  records = g["records"][:8]
+  prompts = [r["prompt_ids"] for r in records]
   llm = LLM(default_checkpoint, speculative={"method": method, "num_speculative_tokens": 2},
             max_num_seqs=16, max_num_batched_tokens=16, warmup=False, async_scheduling=async_scheduling)
   outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=g["max_new_tokens"], ignore_eos=True))
-  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in g["records"]]
+  assert [o.token_ids for o in outs] == [r["greedy_ids"] for r in records]
   stats = llm.engine.stats()
   assert stats["spec_accepted_tokens"] > 0 and stats["spec_mean_acceptance_length"] > 1
   assert llm.engine.kv.usage == 0.0
