@@ -39,15 +39,20 @@ head folds the scales into its input (head_logits). An untied embedding is only 
 and stays in the model dtype.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights. Per-channel int8 on the
-CPU runs `split_int8_matmul`: each token's activations become two int8 limbs
-(x = a (hi + lo / 254), 2^-16 of the row's largest value) and one s8 x s8 -> s32 dot of
-the 2T limb rows reads the int8 weight itself in XLA CPU's YNNPACK fusion; the int32
-sums are exact, the scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Every
-other form is weight-only: activations stay float, the values are converted for the dot
+CPU runs `int8_matmul`: each token's activations become int16 (x = a x16, 2^-15 of the
+row's largest value) and the hand-written kernel cpu_kernels.int8_matmul (an XLA FFI
+custom call, AVX2) reads the int8 weight once and sums x16 q exactly in integers; the
+scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
+available, or in a program split over several devices, `split_int8_matmul` does the same
+with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
+s32 dot of the 2T limb rows over the int8 weight. Every other form is weight-only: activations stay float, the values are converted for the dot
 and per-channel scales multiply its output. Group-wise scales (Q8_0, int4) vary along the
 contraction, so those weights are dequantized whole first (in the same jitted step).
 
-Update 2026-11-23 (supersedes the int8 and speed points below): a one-row s8 x s8 dot is
+Update 2026-11-24 (supersedes the split's speed below): the kernel streams the int8 weight
+at 17-26 GB/s where XLA's split dot streams ~10 and its float32 matrix-vector kernel
+20-24; the batch-1 int8 decode step of the default model went from 17.5 to ~10 ms
+(float32 ~29) (README "Formats"). Update 2026-11-23: a one-row s8 x s8 dot is
 widened, but two or more rows are not (tests/test_quant.py asserts both), which the split
 limbs exploit. End to end on the default model, 64 new tokens, idle 2-core EPYC: batch 1
 float32 28.7, int8 31.2 tok/s (weight-only was 5.2); 64 prompts float32 234.7, int8 223.4.
@@ -94,16 +99,18 @@ way, is int8 now).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import cpu_kernels
 from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxinfer.indexing import take
 
@@ -449,11 +456,7 @@ def head_logits(x: jax.Array, w: Any, tied: bool) -> jax.Array:
     return float_linear("...D,VD->...V", x, w, jnp.float32)
   lead = x.shape[:-1]
   xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32) * w.scales  # [M, D] * [1, D]
-  if jax.default_backend() == "cpu" and xs.shape[1] <= SPLIT_INT8_MAX_IN:
-    y = split_int8_matmul(xs, w.values)
-  else:
-    y = _dot_t(xs, w.values.astype(jnp.float32))
-  return y.reshape(*lead, -1)
+  return int8_matmul(xs, w.values).reshape(*lead, -1)
 
 
 def embed_lookup(embed: Any, tokens: jax.Array, dtype) -> jax.Array:
@@ -497,9 +500,61 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   x = x.astype(jnp.float32)
   if scales.shape[0] > 1 or mins is not None:
     return _dot_t(x, dequantize_groups(q, scales, mins))
-  if q.dtype == jnp.int8 and jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
-    return split_int8_matmul(x, q, scales[0])
+  if q.dtype == jnp.int8:
+    return int8_matmul(x, q) * scales[0]
   return _dot_t(x, q.astype(jnp.float32)) * scales[0]
+
+
+def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
+  """x [M, I] float32 @ q [O, I]^T for an int8 q (its scales applied by the caller) -> float32 [M, O].
+
+  On the CPU: the hand-written kernel (cpu_kernels.int8_matmul) over int16 activations
+  (int16_activations: x to 2^-15 of its row's largest value), when it is available and the
+  program runs on one device; else XLA's split_int8_matmul. Both sum integers exactly,
+  so neither depends on the batch; they round differently (~1e-6 relative), so one
+  process uses one of them throughout (cpu_kernels.available() does not change).
+  Elsewhere (GPU): a float32 dot over the converted values.
+  """
+  if jax.default_backend() != "cpu":
+    return _dot_t(x, q.astype(jnp.float32))
+  if _CPU_KERNEL.get() and cpu_kernels.available():
+    x16, a = int16_activations(x)
+    return cpu_kernels.int8_matmul(x16, q) * a
+  if q.shape[1] <= SPLIT_INT8_MAX_IN:
+    return split_int8_matmul(x, q)
+  return _dot_t(x, q.astype(jnp.float32))
+
+
+# Off while tracing a program split over several devices: XLA's partitioner cannot split a
+# custom call, it would gather its operands whole onto every device.
+_CPU_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("cpu_kernel", default=True)
+
+
+def tracing_on(mesh: Any, fn: Callable) -> Callable:
+  """fn, traced with the CPU int8 kernel off when `mesh` spans more than one device (XLA's
+  split dot instead, which the partitioner splits like any dot)."""
+  if mesh is None or mesh.size == 1:
+    return fn
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    token = _CPU_KERNEL.set(False)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _CPU_KERNEL.reset(token)
+  return run
+
+
+INT16_MAX = 32767
+
+
+def int16_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, I] -> (int16 [M, I], float32 scale a [M, 1]) with x = a * x16 to within a / 2:
+  a = max|x| / 32767 per row (1 for an all-zero row), x16 = round(x / a)."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+  a = jnp.where(amax > 0, amax / INT16_MAX, 1.0)
+  return jnp.clip(jnp.round(x / a), -INT16_MAX, INT16_MAX).astype(jnp.int16), a
 
 
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -11,9 +11,12 @@ at the cost of a row reduction), and reports the time per matmul.
 Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   float32           x @ W
   (Q: the quantized values as jaxinfer stores them, [out, in]; "@ Q" contracts their minor axis)
+  int8 kernel       cpu_kernels.int8_matmul(x16, Q) * a * s  what jaxinfer.quant.linear runs on CPU
+                                              (one device): x to int16 per token, the hand-written
+                                              AVX2 kernel reads Q once, exact integer sums
   int8 split [in,out]  the same dot over values stored [in, out] (the layout before
                     2026-11-24): XLA CPU's int8 dot reads it 1.2-1.7x slower at one token
-  int8 split        ([hi; lo] @ Q, int32) * a * s  what jaxinfer.quant.linear runs on CPU: x in two
+  int8 split        ([hi; lo] @ Q, int32) * a * s  what quant.linear runs without the kernel: x in two
                                               int8 limbs per token (x = a (hi + lo / 254)), one
                                               int8 x int8 dot of 2T rows that reads Q as int8
   int8 weight-only  (x @ float(Q)) * s        the GPU path; XLA CPU materializes float(Q) per call
@@ -83,6 +86,7 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
   rng = np.random.default_rng(0)
   forms = {
       "float32": lambda x, w: x @ w["f"],
+      "int8 kernel": lambda x, w: _kernel(x, w["q"], w["s"][0]),
       "int8 split [in,out]": lambda x, w: _split_in_out(x, w["qio"], w["s"][0]),
       "int8 split": lambda x, w: split_int8_matmul(x, w["q"], w["s"][0]),
       "int8 weight-only": lambda x, w: _weight_only(x, w["q"], w["s"]),
@@ -116,6 +120,18 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
             flush=True)
   return rows
+
+
+def _kernel(x, q, s):
+  """quant.int8_matmul's kernel path, required here: a row that silently fell back to the
+  split dot would be mislabelled."""
+  import cpu_kernels
+
+  from jaxinfer.quant import int16_activations
+  if not cpu_kernels.available():
+    raise SystemExit(f"the int8 CPU kernel is not available: {cpu_kernels.unavailable_reason()}")
+  x16, a = int16_activations(x)
+  return cpu_kernels.int8_matmul(x16, q) * a * s
 
 
 def _quantize_activations(x):

@@ -11,6 +11,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.hf import read_config
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequestError, UnsupportedModelError
+from jaxinfer import quant
 from jaxinfer.params import abstract_params, init_params, is_spec, param_specs
 from jaxinfer.quant import (FP8_MAX, QuantizedWeight, check_fp8, dequantize, is_quantized, linear, quantize,
                             quantize_fp8, quantize_int4, quantize_int8, quantized_matmul, quantized_matmul_reference)
@@ -147,17 +148,41 @@ def _widened_copies(lines):
                                                      for s in ("[576,1536]", "[1536,576]"))]
 
 
-def test_int8_is_read_as_int8_by_a_dot_of_the_two_activation_limbs():
-  # One token's int8 linear on the CPU: a [2, 576] s8 x [1536, 576] s8 -> s32 dot (hi and
-  # lo limbs; the values output first, contracted on their minor axis) over the int8
-  # parameter itself; no copy of the weight is written.
+def test_int8_on_one_device_is_the_cpu_kernel_over_the_int8_parameter():
+  # One token's int8 linear on the CPU: a custom call to cpu_kernels' int8 x int16 kernel,
+  # reading the [1536, 576] s8 parameter itself (output first) and the token as s16; no
+  # dot, no copy of the weight. Fails if the kernel cannot be built here.
+  import cpu_kernels
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
   x = jnp.ones((1, 576), jnp.float32)
   w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int8"))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
-  assert not _widened_copies(lines), lines
+  assert not _widened_copies(lines) and not [l for l in lines if " dot(" in l], lines
+  calls = [l for l in lines if "custom-call(" in l]
+  assert len(calls) == 1 and 'custom_call_target="jaxinfer_int8_matmul"' in calls[0], calls
+  assert "= f32[1,1536]" in calls[0] and "{s16[1,576]{1,0}, s8[1536,576]{1,0}}" in calls[0], calls
+  param = [l.split("=")[0].strip() for l in lines if "= s8[1536,576]{1,0} parameter(1)" in l]
+  assert len(param) == 1 and calls[0].split("custom-call(")[1].split(")")[0].endswith(param[0]), (param, calls)
+
+
+def test_int8_traced_for_several_devices_is_the_split_dot_of_two_activation_limbs():
+  # A program split over a mesh cannot partition a custom call, so it traces XLA's split
+  # dot: [2, 576] s8 limbs (hi, lo) x the [1536, 576] s8 parameter -> s32, no weight copy.
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  x = jnp.ones((1, 576), jnp.float32)
+  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int8"))
+  lines = _hlo(quant.tracing_on(mesh, lambda x, w: linear("TD,DF->TF", x, w)), x, w).splitlines()
+  assert not _widened_copies(lines) and not [l for l in lines if "custom-call(" in l], lines
   dots = [l for l in lines if " dot(" in l]
   assert len(dots) == 1 and "= s32[2,1536]" in dots[0], dots
   assert any(l.strip().startswith("%param_1 = s8[1536,576]") for l in lines), lines
+  # The same numbers as the kernel to float32 rounding of differently rounded activations.
+  rng = np.random.default_rng(5)
+  xr = rng.standard_normal((3, 576)).astype(np.float32)
+  wr = jax.tree.map(jnp.asarray, quantize(rng.standard_normal((576, 64)).astype(np.float32), 1, "int8"))
+  split = np.asarray(jax.jit(quant.tracing_on(mesh, lambda x, w: linear("TD,DF->TF", x, w)))(xr, wr))
+  kernel = np.asarray(jax.jit(lambda x, w: linear("TD,DF->TF", x, w))(xr, wr))
+  np.testing.assert_allclose(split, kernel, rtol=2e-4, atol=2e-4 * np.abs(kernel).max())
 
 
 def test_a_one_row_int8_dot_widens_the_weight_and_two_rows_do_not():

@@ -69,6 +69,7 @@ from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
+from jaxinfer import quant
 from jaxinfer.params import model_dtype
 from jaxinfer.engine.spec_decode import accept, relax
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, chosen_logprobs, sample
@@ -327,12 +328,14 @@ class ModelRunner:
     self._result_order = None  # set by pack_step for launch_packed under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    self._step = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
+    # Programs over several devices trace int8 matmuls as XLA dots the partitioner can split.
+    traced = lambda fn: quant.tracing_on(mesh, tracing_with(self.expert_parallelism, fn))
+    self._step = jax.jit(traced(functools.partial(
                              _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
                              page_size if self.mtp else 0, relaxed_acceptance)),
                          static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
-    self._logits = jax.jit(tracing_with(self.expert_parallelism, functools.partial(
+    self._logits = jax.jit(traced(functools.partial(
         _all_logits, cfg, self.attention_impl, page_size, self.cache_spec,
         self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules))))
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program

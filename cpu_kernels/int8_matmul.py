@@ -1,0 +1,153 @@
+"""int16 activations x int8 weights on XLA CPU: an XLA FFI custom call (int8_matmul.cc),
+its build, and its reference.
+
+    int8_matmul(x int16 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x q)
+
+Why a hand-written kernel: XLA CPU widens a one-row int8 weight to a float32 copy, and
+its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight at
+~10 GB/s where its float32 matrix-vector kernel streams 20-24 GB/s, so int8 decode was
+far from the 4x fewer bytes it reads. This kernel reads the int8 weight once per call at
+every row count and does 16 int16 x int8 products per vpmaddwd (AVX2):
+scripts/bench_quant_matmul.py and benchmarks/results/quant-matmul-*.json measure it
+beside XLA's forms.
+
+The sums are exact integers (int32 lanes, flushed to int64 before they can overflow),
+rounded once to float32: each element is the same number for any row count, tiling or
+thread split, which is what greedy batch invariance needs.
+
+The library is compiled on first use with the C++ compiler on PATH ($CXX, g++, c++ or
+clang++) against jax's own FFI headers, into $JAXINFER_CACHE/cpu_kernels (default
+~/.cache/jaxinfer), keyed by the source, jaxlib version and flags, and registered with
+XLA once per process. `available()` says whether it could be (x86-64 with AVX2 and FMA,
+a compiler that builds it, JAXINFER_CPU_KERNELS not set to 0); when not, the caller
+falls back to XLA and `unavailable_reason()` says why (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int8_matmul.cc")
+TARGET = "jaxinfer_int8_matmul"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
+  """x int16 [R, I], q int8 [O, I] -> float32 [R, O]: each element the exact integer
+  sum_i x[r, i] q[o, i] rounded to float32. Traced into the caller's XLA CPU program as a
+  custom call; raises RuntimeError when the kernel is not available()."""
+  if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int8:
+    raise ValueError(f"int8_matmul: want x int16 [R, I] and q int8 [O, I], got x {x.dtype}{list(x.shape)}, "
+                     f"q {q.dtype}{list(q.shape)}")
+  if not available():
+    raise RuntimeError(f"the int8 CPU kernel is not available: {unavailable_reason()}")
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, q)
+
+
+def int8_matmul_reference(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+  """The same product in numpy int64, rounded to float32."""
+  return (np.asarray(x, np.int64) @ np.asarray(q, np.int64).T).astype(np.float32)
+
+
+def available() -> bool:
+  """Whether int8_matmul can run in this process (builds and registers it on first call)."""
+  return _load()[0]
+
+
+def unavailable_reason() -> str | None:
+  """Why int8_matmul is not available (None when it is)."""
+  return _load()[1]
+
+
+@functools.cache
+def _load() -> tuple[bool, str | None]:
+  reason = _why_not()
+  if reason is None:
+    try:
+      lib = ctypes.CDLL(str(_build()))
+      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_matmul), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+      reason = f"building {SOURCE.name} failed: {e}"
+  if reason is not None:
+    log.warning("int8 weights on CPU run through XLA's int8 dot (slower): %s", reason)
+  return reason is None, reason
+
+
+def _why_not() -> str | None:
+  if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
+    return "JAXINFER_CPU_KERNELS=0"
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return f"it is written for x86-64 (AVX2), this machine is {platform.machine()}"
+  flags = _cpu_flags()
+  if flags is not None and not {"avx2", "fma"} <= flags:
+    return "this CPU lacks AVX2 or FMA"
+  if _compiler() is None:
+    return "no C++ compiler on PATH ($CXX, g++, c++, clang++)"
+  return None
+
+
+def _cpu_flags() -> set[str] | None:
+  """The CPU's feature flags from /proc/cpuinfo (None where there is none to read)."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return None
+  for line in text.splitlines():
+    if line.startswith("flags"):
+      return set(line.split(":", 1)[1].split())
+  return None
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+    if name and (path := shutil.which(name)):
+      return path
+  return None
+
+
+def _build() -> Path:
+  """The compiled library, built once per source / jaxlib / compiler / flags into the cache."""
+  import jaxlib
+  compiler = _compiler()
+  key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(),
+                                   " ".join(FLAGS).encode()])).hexdigest()[:16]
+  out = _cache_dir() / f"int8_matmul-{key}.so"
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  log.info("compiling %s with %s (once per machine)", SOURCE.name, compiler)
+  # Build beside, then rename: another process (a pytest-xdist worker, a server replica)
+  # may be building or loading the same file.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  try:
+    done = subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+      raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return out
+
+
+def _cache_dir() -> Path:
+  from jaxinfer.default_model import cache_dir
+  return cache_dir() / "cpu_kernels"

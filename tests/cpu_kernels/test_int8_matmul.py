@@ -1,0 +1,120 @@
+"""cpu_kernels.int8_matmul (the XLA FFI kernel) against its int64 reference, exactly."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from cpu_kernels import int8_matmul, int8_matmul_reference
+
+
+def _x86_with_avx2() -> bool:
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return False
+  try:
+    flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+  except (OSError, StopIteration):
+    return False
+  return "avx2" in flags and "fma" in flags
+
+
+# Where the kernel cannot be written for the CPU the suite runs on, its tests are reported
+# as skipped with this reason; where it can, not building it is a failure.
+needs_kernel = pytest.mark.skipif(not _x86_with_avx2(), reason="the int8 CPU kernel is x86-64 AVX2 only")
+
+
+@needs_kernel
+def test_the_kernel_builds_and_registers_here():
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+  assert cpu_kernels.unavailable_reason() is None
+
+
+def _ints(rng, R, I, O):
+  x = rng.integers(-32767, 32768, (R, I)).astype(np.int16)
+  q = rng.integers(-127, 128, (O, I)).astype(np.int8)
+  return x, q
+
+
+@needs_kernel
+@pytest.mark.parametrize("R,I,O", [
+    (1, 576, 1536),   # one token (the one-stream path)
+    (1, 100, 7),      # inputs past the last multiple of 64 and of 16
+    (6, 584, 33),     # tiles of 2 x 4 plus leftover rows and columns
+    (64, 1536, 576),  # SmolLM2's down projection at 64 tokens
+    (3, 8, 3),        # fewer inputs than one vector
+    (2, 0, 4),        # nothing to sum: zeros
+])
+def test_random_sums_equal_the_int64_reference_exactly(R, I, O):
+  x, q = _ints(np.random.default_rng(R * 1000 + I + O), R, I, O)
+  got = np.asarray(jax.jit(int8_matmul)(jnp.asarray(x), jnp.asarray(q)))
+  assert got.dtype == np.float32 and got.shape == (R, O)
+  np.testing.assert_array_equal(got, int8_matmul_reference(x, q))
+
+
+@needs_kernel
+@pytest.mark.parametrize("R", [1, 5])
+def test_extreme_values_over_many_inputs_do_not_overflow(R):
+  # Every product at 32767 * 127 (and -) over 20000 inputs: 8.3e10, far past int32; the
+  # kernel flushes its int32 lanes to int64 every 4096 inputs.
+  I = 20000
+  x = np.full((R, I), 32767, np.int16)
+  x[-1] = -32767
+  q = np.full((4, I), 127, np.int8)
+  q[1] = -127
+  q[2, ::3] = -127
+  got = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q)))
+  ref = int8_matmul_reference(x, q)
+  assert abs(ref[0, 0]) > 2**36
+  np.testing.assert_array_equal(got, ref)
+
+
+@needs_kernel
+def test_each_row_is_the_same_number_at_any_row_count():
+  # Greedy batch invariance: a row's result does not depend on the rows beside it (the
+  # one-row stream, the 2 x 4 tiles and their leftovers all sum the same integers).
+  x, q = _ints(np.random.default_rng(7), 13, 1536, 96)
+  f = jax.jit(int8_matmul)
+  together = np.asarray(f(x, q))
+  for rows in (1, 2, 3, 4, 5, 8):
+    parts = [np.asarray(f(x[i:i + rows], q)) for i in range(0, 13, rows)]
+    np.testing.assert_array_equal(np.concatenate(parts), together)
+
+
+def test_wrong_shapes_and_dtypes_are_value_errors():
+  with pytest.raises(ValueError, match=r"x int16 \[R, I\] and q int8 \[O, I\]"):
+    int8_matmul(jnp.ones((2, 8), jnp.int16), jnp.ones((3, 9), jnp.int8))
+  with pytest.raises(ValueError, match="float32"):
+    int8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((3, 8), jnp.int8))
+
+
+def test_switched_off_it_says_why_once_and_int8_runs_through_xla():
+  # JAXINFER_CPU_KERNELS=0 (as where it cannot be built): available() is False with the
+  # reason, one warning names it, and int8 linears take XLA's split dot, still correct.
+  code = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
+import jax, jax.numpy as jnp, numpy as np
+import cpu_kernels
+from jaxinfer.quant import linear, quantize, dequantize
+rng = np.random.default_rng(0)
+w = quantize(rng.standard_normal((96, 40)).astype(np.float32), 1, "int8")
+x = rng.standard_normal((3, 96)).astype(np.float32)
+y = np.asarray(jax.jit(lambda x, w: linear("TD,DF->TF", x, w))(x, jax.tree.map(jnp.asarray, w)))
+ref = x.astype(np.float64) @ np.asarray(dequantize(w, 1), np.float64)
+print("available", cpu_kernels.available(), cpu_kernels.unavailable_reason())
+print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 2^-16 of its row max
+"""
+  env = {**os.environ, "JAXINFER_CPU_KERNELS": "0", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  warnings = [l for l in lines if l.startswith("cpu_kernels.int8_matmul:")]
+  assert warnings == ["cpu_kernels.int8_matmul: int8 weights on CPU run through XLA's int8 dot "
+                      "(slower): JAXINFER_CPU_KERNELS=0"], lines
+  assert "available False JAXINFER_CPU_KERNELS=0" in lines and "close True" in lines, lines
