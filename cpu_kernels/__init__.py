@@ -4,8 +4,12 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
 - `int8_matmul`: int16 activations x int8 weights -> exact integer sums, the int8 weight
   read once at any row count (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs
   every per-channel int8 matmul on the CPU through it when `available()`.
+- `int4_matmul`: the same for group-wise int4 weights (scales and mins per group of a
+  multiple of 32 inputs, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
 """
 
-from cpu_kernels.int8_matmul import available, int8_matmul, int8_matmul_reference, unavailable_reason
+from cpu_kernels.int8_matmul import (available, int4_matmul, int4_matmul_reference, int8_matmul,
+                                     int8_matmul_reference, unavailable_reason)
 
-__all__ = ["available", "int8_matmul", "int8_matmul_reference", "unavailable_reason"]
+__all__ = ["available", "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference",
+           "unavailable_reason"]

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -120,19 +121,35 @@ void Block(const int16_t* x, const int8_t* q, float* y, int64_t R, int64_t I, in
 // then waits only for chunks already claimed by running threads, so it cannot wait on a
 // task the pool has not started (a task that starts late finds nothing left and returns).
 struct Work {
-  const int16_t* x;
-  const int8_t* q;
-  float* y;
-  int64_t R, I, O, chunk, chunks;
+  std::function<void(int64_t, int64_t)> rows;  // computes output rows [ob, oe)
+  int64_t O, chunk, chunks;
   std::atomic<int64_t> next{0}, done{0};
 
   void Run() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      Block(x, q, y, R, I, O, c * chunk, std::min(O, (c + 1) * chunk));
+      rows(c * chunk, std::min(O, (c + 1) * chunk));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// rows(ob, oe) over [0, O) on the calling thread and XLA's intra-op pool; row_bytes is the
+// weight read per output row.
+void ParallelRows(ffi::ThreadPool& pool, int64_t O, int64_t row_bytes, std::function<void(int64_t, int64_t)> rows) {
+  if (O == 0) return;
+  auto w = std::make_shared<Work>();
+  w->rows = std::move(rows);
+  w->O = O;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // ~4 chunks per thread (balance), each a multiple of 4 rows (whole tiles), and at least
+  // ~64 KiB of weight so a chunk outweighs its scheduling.
+  const int64_t min_rows = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, row_bytes)) / 4 * 4);
+  w->chunk = std::max(min_rows, ((O + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
+  w->chunks = (O + w->chunk - 1) / w->chunk;
+  for (int64_t k = 1; k < threads && k < w->chunks; ++k) pool.Schedule([w] { w->Run(); });
+  w->Run();
+  while (w->done.load(std::memory_order_acquire) < w->chunks) _mm_pause();
+}
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer<ffi::S8> q,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -140,23 +157,164 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer
   if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2 || xd[1] != qd[1] || yd[0] != xd[0] ||
       yd[1] != qd[0])
     return ffi::Error::InvalidArgument("int8_matmul: want x [R, I], q [O, I] -> y [R, O]");
-  auto w = std::make_shared<Work>();
-  w->x = x.typed_data();
-  w->q = q.typed_data();
-  w->y = y->typed_data();
-  w->R = xd[0];
-  w->I = xd[1];
-  w->O = qd[0];
-  if (w->R == 0 || w->O == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // ~4 chunks per thread (balance), each a multiple of 4 rows (whole tiles), and at least
-  // ~64 KiB of weight so a chunk outweighs its scheduling.
-  const int64_t min_rows = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, w->I)) / 4 * 4);
-  w->chunk = std::max(min_rows, ((w->O + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
-  w->chunks = (w->O + w->chunk - 1) / w->chunk;
-  for (int64_t k = 1; k < threads && k < w->chunks; ++k) pool.Schedule([w] { w->Run(); });
-  w->Run();
-  while (w->done.load(std::memory_order_acquire) < w->chunks) _mm_pause();
+  const int64_t R = xd[0], I = xd[1], O = qd[0];
+  if (R == 0) return ffi::Error::Success();
+  const int16_t* xp = x.typed_data();
+  const int8_t* qp = q.typed_data();
+  float* yp = y->typed_data();
+  ParallelRows(pool, O, I, [=](int64_t ob, int64_t oe) { Block(xp, qp, yp, R, I, O, ob, oe); });
+  return ffi::Error::Success();
+}
+
+// ---- int4 groups ---------------------------------------------------------------------------
+//
+//   y[r, o] = sum_g ( scale[g, o] * S[r, g, o] + min'[g, o] * xsum[r, g] )
+//   S[r, g, o] = sum_{i in group g} x[r, i] * (q[o, i] + 8)   (exact, int32)
+//
+// with min' = min - 8 scale (so y = x @ (q * scale + min)^T). q int4 [O, I] as XLA CPU holds
+// it: packed two per byte, the lower-indexed value in the low nibble; x with the even
+// entries of each 32-block first, then the odd ones. Groups of a multiple of 32 inputs. Each group's exact int32 sums become
+// float32 and are scaled into eight float lanes with one FMA; the lanes are summed in a
+// fixed order at the end, then the mins' term (a short dot over the groups) is added.
+// Every (r, o) runs that same sequence of float operations in every tile shape, so the
+// result does not depend on the batch either (-ffp-contract=off keeps the compiler from
+// fusing the scalar tail of the mins' dot differently in different tiles).
+
+// 32 int4 values (16 bytes) -> v + 8 in [0, 15] as int16: the even-indexed values (low
+// nibbles) and the odd-indexed ones (high nibbles). A two's-complement nibble with its top
+// bit flipped is v + 8, so four instructions; the activations come with each 32-block's
+// even entries first to match, and the + 8 is taken back through the group's activation
+// sum (int4_matmul folds -8 scale into the mins).
+inline void Unpack32(const uint8_t* p, __m256i& even, __m256i& odd) {
+  const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(-120));
+  const __m256i v = _mm256_cvtepu8_epi16(b);  // -120: 0x88
+  even = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+  odd = _mm256_srli_epi16(v, 4);
+}
+
+inline float HSumF(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+struct Int4Args {
+  const int16_t* x;     // [R, I]
+  const uint8_t* q;     // [O, I / 2]
+  const float* scale;   // [G, O]
+  const float* mins_t;  // [O, G] (transposed: one output row's mins are contiguous)
+  const float* xsum;    // [R, G]
+  float* y;             // [R, O]
+  int64_t R, I, O, G;
+};
+
+// sum_g m[g] * s[g] over G floats: eight lanes by FMA, then the rest, in a fixed order.
+inline float MinsTerm(const float* m, const float* s, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(s + g), acc);
+  float t = HSumF(acc);
+  for (; g < G; ++g) t = t + m[g] * s[g];
+  return t;
+}
+
+// RO weight rows x RR activation rows. kChunks: 32-input chunks per group when known at
+// compile time (1: GGUF's groups of 32), else 0 (any multiple of 32).
+// Eight int32 partial sums of x (even entries, then odd) times one unpacked 32-input chunk.
+inline __m256i Chunk32(const __m256i& even, const __m256i& odd, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                          _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+}
+
+// RO weight rows x RR activation rows. kOneChunk: groups of exactly 32 inputs (GGUF's),
+// whose sums go straight into the float lanes (no int32 accumulators held across the
+// group, which would not fit in AVX2's 16 registers beside the float ones).
+template <int RO, int RR, bool kOneChunk>
+void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
+  const int64_t gs = p.I / p.G;
+  __m256 accf[RO][RR];
+  for (int a = 0; a < RO; ++a)
+    for (int b = 0; b < RR; ++b) accf[a][b] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    if constexpr (kOneChunk) {
+      const int64_t i = g * 32;
+      for (int a = 0; a < RO; ++a) {
+        const uint8_t* row = p.q + (o0 + a) * (p.I / 2) + i / 2;
+        if (i % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        __m256i even, odd;
+        Unpack32(row, even, odd);
+        const __m256 s = _mm256_broadcast_ss(p.scale + g * p.O + o0 + a);
+        for (int b = 0; b < RR; ++b) {
+          const __m256i t = Chunk32(even, odd, p.x + (r0 + b) * p.I + i);
+          accf[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, accf[a][b]);
+        }
+      }
+    } else {
+      __m256i acc[RO][RR];
+      for (int a = 0; a < RO; ++a)
+        for (int b = 0; b < RR; ++b) acc[a][b] = _mm256_setzero_si256();
+      for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+        for (int a = 0; a < RO; ++a) {
+          const uint8_t* row = p.q + (o0 + a) * (p.I / 2) + i / 2;
+          if (i % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+          __m256i even, odd;
+          Unpack32(row, even, odd);
+          for (int b = 0; b < RR; ++b)
+            acc[a][b] = _mm256_add_epi32(acc[a][b], Chunk32(even, odd, p.x + (r0 + b) * p.I + i));
+        }
+      }
+      for (int a = 0; a < RO; ++a) {
+        const __m256 s = _mm256_broadcast_ss(p.scale + g * p.O + o0 + a);
+        for (int b = 0; b < RR; ++b) accf[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[a][b]), s, accf[a][b]);
+      }
+    }
+  }
+  for (int a = 0; a < RO; ++a)
+    for (int b = 0; b < RR; ++b)
+      p.y[(r0 + b) * p.O + o0 + a] =
+          HSumF(accf[a][b]) + MinsTerm(p.mins_t + (o0 + a) * p.G, p.xsum + (r0 + b) * p.G, p.G);
+}
+
+template <bool kOneChunk>
+void Int4Rows(const Int4Args& p, int64_t ob, int64_t oe) {
+  int64_t o = ob;
+  if (p.R == 1) {
+    for (; o + 4 <= oe; o += 4) Int4Tile<4, 1, kOneChunk>(p, o, 0);
+  } else {
+    for (; o + 2 <= oe; o += 2) {
+      int64_t r = 0;
+      for (; r + 4 <= p.R; r += 4) Int4Tile<2, 4, kOneChunk>(p, o, r);
+      for (; r < p.R; ++r) Int4Tile<2, 1, kOneChunk>(p, o, r);
+    }
+  }
+  for (; o < oe; ++o)
+    for (int64_t r = 0; r < p.R; ++r) Int4Tile<1, 1, kOneChunk>(p, o, r);
+}
+
+void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
+  if (p.I / p.G == 32)
+    Int4Rows<true>(p, ob, oe);
+  else
+    Int4Rows<false>(p, ob, oe);
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::AnyBuffer q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins_t, ffi::Buffer<ffi::F32> xsum,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins_t.dimensions(),
+             gd = xsum.dimensions(), yd = y->dimensions();
+  if (q.element_type() != ffi::DataType::S4 || xd.size() != 2 || qd.size() != 2 || sd.size() != 2 ||
+      md.size() != 2 || gd.size() != 2 ||
+      yd.size() != 2 || xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[1] || md[1] != sd[0] ||
+      gd[0] != xd[0] || gd[1] != sd[0] || yd[0] != xd[0] || yd[1] != qd[0] || sd[0] == 0 ||
+      xd[1] % (32 * sd[0]) != 0)
+    return ffi::Error::InvalidArgument(
+        "int4_matmul: want x [R, I], q int4 [O, I], scale [G, O], mins [O, G], xsum [R, G] -> y [R, O], I / G a "
+        "multiple of 32");
+  Int4Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+             mins_t.typed_data(), xsum.typed_data(), y->typed_data(), xd[0], xd[1], qd[0], sd[0]};
+  if (p.R == 0) return ffi::Error::Success();
+  ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   return ffi::Error::Success();
 }
 
@@ -167,4 +325,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S16>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

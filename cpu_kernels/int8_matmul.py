@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "jaxinfer_int8_matmul"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+INT4_TARGET = "jaxinfer_int4_matmul"
+# -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
+# not others (int4's float32 terms); the kernel's own FMAs are written out.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
@@ -55,9 +58,50 @@ def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
     raise ValueError(f"int8_matmul: want x int16 [R, I] and q int8 [O, I], got x {x.dtype}{list(x.shape)}, "
                      f"q {q.dtype}{list(q.shape)}")
   if not available():
-    raise RuntimeError(f"the int8 CPU kernel is not available: {unavailable_reason()}")
+    raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, q)
+
+
+def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
+  """x int16 [R, I], q int4 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
+
+      y[r, o] = sum_g scales[g, o] S[r, g, o] + mins[g, o] xsum[r, g]
+
+  with S the exact integer sum of x q over group g's I / G inputs (a multiple of 32) and
+  xsum[r, g] the exact sum of x over the group: x @ (q * scale + min)^T group by group. Each
+  element is the same fixed sequence of float32 operations at any row count. Raises
+  RuntimeError when the kernel is not available()."""
+  G = scales.shape[0]
+  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int4
+      or scales.shape != (G, q.shape[0]) or (mins is not None and mins.shape != scales.shape)
+      or G == 0 or q.shape[1] % (32 * G)):
+    raise ValueError(f"int4_matmul: want x int16 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
+                     f"multiple of 32, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
+                     f"{list(scales.shape)}, mins {None if mins is None else list(mins.shape)}")
+  if not available():
+    raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+  R, I = x.shape
+  scales = scales.astype(jnp.float32)
+  xsum = x.reshape(R, G, I // G).astype(jnp.int32).sum(-1).astype(jnp.float32)  # exact: |.| < 2^24
+  # The kernel multiplies the unsigned nibbles q + 8; -8 scale per group takes the 8 back.
+  mins_t = (-8.0 * scales if mins is None else mins.astype(jnp.float32) - 8.0 * scales).T  # [O, G]
+  # Each 32-block's even entries, then its odd ones: the order the kernel unpacks nibbles in.
+  x_eo = x.reshape(R, I // 32, 16, 2).swapaxes(2, 3).reshape(R, I)
+  out = jax.ShapeDtypeStruct((R, q.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(x_eo, q, scales, mins_t, xsum)
+
+
+def int4_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
+                          mins: np.ndarray | None = None) -> np.ndarray:
+  """The same product in float64 (int64 group sums): what int4_matmul rounds."""
+  x, q = np.asarray(x, np.int64), np.asarray(q, np.int64)
+  G, (R, I) = scales.shape[0], x.shape
+  S = np.einsum("rgi,ogi->rgo", x.reshape(R, G, I // G), q.reshape(-1, G, I // G))
+  y = np.einsum("rgo,go->ro", S.astype(np.float64), np.asarray(scales, np.float64))
+  if mins is not None:
+    y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ np.asarray(mins, np.float64)
+  return y
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -82,10 +126,11 @@ def _load() -> tuple[bool, str | None]:
     try:
       lib = ctypes.CDLL(str(_build()))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_matmul), platform="cpu")
+      jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int4_matmul), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
       reason = f"building {SOURCE.name} failed: {e}"
   if reason is not None:
-    log.warning("int8 weights on CPU run through XLA's int8 dot (slower): %s", reason)
+    log.warning("int8 and int4 weights on CPU run through XLA (slower): %s", reason)
   return reason is None, reason
 
 

@@ -490,15 +490,19 @@ def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
 def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
   """x [M, I] float, q [O, I] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
-  Per channel (G = 1, no mins): the dot over the converted values, then the
-  scales (exact factoring). Group-wise (Q8_0, int4): the scales differ along
-  the contraction, so the weight is dequantized first (a batched int32 dot per
-  group measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
-  Per-channel int8 on the CPU runs split_int8_matmul (exact int32 sums of two int8
-  activation limbs); elsewhere activations stay float.
+  On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs run
+  cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16 activations.
+  Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
+  scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
+  contraction, so the weight is dequantized first (a batched int32 dot per group
+  measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
   """
   x = x.astype(jnp.float32)
-  if scales.shape[0] > 1 or mins is not None:
+  G = scales.shape[0]
+  if q.dtype == jnp.int4 and q.shape[1] % (32 * G) == 0 and _cpu_kernels():
+    x16, a = int16_activations(x)
+    return cpu_kernels.int4_matmul(x16, q, scales, mins) * a
+  if G > 1 or mins is not None:
     return _dot_t(x, dequantize_groups(q, scales, mins))
   if q.dtype == jnp.int8:
     return int8_matmul(x, q) * scales[0]
@@ -515,14 +519,18 @@ def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
   process uses one of them throughout (cpu_kernels.available() does not change).
   Elsewhere (GPU): a float32 dot over the converted values.
   """
-  if jax.default_backend() != "cpu":
-    return _dot_t(x, q.astype(jnp.float32))
-  if _CPU_KERNEL.get() and cpu_kernels.available():
+  if _cpu_kernels():
     x16, a = int16_activations(x)
     return cpu_kernels.int8_matmul(x16, q) * a
-  if q.shape[1] <= SPLIT_INT8_MAX_IN:
+  if jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
     return split_int8_matmul(x, q)
   return _dot_t(x, q.astype(jnp.float32))
+
+
+def _cpu_kernels() -> bool:
+  """Whether the program being traced runs cpu_kernels' int8 / int4 matmuls: on the CPU, on
+  one device, where they built."""
+  return jax.default_backend() == "cpu" and _CPU_KERNEL.get() and cpu_kernels.available()
 
 
 # Off while tracing a program split over several devices: XLA's partitioner cannot split a
@@ -531,8 +539,8 @@ _CPU_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("cpu_kernel",
 
 
 def tracing_on(mesh: Any, fn: Callable) -> Callable:
-  """fn, traced with the CPU int8 kernel off when `mesh` spans more than one device (XLA's
-  split dot instead, which the partitioner splits like any dot)."""
+  """fn, traced with the CPU kernels off when `mesh` spans more than one device (XLA's
+  dots instead, which the partitioner splits like any dot)."""
   if mesh is None or mesh.size == 1:
     return fn
 

@@ -87,9 +87,10 @@ def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in, qu
   # layout would be off by whole units.
   w2 = dequantize(q, n_in).reshape(in_size, -1).astype(np.float64)
   ref = x2.astype(np.float64) @ w2
-  if quantization == "int8":
-    # The CPU's split int8 activations carry each token's x to within max|x| / 64516, so each
-    # output is off by at most that times sum_i |w_io| (plus float32 rounding).
+  if quantization in ("int8", "int4"):
+    # On the CPU each token's x goes in as integers: int16 for the kernels (within max|x| /
+    # 65534), two int8 limbs for XLA's split dot (max|x| / 64516); each output is off by at
+    # most that times sum_i |w_io| (plus float32 rounding).
     bound = np.abs(x2).max(-1, keepdims=True) / 64516 * np.abs(w2).sum(0) + 1e-5
     assert np.all(np.abs(y.reshape(ref.shape) - ref) <= bound)
   else:
@@ -128,13 +129,15 @@ def _hlo(f, *args) -> str:
 
 @pytest.mark.parametrize("quantization", ["fp8", "int4"])
 def test_xla_cpu_materializes_a_float_copy_of_fp8_and_int4_weights(quantization):
-  # What quant.linear compiles to for fp8 and int4: XLA CPU does not fuse the convert into
-  # the dot, it writes the whole float32 weight (values [1536, 576], output first; a convert
-  # fusion, for int4 also applying the group scales and mins) and feeds that to the dot;
-  # fp8's per-channel scales multiply the [1, 1536] output after it.
+  # What quant.linear compiles to for fp8, and for int4 without the CPU kernel (traced for
+  # several devices): XLA CPU does not fuse the convert into the dot, it writes the whole
+  # float32 weight (values [1536, 576], output first; a convert fusion, for int4 also
+  # applying the group scales and mins) and feeds that to the dot; fp8's per-channel
+  # scales multiply the [1, 1536] output after it.
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
   x = jnp.ones((1, 576), jnp.float32)
   w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, quantization))
-  lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
+  lines = _hlo(quant.tracing_on(mesh, lambda x, w: linear("TD,DF->TF", x, w)), x, w).splitlines()
   converts = [l for l in lines if "= f32[1536,576]" in l and "fusion(" in l]
   assert len(converts) == 1, lines
   copy = converts[0].split("=")[0].strip()
@@ -163,6 +166,23 @@ def test_int8_on_one_device_is_the_cpu_kernel_over_the_int8_parameter():
   assert "= f32[1,1536]" in calls[0] and "{s16[1,576]{1,0}, s8[1536,576]{1,0}}" in calls[0], calls
   param = [l.split("=")[0].strip() for l in lines if "= s8[1536,576]{1,0} parameter(1)" in l]
   assert len(param) == 1 and calls[0].split("custom-call(")[1].split(")")[0].endswith(param[0]), (param, calls)
+
+
+def test_int4_on_one_device_is_the_cpu_kernel_over_the_packed_int4_parameter():
+  # Q4_0 / Q4_1-style int4 groups of 32: a custom call to cpu_kernels' int4 kernel reading
+  # the s4 [1536, 576] parameter (packed two per byte by XLA CPU) and the group scales and
+  # mins; no dot and no float32 copy of the weight.
+  import cpu_kernels
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+  x = jnp.ones((1, 576), jnp.float32)
+  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int4"))
+  lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
+  assert not _widened_copies(lines) and not [l for l in lines if " dot(" in l], lines
+  calls = [l for l in lines if "custom-call(" in l]
+  assert len(calls) == 1 and 'custom_call_target="jaxinfer_int4_matmul"' in calls[0], calls
+  assert "= f32[1,1536]" in calls[0] and "s4[1536,576]" in calls[0], calls
+  param = [l.split("=")[0].strip() for l in lines if "= s4[1536,576]{1,0:E(4)} parameter(1)" in l]
+  assert len(param) == 1 and param[0] in calls[0], (param, calls)
 
 
 def test_int8_traced_for_several_devices_is_the_split_dot_of_two_activation_limbs():

@@ -290,13 +290,14 @@ def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
 def test_q4_int4_logits_match_dequantized_float32(gguf_files, int4_llm, qtype):
-  # Same weights up to float32 rounding (exactly for Q4_0), run dequantized in the step:
-  # logits ~3.5 in size agree to 1e-4; a nibble-order or min mix-up moves them by whole units.
+  # Same weights up to float32 rounding (exactly for Q4_0). On the CPU the int4 kernel takes
+  # each token's activations as int16 (to 2^-15 of the row's largest value): logits ~3.5 in
+  # size agree to 1e-3 (3.4e-4 seen); a nibble-order or min mix-up moves them by whole units.
   ids = golden("smollm2")["token_ids"].tolist()
   ref = LLM(gguf_files[qtype], max_model_len=64, warmup=False).logits(ids)
   llm = int4_llm if qtype == Q.Q4_1 else LLM(gguf_files[qtype], max_model_len=64, warmup=False, quantization="int4")
   assert format_of(llm.runner.params["layers"][1]["w_down"]) == "int4"
-  np.testing.assert_allclose(llm.logits(ids), ref, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(llm.logits(ids), ref, atol=1e-3, rtol=0)
 
 
 def test_int4_greedy_batch_invariance(int4_llm):

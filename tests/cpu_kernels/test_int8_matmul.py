@@ -115,6 +115,58 @@ print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   warnings = [l for l in lines if l.startswith("cpu_kernels.int8_matmul:")]
-  assert warnings == ["cpu_kernels.int8_matmul: int8 weights on CPU run through XLA's int8 dot "
+  assert warnings == ["cpu_kernels.int8_matmul: int8 and int4 weights on CPU run through XLA "
                       "(slower): JAXINFER_CPU_KERNELS=0"], lines
   assert "available False JAXINFER_CPU_KERNELS=0" in lines and "close True" in lines, lines
+
+
+# ---- int4 groups -----------------------------------------------------------------------------
+
+def _int4_case(rng, R, I, O, G, with_mins=True):
+  x = rng.integers(-32767, 32768, (R, I)).astype(np.int16)
+  q = rng.integers(-8, 8, (O, I)).astype(np.int8)
+  s = rng.uniform(0.001, 0.02, (G, O)).astype(np.float32)
+  m = rng.uniform(-0.1, 0.1, (G, O)).astype(np.float32) if with_mins else None
+  return x, q, s, m
+
+
+def _int4(x, q, s, m):
+  m = None if m is None else jnp.asarray(m)
+  return np.asarray(jax.jit(cpu_kernels.int4_matmul)(jnp.asarray(x), jnp.asarray(q).astype(jnp.int4),
+                                                     jnp.asarray(s), m))
+
+
+@needs_kernel
+@pytest.mark.parametrize("R,I,O,G,with_mins", [
+    (1, 576, 1536, 18, True),   # one token, GGUF Q4_1's groups of 32
+    (6, 576, 33, 18, True),     # 2 x 4 tiles plus leftovers
+    (64, 1536, 576, 48, False),  # Q4_0: no mins
+    (5, 128, 7, 2, True),       # groups of 64: two 32-input chunks per group
+    (3, 4096, 9, 1, True),      # one group over all inputs
+])
+def test_int4_groups_equal_the_float64_reference(R, I, O, G, with_mins):
+  # Exact integer group sums, scaled and summed in float32: within float32 rounding of the
+  # float64 value x @ (q * scale + min)^T.
+  x, q, s, m = _int4_case(np.random.default_rng(R + I + O + G), R, I, O, G, with_mins)
+  got = _int4(x, q, s, m)
+  ref = cpu_kernels.int4_matmul_reference(x, q, s, m)
+  assert got.dtype == np.float32 and got.shape == (R, O)
+  assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+@needs_kernel
+def test_int4_rows_are_the_same_number_at_any_row_count():
+  x, q, s, m = _int4_case(np.random.default_rng(11), 13, 576, 40, 18)
+  together = _int4(x, q, s, m)
+  for rows in (1, 2, 3, 4, 5, 8):
+    parts = [_int4(x[i:i + rows], q, s, m) for i in range(0, 13, rows)]
+    np.testing.assert_array_equal(np.concatenate(parts), together)
+
+
+def test_int4_groups_the_kernel_cannot_take_are_value_errors():
+  x = jnp.ones((2, 96), jnp.int16)
+  q = jnp.ones((3, 96), jnp.int4)
+  with pytest.raises(ValueError, match="I / G a multiple of 32"):
+    cpu_kernels.int4_matmul(x, q, jnp.ones((2, 3), jnp.float32))  # groups of 48
+  with pytest.raises(ValueError, match="I / G a multiple of 32"):
+    cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32), jnp.ones((3, 4), jnp.float32))
