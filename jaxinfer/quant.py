@@ -45,9 +45,12 @@ custom call, AVX2) reads the int8 weight once and sums x16 q exactly in integers
 scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
 available, or in a program split over several devices, `split_int8_matmul` does the same
 with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
-s32 dot of the 2T limb rows over the int8 weight. Every other form is weight-only: activations stay float, the values are converted for the dot
-and per-channel scales multiply its output. Group-wise scales (Q8_0, int4) vary along the
-contraction, so those weights are dequantized whole first (in the same jitted step).
+s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs
+run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in float32).
+Every other form is weight-only: activations stay float, the values are converted for the
+dot and per-channel scales multiply its output. Group-wise scales (Q8_0, and int4 without
+the kernel) vary along the contraction, so those weights are dequantized whole first (in
+the same jitted step).
 
 Update 2026-11-24 (supersedes the split's speed below): the kernel streams the int8 weight
 at 17-26 GB/s where XLA's split dot streams ~10 and its float32 matrix-vector kernel

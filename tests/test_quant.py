@@ -151,38 +151,28 @@ def _widened_copies(lines):
                                                      for s in ("[576,1536]", "[1536,576]"))]
 
 
-def test_int8_on_one_device_is_the_cpu_kernel_over_the_int8_parameter():
-  # One token's int8 linear on the CPU: a custom call to cpu_kernels' int8 x int16 kernel,
-  # reading the [1536, 576] s8 parameter itself (output first) and the token as s16; no
-  # dot, no copy of the weight. Fails if the kernel cannot be built here.
+@pytest.mark.parametrize("quantization,target,values,layout", [
+    ("int8", "jaxinfer_int8_matmul", "s8[1536,576]", "{1,0}"),
+    ("int4", "jaxinfer_int4_matmul", "s4[1536,576]", "{1,0:E(4)}"),  # packed: 4-bit elements
+])
+def test_int8_and_int4_on_one_device_are_a_cpu_kernel_over_the_quantized_parameter(quantization, target, values,
+                                                                                   layout):
+  # One token's linear on the CPU: a custom call to cpu_kernels' kernel reading the
+  # [1536, 576] values parameter itself (output first; for int4 also the group scales and
+  # mins of Q4_0 / Q4_1-style groups of 32) and the token as s16; no dot, no copy of the
+  # weight. Fails if the kernels cannot be built here.
   import cpu_kernels
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
   x = jnp.ones((1, 576), jnp.float32)
-  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int8"))
+  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, quantization))
   lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
   assert not _widened_copies(lines) and not [l for l in lines if " dot(" in l], lines
   calls = [l for l in lines if "custom-call(" in l]
-  assert len(calls) == 1 and 'custom_call_target="jaxinfer_int8_matmul"' in calls[0], calls
-  assert "= f32[1,1536]" in calls[0] and "{s16[1,576]{1,0}, s8[1536,576]{1,0}}" in calls[0], calls
-  param = [l.split("=")[0].strip() for l in lines if "= s8[1536,576]{1,0} parameter(1)" in l]
-  assert len(param) == 1 and calls[0].split("custom-call(")[1].split(")")[0].endswith(param[0]), (param, calls)
-
-
-def test_int4_on_one_device_is_the_cpu_kernel_over_the_packed_int4_parameter():
-  # Q4_0 / Q4_1-style int4 groups of 32: a custom call to cpu_kernels' int4 kernel reading
-  # the s4 [1536, 576] parameter (packed two per byte by XLA CPU) and the group scales and
-  # mins; no dot and no float32 copy of the weight.
-  import cpu_kernels
-  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
-  x = jnp.ones((1, 576), jnp.float32)
-  w = jax.tree.map(jnp.asarray, quantize(np.ones((576, 1536), np.float32), 1, "int4"))
-  lines = _hlo(lambda x, w: linear("TD,DF->TF", x, w), x, w).splitlines()
-  assert not _widened_copies(lines) and not [l for l in lines if " dot(" in l], lines
-  calls = [l for l in lines if "custom-call(" in l]
-  assert len(calls) == 1 and 'custom_call_target="jaxinfer_int4_matmul"' in calls[0], calls
-  assert "= f32[1,1536]" in calls[0] and "s4[1536,576]" in calls[0], calls
-  param = [l.split("=")[0].strip() for l in lines if "= s4[1536,576]{1,0:E(4)} parameter(1)" in l]
-  assert len(param) == 1 and param[0] in calls[0], (param, calls)
+  assert len(calls) == 1 and f'custom_call_target="{target}"' in calls[0], calls
+  assert "= f32[1,1536]" in calls[0] and f"{{s16[1,576]{{1,0}}, {values}{{1,0}}" in calls[0], calls
+  param = [l.split("=")[0].strip() for l in lines if f"= {values}{layout} parameter(1)" in l]
+  operands = calls[0].split("custom-call(")[1].split(")")[0].split(", ")
+  assert len(param) == 1 and operands[1] == param[0], (param, calls)
 
 
 def test_int8_traced_for_several_devices_is_the_split_dot_of_two_activation_limbs():
