@@ -1,8 +1,8 @@
-// int16 activations x int8 weights -> exact integer sums, for XLA CPU (an XLA FFI handler).
+// int16 activations x int8 (and group-wise int4, below) weights for XLA CPU: XLA FFI handlers.
 //
 //   y[r, o] = float32( sum_i x[r, i] * q[o, i] )     x int16 [R, I], q int8 [O, I], y float32 [R, O]
 //
-// The sum is exact (int32 lanes, flushed to int64 every FLUSH inputs, before they can
+// The sum is exact (int32 lanes, flushed to int64 every kFlush inputs, before they can
 // overflow), then rounded once to float32. So every element is the same number whatever
 // R is and however the rows are tiled or split over threads: greedy batch invariance
 // holds by construction. Why a hand-written kernel: XLA CPU reads an int8 weight of one
@@ -31,8 +31,8 @@ namespace {
 // rows poorly); 1-2 KiB ahead measured best (scripts/bench_quant_matmul.py).
 constexpr int64_t kPrefetch = 2048;
 
-// |x| <= 32767, |q| <= 127: one vpmaddwd lane adds at most 2 * 32767 * 127 < 2^23.1, so
-// 256 of them (4096 inputs over 16 lanes) stay below 2^31.
+// |x| <= 32767, |q| <= 127: one vpmaddwd lane adds at most 2 * 32767 * 127 = 8322818, so
+// 256 of them (4096 inputs over 16 lanes) stay below 2^31 - 1.
 constexpr int64_t kFlush = 4096;
 
 // The eight int32 lanes (each up to 2^31 after kFlush inputs) summed in int64.
@@ -186,8 +186,8 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer
 // even entries first to match, and the + 8 is taken back through the group's activation
 // sum (int4_matmul folds -8 scale into the mins).
 inline void Unpack32(const uint8_t* p, __m256i& even, __m256i& odd) {
-  const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(-120));
-  const __m256i v = _mm256_cvtepu8_epi16(b);  // -120: 0x88
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));  // both nibbles' top bits
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), flip));
   even = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
   odd = _mm256_srli_epi16(v, 4);
 }
