@@ -563,8 +563,7 @@ INT16_MAX = 32767
 def int16_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """x [M, I] -> (int16 [M, I], float32 scale a [M, 1]) with x = a * x16 to within a / 2:
   a = max|x| / 32767 per row (1 for an all-zero row), x16 = round(x / a)."""
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-  a = jnp.where(amax > 0, amax / INT16_MAX, 1.0)
+  a = token_scales(x, INT16_MAX)
   return jnp.clip(jnp.round(x / a), -INT16_MAX, INT16_MAX).astype(jnp.int16), a
 
 
@@ -578,10 +577,10 @@ SPLIT_INT8_MAX_IN = (2**31 - 1) // (127 * 127)
 SPLIT_INT8_LO = 254.0  # lo's weight: hi + lo / 254 recovers x / a to within 1 / 508
 
 
-def token_scales(x: jax.Array) -> jax.Array:
-  """x [M, I] -> float32 [M, 1]: max|x| / 127 per row (1 for an all-zero row)."""
+def token_scales(x: jax.Array, top: int = 127) -> jax.Array:
+  """x [M, I] -> float32 [M, 1]: max|x| / top per row (1 for an all-zero row)."""
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-  return jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.where(amax > 0, amax / top, 1.0)
 
 
 def split_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:

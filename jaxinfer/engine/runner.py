@@ -328,7 +328,7 @@ class ModelRunner:
     self._result_order = None  # set by pack_step for launch_packed under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
     self.reset_state()
-    # Programs over several devices trace int8 matmuls as XLA dots the partitioner can split.
+    # Programs over several devices trace int8 / int4 matmuls as XLA dots the partitioner can split.
     traced = lambda fn: quant.tracing_on(mesh, tracing_with(self.expert_parallelism, fn))
     self._step = jax.jit(traced(functools.partial(
                              _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
