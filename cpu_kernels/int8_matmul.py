@@ -1,7 +1,8 @@
-"""int16 activations x int8 weights on XLA CPU: an XLA FFI custom call (int8_matmul.cc),
-its build, and its reference.
+"""int16 activations x int8 (and group-wise int4) weights on XLA CPU: XLA FFI custom calls
+(int8_matmul.cc), their build, and their references.
 
     int8_matmul(x int16 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x q)
+    int4_matmul(x, q int4 [O, I], scales, mins [G, O]) -> float32 [R, O], exact per group
 
 Why a hand-written kernel: XLA CPU widens a one-row int8 weight to a float32 copy, and
 its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight at
@@ -110,12 +111,12 @@ def int8_matmul_reference(x: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def available() -> bool:
-  """Whether int8_matmul can run in this process (builds and registers it on first call)."""
+  """Whether the kernels can run in this process (builds and registers them on first call)."""
   return _load()[0]
 
 
 def unavailable_reason() -> str | None:
-  """Why int8_matmul is not available (None when it is)."""
+  """Why the kernels are not available (None when they are)."""
   return _load()[1]
 
 
