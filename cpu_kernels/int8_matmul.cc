@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -171,20 +172,22 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer
 //   y[r, o] = sum_g ( scale[g, o] * S[r, g, o] + min'[g, o] * xsum[r, g] )
 //   S[r, g, o] = sum_{i in group g} x[r, i] * (q[o, i] + 8)   (exact, int32)
 //
-// with min' = min - 8 scale (so y = x @ (q * scale + min)^T). q int4 [O, I] as XLA CPU holds
-// it: packed two per byte, the lower-indexed value in the low nibble; x with the even
-// entries of each 32-block first, then the odd ones. Groups of a multiple of 32 inputs. Each group's exact int32 sums become
-// float32 and are scaled into eight float lanes with one FMA; the lanes are summed in a
-// fixed order at the end, then the mins' term (a short dot over the groups) is added.
-// Every (r, o) runs that same sequence of float operations in every tile shape, so the
-// result does not depend on the batch either (-ffp-contract=off keeps the compiler from
-// fusing the scalar tail of the mins' dot differently in different tiles).
+// with min' = min - 8 scale (so y = x @ (q * scale + min)^T; min = 0 without mins). q int4
+// [O, I] as XLA CPU holds it: packed two per byte, the lower-indexed value in the low nibble;
+// x with the even entries of each 32-block first, then the odd ones. Groups of a multiple of
+// 32 inputs. scale and min are read as the weight stores them, [G, O]: a tile's RO rows are
+// adjacent there, and min' is formed here rather than by a transposed copy per call. Each
+// group's exact int32 sums become float32 and are scaled into eight float lanes with one FMA;
+// the min' terms go into one float per (r, o) by FMA, group after group; the lanes are summed
+// in a fixed order at the end. Every (r, o) runs that same sequence of float operations in
+// every tile shape, so the result does not depend on the batch either (-ffp-contract=off keeps
+// the compiler from fusing any other float expression differently in different tiles).
 
 // 32 int4 values (16 bytes) -> v + 8 in [0, 15] as int16: the even-indexed values (low
 // nibbles) and the odd-indexed ones (high nibbles). A two's-complement nibble with its top
 // bit flipped is v + 8, so four instructions; the activations come with each 32-block's
 // even entries first to match, and the + 8 is taken back through the group's activation
-// sum (int4_matmul folds -8 scale into the mins).
+// sum (min' = min - 8 scale).
 inline void Unpack32(const uint8_t* p, __m256i& even, __m256i& odd) {
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));  // both nibbles' top bits
   const __m256i v = _mm256_cvtepu8_epi16(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), flip));
@@ -202,24 +205,12 @@ struct Int4Args {
   const int16_t* x;     // [R, I]
   const uint8_t* q;     // [O, I / 2]
   const float* scale;   // [G, O]
-  const float* mins_t;  // [O, G] (transposed: one output row's mins are contiguous)
+  const float* mins;    // [G, O], or nullptr (Q4_0: min = 0)
   const float* xsum;    // [R, G]
   float* y;             // [R, O]
   int64_t R, I, O, G;
 };
 
-// sum_g m[g] * s[g] over G floats: eight lanes by FMA, then the rest, in a fixed order.
-inline float MinsTerm(const float* m, const float* s, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(s + g), acc);
-  float t = HSumF(acc);
-  for (; g < G; ++g) t = t + m[g] * s[g];
-  return t;
-}
-
-// RO weight rows x RR activation rows. kChunks: 32-input chunks per group when known at
-// compile time (1: GGUF's groups of 32), else 0 (any multiple of 32).
 // Eight int32 partial sums of x (even entries, then odd) times one unpacked 32-input chunk.
 inline __m256i Chunk32(const __m256i& even, const __m256i& odd, const int16_t* x) {
   return _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
@@ -233,9 +224,16 @@ template <int RO, int RR, bool kOneChunk>
 void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
   const int64_t gs = p.I / p.G;
   __m256 accf[RO][RR];
+  float accm[RO][RR] = {};
   for (int a = 0; a < RO; ++a)
     for (int b = 0; b < RR; ++b) accf[a][b] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
+    const float* sg = p.scale + g * p.O + o0;
+    const float* xs = p.xsum + r0 * p.G + g;
+    for (int a = 0; a < RO; ++a) {
+      const float m = std::fma(-8.0f, sg[a], p.mins ? p.mins[g * p.O + o0 + a] : 0.0f);
+      for (int b = 0; b < RR; ++b) accm[a][b] = std::fma(m, xs[b * p.G], accm[a][b]);
+    }
     if constexpr (kOneChunk) {
       const int64_t i = g * 32;
       for (int a = 0; a < RO; ++a) {
@@ -243,7 +241,7 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
         if (i % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
         __m256i even, odd;
         Unpack32(row, even, odd);
-        const __m256 s = _mm256_broadcast_ss(p.scale + g * p.O + o0 + a);
+        const __m256 s = _mm256_broadcast_ss(sg + a);
         for (int b = 0; b < RR; ++b) {
           const __m256i t = Chunk32(even, odd, p.x + (r0 + b) * p.I + i);
           accf[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, accf[a][b]);
@@ -264,15 +262,13 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
         }
       }
       for (int a = 0; a < RO; ++a) {
-        const __m256 s = _mm256_broadcast_ss(p.scale + g * p.O + o0 + a);
+        const __m256 s = _mm256_broadcast_ss(sg + a);
         for (int b = 0; b < RR; ++b) accf[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[a][b]), s, accf[a][b]);
       }
     }
   }
   for (int a = 0; a < RO; ++a)
-    for (int b = 0; b < RR; ++b)
-      p.y[(r0 + b) * p.O + o0 + a] =
-          HSumF(accf[a][b]) + MinsTerm(p.mins_t + (o0 + a) * p.G, p.xsum + (r0 + b) * p.G, p.G);
+    for (int b = 0; b < RR; ++b) p.y[(r0 + b) * p.O + o0 + a] = HSumF(accf[a][b]) + accm[a][b];
 }
 
 template <bool kOneChunk>
@@ -298,21 +294,23 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
     Int4Rows<false>(p, ob, oe);
 }
 
+// mins: [G, O] like scale when has_mins, else ignored (pass scale): no zeros written per call.
 ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::AnyBuffer q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins_t, ffi::Buffer<ffi::F32> xsum,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins_t.dimensions(),
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::F32> xsum,
+                      ffi::ResultBuffer<ffi::F32> y, int32_t has_mins) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
              gd = xsum.dimensions(), yd = y->dimensions();
   if (q.element_type() != ffi::DataType::S4 || xd.size() != 2 || qd.size() != 2 || sd.size() != 2 ||
       md.size() != 2 || gd.size() != 2 ||
-      yd.size() != 2 || xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[1] || md[1] != sd[0] ||
+      yd.size() != 2 || xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[0] || md[1] != sd[1] ||
       gd[0] != xd[0] || gd[1] != sd[0] || yd[0] != xd[0] || yd[1] != qd[0] || sd[0] == 0 ||
       xd[1] % (32 * sd[0]) != 0)
     return ffi::Error::InvalidArgument(
-        "int4_matmul: want x [R, I], q int4 [O, I], scale [G, O], mins [O, G], xsum [R, G] -> y [R, O], I / G a "
+        "int4_matmul: want x [R, I], q int4 [O, I], scale and mins [G, O], xsum [R, G] -> y [R, O], I / G a "
         "multiple of 32");
   Int4Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-             mins_t.typed_data(), xsum.typed_data(), y->typed_data(), xd[0], xd[1], qd[0], sd[0]};
+             has_mins ? mins.typed_data() : nullptr, xsum.typed_data(), y->typed_data(),
+             xd[0], xd[1], qd[0], sd[0]};
   if (p.R == 0) return ffi::Error::Success();
   ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   return ffi::Error::Success();
@@ -335,4 +333,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("has_mins"));

@@ -72,8 +72,8 @@ class WeightSpec:
   # (i, n): the checkpoint tensor's last dim interleaves n weights and this one is
   # columns i, i + n, ... (GPT-OSS's gate_up_proj: gate even, up odd).
   interleave: tuple[int, int] | None = None
-  # The LM head, or the embedding tied to it: int8 quantizes it (jaxinfer/quant.py), other
-  # formats keep it in the model dtype.
+  # The LM head, or the embedding tied to it: int8 and int4 hold it in int8
+  # (quant.leaf_format), fp8 keeps it in the model dtype.
   head: bool = False
   # An MoE router (or Qwen2-MoE's shared-expert gate): its logits choose experts, so it is
   # read in float32 and never quantized.
@@ -147,15 +147,15 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
 
   quantization ('int8', 'fp8', 'int4'): each linear weight is a `QuantizedWeight` of
   specs (values in the format's dtype, float32 scales, and int4's mins; jaxinfer/quant.py).
-  The LM head, or the embedding tied to it, too for int8 only (quant.quantizable).
+  The LM head, or the embedding tied to it, is int8 under int8 and int4 (quant.leaf_format).
   """
   if quantization is not None:
-    from jaxinfer.quant import check_quantizable, parse_quantization, quantizable, quantized_spec
+    from jaxinfer.quant import check_quantizable, leaf_format, parse_quantization, quantized_spec
     parse_quantization(quantization)
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
-    return jax.tree.map(lambda s: quantized_spec(s, quantization=quantization) if quantizable(s, quantization)
-                        else s, specs, is_leaf=is_spec)
+    return jax.tree.map(lambda s: quantized_spec(s, quantization=leaf_format(s, quantization))
+                        if leaf_format(s, quantization) else s, specs, is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
       "embed": WeightSpec((V, D), ("vocab", "embed"), "normal", "model.embed_tokens.weight",

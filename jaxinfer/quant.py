@@ -30,7 +30,7 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
   block is the same with mins = 0, and a Q4_1 block (d, m, q in [0, 15]) is
   values = q - 8, scales = d, mins = m + 8 d. Signed int4 because orbax / tensorstore store
   int4 but not uint4. The group size must divide the input size (ValueError naming it).
-The LM head is int8 too under int8 (quantizable: WeightSpec.head), not under fp8 / int4,
+The LM head is int8 under int8 and int4 (leaf_format: WeightSpec.head), not under fp8,
 whose CPU matmul would write a float32 copy of the largest weight per step. An untied
 lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales per vocab column). A
 tied embedding [V, D] (SmolLM2) is stored as the table it is: values [V, D], scales [1, D]
@@ -186,17 +186,29 @@ def num_in_axes(spec) -> int:
   return 2 if axes[:2] == ("heads", "head_dim") else 1
 
 
-def quantizable(spec, quantization: str | None = None) -> bool:
-  """Linear weights and stacked expert matrices are quantized; routers never (their logits
-  choose the experts, in float32). The LM head, or the embedding tied to it (spec.head),
-  only by int8: on the CPU fp8 and int4 would write a float32 copy of the largest weight
-  per step."""
+def leaf_format(spec, quantization: str | None) -> str | None:
+  """The format `quantization` holds the weight `spec` describes in (None: it stays float).
+
+  Linear weights and stacked expert matrices take `quantization`; routers never (their
+  logits choose the experts, in float32). The LM head, or the embedding tied to it
+  (spec.head), is int8 under int8 and under int4: it is the largest weight (113 MB of the
+  default model's 538 in float32) and read whole per token, and its int8 form (per-column
+  scales folded into the activations, head_logits) runs the int8 CPU kernel. Under fp8 it
+  stays float: fp8 on the CPU would write a float32 copy of it per step.
+  """
+  if not quantization:
+    return None
   if spec.head:
-    return quantization == "int8"
+    return "int8" if quantization in ("int8", "int4") else None
   if spec.router:
-    return False
+    return None
   experts = spec.num_experts and len(spec.shape) == 3  # [E, in, out] (GPT-OSS's are not `linear`)
-  return bool(spec.linear or experts) and "vocab" not in spec.axes
+  return quantization if bool(spec.linear or experts) and "vocab" not in spec.axes else None
+
+
+def quantizable(spec, quantization: str | None = None) -> bool:
+  """Whether `quantization` quantizes the weight `spec` describes (leaf_format)."""
+  return leaf_format(spec, quantization) is not None
 
 
 def check_quantizable(specs: Any, quantization: str) -> None:
@@ -361,9 +373,26 @@ def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_si
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec, quantization):
       return w
-    return quantize_weight(spec, np.asarray(w), quantization, group_size)
+    return quantize_weight(spec, np.asarray(w), leaf_format(spec, quantization), group_size)
 
   return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+
+
+def quantization_of(specs: Any, weights: Any) -> str | None:
+  """The quantization `weights` (a param_specs-shaped tree) is held in, from its quantized
+  leaves' formats: int4 with its int8 head is int4 (leaf_format). ValueError naming a leaf
+  whose format that quantization would not give it."""
+  from jaxinfer.params import is_spec
+  pairs = [(s, format_of(w)) for s, w in zip(jax.tree.leaves(specs, is_leaf=is_spec),
+                                              jax.tree.leaves(weights, is_leaf=is_quantized)) if is_quantized(w)]
+  found = {f for s, f in pairs if not s.head} or {f for _, f in pairs}
+  if len(found) > 1:
+    raise ValueError(f"the weights mix quantization formats {sorted(found)}")
+  quantization = found.pop() if found else None
+  for s, f in pairs:
+    if f != leaf_format(s, quantization):
+      raise ValueError(f"{s.hf} is {f}, but {quantization} holds it in {leaf_format(s, quantization)}")
+  return quantization
 
 
 def cast_floats(tree: Any, dtype) -> Any:

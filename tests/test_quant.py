@@ -289,7 +289,11 @@ def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization)
     w = tree["layers"][0]["w_gate"]
     assert is_quantized(w) and w.values.dtype == dtype
     assert (w.mins is not None) == (quantization == "int4")
-    assert is_quantized(tree["lm_head"]) == (quantization == "int8")  # fp8 / int4 keep the head float
+    # int8 and int4 hold the LM head in int8 (per vocab column); fp8 keeps it float.
+    head = tree["lm_head"]
+    assert is_quantized(head) == (quantization != "fp8")
+    if quantization != "fp8":
+      assert head.values.dtype == jnp.int8 and head.scales.shape == (1, cfg.vocab_size) and head.mins is None
 
 
 def test_quantized_shardings_follow_the_logical_axes():

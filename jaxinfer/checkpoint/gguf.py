@@ -19,8 +19,8 @@ tensor per projection (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]
 in numpy order), read as they are; with a quantization, quantized expert
 tensors are dequantized and requantized per (expert, channel), the layout the
 grouped expert matmul takes (logged once per type). The LM head (or the embedding tied to it),
-which int8 also quantizes, is read as floats and quantized per channel by
-import_model.
+which int8 and int4 hold in int8, is read as floats and quantized to int8 per
+channel by import_model.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig.from_gguf(meta, set(tensors))
   permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
-  # The tensors `quantization` applies to here. The head (int8 only) is read as floats and
-  # quantized per channel by import_model: Q8_0 blocks would be dequantized on every step.
+  # The tensors `quantization` applies to here. The head (int8 under int8 and int4) is read as
+  # floats and quantized per channel by import_model: Q8_0 blocks would be dequantized on every step.
   # So are stacked experts (their grouped matmul takes per-channel scales only).
   linear, experts = set(), set()
   if quantization:

@@ -28,8 +28,8 @@ from jaxinfer.checkpoint.common import ImportedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
 from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
-from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized, format_of,
-                            is_quantized, quantize_tree, with_mins)
+from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized,
+                            is_quantized, leaf_format, quantization_of, quantize_tree, with_mins)
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
@@ -51,9 +51,10 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
   tmp = dst.with_name(dst.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  formats = {format_of(w) for w in jax.tree.leaves(model.weights, is_leaf=is_quantized) if is_quantized(w)}
-  if len(formats) > 1:
-    raise CheckpointError(f"{dst}: the weights mix quantization formats {sorted(formats)}")
+  try:
+    quantization = quantization_of(param_specs(model.config), model.weights)
+  except ValueError as e:
+    raise CheckpointError(f"{dst}: {e}") from None
   weights = _to_state(cast_floats(jax.tree.map(np.asarray, model.weights), dtype))
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp / "params", weights)
@@ -61,7 +62,7 @@ def save(model: ImportedModel, dst: str | Path, dtype: str = "float32", overwrit
   if model.tokenizer is not None:
     model.tokenizer.save(tmp / "tokenizer")
   manifest = dict(format_version=FORMAT_VERSION, config=model.config.to_dict(),
-                  source=model.source, dtype=dtype, quantization=formats.pop() if formats else None)
+                  source=model.source, dtype=dtype, quantization=quantization)
   if manifest["quantization"]:
     manifest["values_layout"] = VALUES_LAYOUT
   (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -119,13 +120,18 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quant
         meta = meta[key]
       except (KeyError, IndexError, TypeError):
         raise CheckpointError(f"{name} is missing from the checkpoint") from None
+    fmt = leaf_format(float_spec, quantization)  # the head is int8 under int4
+    if not isinstance(meta, dict) and float_spec.head:
+      raise CheckpointError(f"{name}: this {quantization} checkpoint keeps the LM head in floats, as "
+                            f"jaxinfer did before int4 held it in int8; re-run `jaxinfer convert ... "
+                            f"--quantize {quantization}`")
     if not isinstance(meta, dict) or not {"values", "scales"} <= set(meta) <= {"values", "scales", "mins"}:
-      raise CheckpointError(f"{name} is not stored quantized ({quantization} values + scales)")
+      raise CheckpointError(f"{name} is not stored quantized ({fmt} values + scales)")
     mins = meta.get("mins")
     check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype, tuple(meta["scales"].shape),
-                    float_spec, quantization, None if mins is None else tuple(mins.shape))
+                    float_spec, fmt, None if mins is None else tuple(mins.shape))
     scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), np.float32, sharding=sharding.scales)
-    return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[quantization], sharding=sharding.values),
+    return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sharding.values),
                            scales, None if mins is None else scales)
 
   return jax.tree_util.tree_map_with_path(target, param_specs(cfg, quantization), param_specs(cfg), shardings,

@@ -147,6 +147,16 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
     np.testing.assert_array_equal(dequantize(q, num_in_axes(spec)), f)
 
 
+def _float_reference_with_the_int8_table(path):
+  """The float32 LLM of `path`, its tied table replaced by the dequantized int8 table that
+  int8 and int4 hold (per column, not a GGUF block), and that int8 table."""
+  ref_llm = LLM(path, max_model_len=64, warmup=False)
+  spec = param_specs(ref_llm.config)["embed"]
+  table = quantize_weight(spec, np.asarray(ref_llm.runner.params["embed"]), "int8")
+  ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize_weight(spec, table))}
+  return ref_llm, table
+
+
 def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
   # Group-wise weights run as their dequantized float32 values (quant.quantized_matmul), which are
   # the float32 loader's exactly: only float32 rounding may differ (logits ~3.5 in size);
@@ -154,10 +164,7 @@ def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
   # (not a Q8_0 block), so the reference gets that table's dequantized values; the split
   # activations carry 2^-16 of their row maximum, well inside the tolerance.
   ids = golden("smollm2")["token_ids"].tolist()
-  ref_llm = LLM(q8_0_file, max_model_len=64, warmup=False)
-  spec = param_specs(ref_llm.config)["embed"]
-  table = quantize_weight(spec, np.asarray(ref_llm.runner.params["embed"]), "int8")
-  ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize_weight(spec, table))}
+  ref_llm, table = _float_reference_with_the_int8_table(q8_0_file)
   got_llm = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8")
   np.testing.assert_array_equal(np.asarray(got_llm.runner.params["embed"].values), table.values)
   np.testing.assert_allclose(got_llm.logits(ids), ref_llm.logits(ids), atol=1e-4, rtol=0)
@@ -277,8 +284,14 @@ def test_float_checkpoint_quantized_at_restore(tmp_path, quantization):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
 def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
   leaves, num_layers = quantized_leaves(gguf_files[qtype], "int4")
-  assert len(leaves) == 7 * num_layers
+  assert len(leaves) == 7 * num_layers + 1
+  (head_spec, head, table), = [(s, q, f) for s, q, f in leaves if s.head]
+  # The tied head is int8 per column under int4 too (quant.leaf_format), made from its floats.
+  assert head.values.dtype == jax.numpy.int8 and head.scales.shape == (1, head_spec.shape[1]) and head.mins is None
+  np.testing.assert_array_equal(head.values, quantize_weight(head_spec, table, "int8").values)
   for spec, q, f in leaves:
+    if spec.head:
+      continue
     in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
     assert q.values.dtype == jax.numpy.int4 and q.scales.shape[0] == q.mins.shape[0] == in_size // 32
     got = dequantize(q, num_in_axes(spec))
@@ -290,18 +303,29 @@ def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
 def test_q4_int4_logits_match_dequantized_float32(gguf_files, int4_llm, qtype):
-  # Same weights up to float32 rounding (exactly for Q4_0). On the CPU the int4 kernel takes
-  # each token's activations as int16 (to 2^-15 of the row's largest value): logits ~3.5 in
-  # size agree to 1e-3 (3.4e-4 seen); a nibble-order or min mix-up moves them by whole units.
+  # Same weights up to float32 rounding (exactly for Q4_0), and the same int8 table as the
+  # reference's head. On the CPU the int4 kernel takes each token's activations as int16 (to
+  # 2^-15 of the row's largest value): logits ~3.5 in size agree to 1e-3 (3.4e-4 seen); a
+  # nibble-order or min mix-up moves them by whole units.
   ids = golden("smollm2")["token_ids"].tolist()
-  ref = LLM(gguf_files[qtype], max_model_len=64, warmup=False).logits(ids)
+  ref_llm, table = _float_reference_with_the_int8_table(gguf_files[qtype])
   llm = int4_llm if qtype == Q.Q4_1 else LLM(gguf_files[qtype], max_model_len=64, warmup=False, quantization="int4")
   assert format_of(llm.runner.params["layers"][1]["w_down"]) == "int4"
-  np.testing.assert_allclose(llm.logits(ids), ref, atol=1e-3, rtol=0)
+  np.testing.assert_array_equal(np.asarray(llm.runner.params["embed"].values), table.values)
+  np.testing.assert_allclose(llm.logits(ids), ref_llm.logits(ids), atol=1e-3, rtol=0)
 
 
 def test_int4_greedy_batch_invariance(int4_llm):
   _greedy_batch_invariant(int4_llm)
+
+
+def test_an_int4_checkpoint_with_a_float_head_asks_for_a_reconversion(gguf_files, tmp_path):
+  # What jaxinfer wrote before int4 held the head in int8: the tied table stored as floats.
+  model = import_model(gguf_files[Q.Q4_1], "int4")
+  model.weights["embed"] = import_model(gguf_files[Q.Q4_1]).weights["embed"]
+  dst = orbax_io.save(model, tmp_path / "old")
+  with pytest.raises(CheckpointError, match=r"token_embd|embed_tokens.*keeps the LM head in floats.*--quantize int4"):
+    load_model(dst)
 
 
 def test_int4_mins_that_do_not_match_their_scales_name_the_tensor(gguf_files, tmp_path):
