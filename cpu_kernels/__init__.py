@@ -5,11 +5,11 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
   read once at any row count (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs
   every per-channel int8 matmul on the CPU through it when `available()`.
 - `int4_matmul`: the same for group-wise int4 weights (scales and mins per group of a
-  multiple of 32 inputs, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
+  multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
 """
 
-from cpu_kernels.int8_matmul import (available, int4_matmul, int4_matmul_reference, int8_matmul,
+from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, available, int4_matmul, int4_matmul_reference, int8_matmul,
                                      int8_matmul_reference, unavailable_reason)
 
-__all__ = ["available", "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference",
-           "unavailable_reason"]
+__all__ = ["INT4_MAX_GROUP", "available", "int4_matmul", "int4_matmul_reference", "int8_matmul",
+           "int8_matmul_reference", "unavailable_reason"]

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
+INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot overflow (kMaxGroup)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
 # not others (int4's float32 terms); the kernel's own FMAs are written out.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -69,22 +70,23 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
 
       y[r, o] = sum_g scales[g, o] S[r, g, o] + mins[g, o] xsum[r, g]
 
-  with S the exact integer sum of x q over group g's I / G inputs (a multiple of 32) and
-  xsum[r, g] the exact sum of x over the group: x @ (q * scale + min)^T group by group. Each
-  element is the same fixed sequence of float32 operations at any row count. Raises
-  RuntimeError when the kernel is not available()."""
+  with S the exact integer sum of x q over group g's I / G inputs (a multiple of 32, at most
+  INT4_MAX_GROUP) and xsum[r, g] the sum of x over the group: x @ (q * scale + min)^T group by
+  group. Each element is the same fixed sequence of float32 operations at any row count.
+  Raises RuntimeError when the kernel is not available()."""
   G = scales.shape[0]
   if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int4
       or scales.shape != (G, q.shape[0]) or (mins is not None and mins.shape != scales.shape)
-      or G == 0 or q.shape[1] % (32 * G)):
+      or G == 0 or q.shape[1] % (32 * G) or q.shape[1] // G > INT4_MAX_GROUP):
     raise ValueError(f"int4_matmul: want x int16 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
-                     f"multiple of 32, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
+                     f"multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
                      f"{list(scales.shape)}, mins {None if mins is None else list(mins.shape)}")
   if not available():
     raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
   R, I = x.shape
   scales = scales.astype(jnp.float32)
-  xsum = x.reshape(R, G, I // G).astype(jnp.int32).sum(-1).astype(jnp.float32)  # exact: |.| < 2^24
+  # [G, R]: a tile's tokens adjacent. Exact in float32 for groups up to 512 inputs (|sum| < 2^24).
+  xsum = x.reshape(R, G, I // G).astype(jnp.int32).sum(-1).astype(jnp.float32).T
   # Each 32-block's even entries, then its odd ones: the order the kernel unpacks nibbles in.
   x_eo = x.reshape(R, I // 32, 16, 2).swapaxes(2, 3).reshape(R, I)
   out = jax.ShapeDtypeStruct((R, q.shape[0]), jnp.float32)

@@ -45,7 +45,7 @@ custom call, AVX2) reads the int8 weight once and sums x16 q exactly in integers
 scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
 available, or in a program split over several devices, `split_int8_matmul` does the same
 with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
-s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs
+s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs (up to 4096)
 run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in float32).
 Every other form is weight-only: activations stay float, the values are converted for the
 dot and per-channel scales multiply its output. Group-wise scales (Q8_0, and int4 without
@@ -522,7 +522,8 @@ def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
 def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
   """x [M, I] float, q [O, I] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
-  On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs run
+  On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs (up to
+  4096) run
   cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16 activations.
   Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
   scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
@@ -531,7 +532,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """
   x = x.astype(jnp.float32)
   G = scales.shape[0]
-  if q.dtype == jnp.int4 and q.shape[1] % (32 * G) == 0 and _cpu_kernels():
+  if (q.dtype == jnp.int4 and q.shape[1] % (32 * G) == 0 and q.shape[1] // G <= cpu_kernels.INT4_MAX_GROUP
+      and _cpu_kernels()):
     x16, a = int16_activations(x)
     return cpu_kernels.int4_matmul(x16, q, scales, mins) * a
   if G > 1 or mins is not None:

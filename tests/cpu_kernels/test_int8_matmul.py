@@ -155,8 +155,21 @@ def test_int4_groups_equal_the_float64_reference(R, I, O, G, with_mins):
 
 
 @needs_kernel
+def test_int4_extreme_values_in_the_largest_group_do_not_overflow():
+  # 4096 inputs of 32767 x (7 + 8): a group sum of 2013204480, just inside int32.
+  x = np.full((2, 4096), 32767, np.int16)
+  x[1] = -32767
+  q = np.full((3, 4096), 7, np.int8)
+  s = np.full((1, 3), 1e-3, np.float32)
+  got = _int4(x, q, s, None)
+  np.testing.assert_allclose(got, cpu_kernels.int4_matmul_reference(x, q, s), rtol=1e-6)
+
+
+@needs_kernel
 def test_int4_rows_are_the_same_number_at_any_row_count():
-  x, q, s, m = _int4_case(np.random.default_rng(11), 13, 576, 40, 18)
+  # 43 outputs: one token runs 8-row tiles and three single cells, several 2 x 4 tiles
+  # and single cells; every cell must come out the same number.
+  x, q, s, m = _int4_case(np.random.default_rng(11), 13, 576, 43, 18)
   together = _int4(x, q, s, m)
   for rows in (1, 2, 3, 4, 5, 8):
     parts = [_int4(x[i:i + rows], q, s, m) for i in range(0, 13, rows)]
@@ -170,3 +183,5 @@ def test_int4_groups_the_kernel_cannot_take_are_value_errors():
     cpu_kernels.int4_matmul(x, q, jnp.ones((2, 3), jnp.float32))  # groups of 48
   with pytest.raises(ValueError, match="I / G a multiple of 32"):
     cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32), jnp.ones((3, 4), jnp.float32))
+  with pytest.raises(ValueError, match="multiple of 32 up to 4096"):  # past it the int32 group sums could overflow
+    cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.int16), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float32))
