@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Where a decode step's device time goes, per XLA operation kind, from a jax.profiler trace.
+
+  python scripts/trace_step.py [--quantization int4] [--steps 40] [--out FILE.json]
+
+Runs the default model at batch 1 (greedy, EOS ignored), warms it up, then
+traces --steps decode steps with jax.profiler and sums the XLA CPU runtime's
+per-operation events by kind (the HLO instruction name without its number:
+`ffi_call` = the cpu_kernels matmuls, `while` = attention's decode loop with
+everything inside it, `*_fusion` = XLA's fused element-wise work). Only
+top-level operations count (an operation inside a while loop is part of the
+loop's time), so the kinds add up to the device time of a step. Times are
+under the profiler, which adds a little per operation: read them as shares.
+
+Prints a table (ms per step, operations per step) and writes
+benchmarks/results/trace-step-<format>-<date>.json (with the commit and CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _top_level_ops(events: list[dict]) -> list[dict]:
+  """XLA operation events not nested in another operation on the same thread."""
+  ops = [e for e in events if e.get("ph") == "X" and re.fullmatch(r"[\w.-]+", e.get("name", ""))
+         and not e["name"].startswith("$")]
+  out, end = [], collections.defaultdict(float)  # per thread: where the enclosing operation ends
+  for e in sorted(ops, key=lambda e: (e["tid"], e["ts"], -e.get("dur", 0))):
+    if e["ts"] >= end[e["tid"]]:
+      out.append(e)
+      end[e["tid"]] = e["ts"] + e.get("dur", 0)
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quantization", choices=["int8", "fp8", "int4"], default=None)
+  ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+
+  import jax
+  from jaxinfer import LLM, SamplingParams
+  llm = LLM(None, quantization=args.quantization, max_num_seqs=1, max_num_batched_tokens=256)
+  sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+  prompt = llm.tokenizer.encode("The capital of France is")
+  llm.generate([prompt], sp)  # compiles the programs a one-sequence decode runs
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    llm.generate([prompt], sp)
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  ms, count = collections.Counter(), collections.Counter()
+  for e in _top_level_ops(events):
+    kind = re.sub(r"\.\d+$", "", e["name"])
+    ms[kind] += e.get("dur", 0) / 1000 / args.steps
+    count[kind] += 1
+  total = sum(ms.values())
+  rows = [{"kind": k, "ms_per_step": round(v, 3), "share": round(v / total, 3),
+           "ops_per_step": round(count[k] / args.steps, 1)} for k, v in ms.most_common()]
+  fmt = args.quantization or "float32"
+  print(f"device time per decode step ({fmt}, batch 1, {args.steps} steps): {total:.2f} ms")
+  print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
+  for r in rows[:15]:
+    print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
+  from bench_peers import write_results
+  out = write_results(f"trace-step-{fmt}", dict(format=fmt, batch=1, steps=args.steps, jax=jax.__version__,
+                                                device_ms_per_step=round(total, 3), kinds=rows), args.out)
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
