@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def _top_level_ops(events: list[dict]) -> list[dict]:
+def top_level_ops(events: list[dict]) -> list[dict]:
   """XLA operation events not nested in another operation on the same thread."""
   ops = [e for e in events if e.get("ph") == "X" and re.fullmatch(r"[\w.-]+", e.get("name", ""))
          and not e["name"].startswith("$")]
@@ -65,7 +65,7 @@ def main() -> None:
     trace = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   ms, count = collections.Counter(), collections.Counter()
-  for e in _top_level_ops(events):
+  for e in top_level_ops(events):
     kind = re.sub(r"\.\d+$", "", e["name"])
     ms[kind] += e.get("dur", 0) / 1000 / args.steps
     count[kind] += 1
