@@ -45,16 +45,18 @@ custom call, AVX2) reads the int8 weight once and sums x16 q exactly in integers
 scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
 available, or in a program split over several devices, `split_int8_matmul` does the same
 with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
-s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs (up to 4096)
-run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in float32).
+s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs
+(up to 4096) run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in
+float32).
 Every other form is weight-only: activations stay float, the values are converted for the
 dot and per-channel scales multiply its output. Group-wise scales (Q8_0, and int4 without
 the kernel) vary along the contraction, so those weights are dequantized whole first (in
 the same jitted step).
 
 Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
-(cpu_kernels.int4_matmul) and holds the tied LM head in int8; the default model is 103 MB
-and its batch-1 decode ~1.8x float32's (README "Formats").
+(cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
+model is 103 MB and its batch-1 decode 1.91x float32's, 0.82x at 64 prompts (README
+"Formats").
 Update 2026-11-24 (supersedes the split's speed below): the kernel streams the int8 weight
 at 17-26 GB/s where XLA's split dot streams ~10 and its float32 matrix-vector kernel
 20-24; the batch-1 int8 decode step of the default model went from 17.5 to ~10 ms
@@ -526,8 +528,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """x [M, I] float, q [O, I] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
   On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs (up to
-  4096) run
-  cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16 activations.
+  4096) run cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16
+  activations.
   Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
   scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
   contraction, so the weight is dequantized first (a batched int32 dot per group
