@@ -65,6 +65,12 @@ def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, q)
 
 
+def int4_groups_fit(in_size: int, groups: int) -> bool:
+  """Whether int4_matmul takes `groups` groups over `in_size` inputs: groups of a multiple of
+  32 inputs (whole nibble blocks), at most INT4_MAX_GROUP."""
+  return groups > 0 and in_size % (32 * groups) == 0 and in_size // groups <= INT4_MAX_GROUP
+
+
 def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
   """x int16 [R, I], q int4 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
 
@@ -77,7 +83,7 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
   G = scales.shape[0]
   if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int4
       or scales.shape != (G, q.shape[0]) or (mins is not None and mins.shape != scales.shape)
-      or G == 0 or q.shape[1] % (32 * G) or q.shape[1] // G > INT4_MAX_GROUP):
+      or not int4_groups_fit(q.shape[1], G)):
     raise ValueError(f"int4_matmul: want x int16 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
                      f"multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
                      f"{list(scales.shape)}, mins {None if mins is None else list(mins.shape)}")

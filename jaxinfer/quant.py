@@ -537,8 +537,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """
   x = x.astype(jnp.float32)
   G = scales.shape[0]
-  if (q.dtype == jnp.int4 and q.shape[1] % (32 * G) == 0 and q.shape[1] // G <= cpu_kernels.INT4_MAX_GROUP
-      and _cpu_kernels()):
+  if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and _cpu_kernels():
     x16, a = int16_activations(x)
     return cpu_kernels.int4_matmul(x16, q, scales, mins) * a
   if G > 1 or mins is not None:
