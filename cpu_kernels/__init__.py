@@ -1,8 +1,8 @@
 """Hand-written XLA CPU kernels (each: C++ source + build / load / jitted wrapper + numpy
 reference), reached through XLA's FFI as custom calls in the jitted step.
 
-- `int8_matmul`: int16 activations x int8 weights -> exact integer sums, the int8 weight
-  read once at any row count (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs
+- `int8_matmul`: float32 activations (quantized per row to int16 inside the kernel) x int8
+  weights -> exact integer sums, the int8 weight read once at any row count (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs
   every per-channel int8 matmul on the CPU through it when `available()`.
 - `int4_matmul`: the same for group-wise int4 weights (scales and mins per group of a
   multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
@@ -10,7 +10,7 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
 
 from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, available, int4_groups_fit, int4_matmul,
                                      int4_matmul_reference, int8_matmul, int8_matmul_reference,
-                                     unavailable_reason)
+                                     int16_rows_reference, unavailable_reason)
 
 __all__ = ["INT4_MAX_GROUP", "available", "int4_groups_fit", "int4_matmul", "int4_matmul_reference",
-           "int8_matmul", "int8_matmul_reference", "unavailable_reason"]
+           "int8_matmul", "int8_matmul_reference", "int16_rows_reference", "unavailable_reason"]

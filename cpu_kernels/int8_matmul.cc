@@ -1,11 +1,13 @@
-// int16 activations x int8 (and group-wise int4, below) weights for XLA CPU: XLA FFI handlers.
+// float32 activations as int16 x int8 (and group-wise int4, below) weights for XLA CPU: XLA FFI handlers.
 //
-//   y[r, o] = float32( sum_i x[r, i] * q[o, i] )     x int16 [R, I], q int8 [O, I], y float32 [R, O]
+//   y[r, o] = float32( sum_i x16[r, i] * q[o, i] ) * a[r]     x float32 [R, I], q int8 [O, I], y float32 [R, O]
 //
-// The sum is exact (int32 lanes, flushed to int64 every kFlush inputs, before they can
-// overflow), then rounded once to float32. So every element is the same number whatever
-// R is and however the rows are tiled or split over threads: greedy batch invariance
-// holds by construction. Why a hand-written kernel: XLA CPU reads an int8 weight of one
+// with x = a x16 per row (Int16Rows: a = max|x[r]| / 32767, x16 = round(x / a)). Each call
+// quantizes its own activations: done in XLA, that was ~6 small operations (~2.5 us) per
+// linear, more than the 576 x 192 products cost. The sum is exact (int32 lanes, flushed
+// to int64 every kFlush inputs, before they can overflow), then rounded once to float32
+// and scaled by a[r]. So every element is the same number whatever R is and however the
+// rows are tiled or split over threads: greedy batch invariance holds by construction. Why a hand-written kernel: XLA CPU reads an int8 weight of one
 // or a few rows through a widened copy or at ~10 GB/s (cpu_kernels/int8_matmul.py).
 //
 // AVX2: q's 16 int8 -> 16 int16 (vpmovsxbw), vpmaddwd with 16 int16 activations -> 8
@@ -19,7 +21,9 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -44,8 +48,59 @@ inline int64_t HSum(__m256i v) {
   return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
 }
 
+// ---- activations ----------------------------------------------------------------------------
+//
+// Row r of x to int16: a[r] = max|x[r]| / 32767 (1 for a row of zeros, NaN for a row with a
+// NaN, so its outputs are NaN), x16 = round-half-even(x / a) clamped to [-32767, 32767]:
+// x = a x16 to within a / 2. cpu_kernels.int16_rows_reference is the same float32 arithmetic.
+constexpr float kInt16Max = 32767.0f;
+
+float RowScale(const float* x, int64_t I) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(m, _mm256_and_ps(v, magnitude));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.0f;
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (float l : lanes) amax = std::max(amax, l);
+  for (; i < I; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    has_nan |= std::isnan(x[i]);
+  }
+  if (has_nan) return std::numeric_limits<float>::quiet_NaN();
+  return amax > 0.0f ? amax / kInt16Max : 1.0f;
+}
+
+void QuantizeRow(const float* x, int64_t I, float a, int16_t* x16) {
+  const __m256 av = _mm256_set1_ps(a), hi = _mm256_set1_ps(kInt16Max), lo = _mm256_set1_ps(-kInt16Max);
+  const auto q8 = [&](const float* p) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p), av), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= I; i += 16)  // packs interleaves the 128-bit halves; the permute puts them back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + i),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q8(x + i), q8(x + i + 8)), 0xD8));
+  for (; i < I; ++i)
+    x16[i] = static_cast<int16_t>(std::min(std::max(std::nearbyint(x[i] / a), -kInt16Max), kInt16Max));
+}
+
+// Every row of x [R, I]: scales a [R], values x16 [R, I].
+void Int16Rows(const float* x, int64_t R, int64_t I, float* a, int16_t* x16) {
+  for (int64_t r = 0; r < R; ++r) {
+    a[r] = RowScale(x + r * I, I);
+    QuantizeRow(x + r * I, I, a[r], x16 + r * I);
+  }
+}
+
 template <int RO, int RR>
-void Tile(const int16_t* x, const int8_t* q, float* y, int64_t I, int64_t O, int64_t o0, int64_t r0) {
+void Tile(const int16_t* x, const float* as, const int8_t* q, float* y, int64_t I, int64_t O, int64_t o0, int64_t r0) {
   int64_t sum[RO][RR] = {};
   const int64_t I16 = I / 16 * 16;
   for (int64_t i0 = 0; i0 < I16; i0 += kFlush) {
@@ -73,12 +128,12 @@ void Tile(const int16_t* x, const int8_t* q, float* y, int64_t I, int64_t O, int
     for (int a = 0; a < RO; ++a)
       for (int b = 0; b < RR; ++b) sum[a][b] += int64_t{x[(r0 + b) * I + i]} * q[(o0 + a) * I + i];
   for (int a = 0; a < RO; ++a)
-    for (int b = 0; b < RR; ++b) y[(r0 + b) * O + o0 + a] = static_cast<float>(sum[a][b]);
+    for (int b = 0; b < RR; ++b) y[(r0 + b) * O + o0 + a] = static_cast<float>(sum[a][b]) * as[r0 + b];
 }
 
 // One activation row against weight row o: one sequential stream through q, four
 // accumulators over i. Sums the same integers as Tile, so gives the same float.
-void Row(const int16_t* x, const int8_t* q, float* y, int64_t I, int64_t o) {
+void Row(const int16_t* x, float a, const int8_t* q, float* y, int64_t I, int64_t o) {
   const int8_t* qo = q + o * I;
   const auto madd = [&](int64_t i) {
     const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + i)));
@@ -99,23 +154,24 @@ void Row(const int16_t* x, const int8_t* q, float* y, int64_t I, int64_t o) {
     sum += HSum(a0) + HSum(a1) + HSum(a2) + HSum(a3);
   }
   for (int64_t i = I64; i < I; ++i) sum += int64_t{x[i]} * qo[i];
-  y[o] = static_cast<float>(sum);
+  y[o] = static_cast<float>(sum) * a;
 }
 
 // Output rows [ob, oe) for all R activation rows.
-void Block(const int16_t* x, const int8_t* q, float* y, int64_t R, int64_t I, int64_t O, int64_t ob, int64_t oe) {
+void Block(const int16_t* x, const float* as, const int8_t* q, float* y, int64_t R, int64_t I, int64_t O, int64_t ob,
+           int64_t oe) {
   if (R == 1) {  // one token: read q as one stream (a tile's interleaved rows read it slower)
-    for (int64_t o = ob; o < oe; ++o) Row(x, q, y, I, o);
+    for (int64_t o = ob; o < oe; ++o) Row(x, as[0], q, y, I, o);
     return;
   }
   int64_t o = ob;
   for (; o + 2 <= oe; o += 2) {
     int64_t r = 0;
-    for (; r + 4 <= R; r += 4) Tile<2, 4>(x, q, y, I, O, o, r);
-    for (; r < R; ++r) Tile<2, 1>(x, q, y, I, O, o, r);
+    for (; r + 4 <= R; r += 4) Tile<2, 4>(x, as, q, y, I, O, o, r);
+    for (; r < R; ++r) Tile<2, 1>(x, as, q, y, I, O, o, r);
   }
   for (; o < oe; ++o)
-    for (int64_t r = 0; r < R; ++r) Tile<1, 1>(x, q, y, I, O, o, r);
+    for (int64_t r = 0; r < R; ++r) Tile<1, 1>(x, as, q, y, I, O, o, r);
 }
 
 // Chunks of output rows, claimed by whichever thread asks next. The caller works too and
@@ -152,7 +208,7 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t O, int64_t row_bytes, std::func
   while (w->done.load(std::memory_order_acquire) < w->chunks) _mm_pause();
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer<ffi::S8> q,
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2 || xd[1] != qd[1] || yd[0] != xd[0] ||
@@ -160,27 +216,32 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::Buffer
     return ffi::Error::InvalidArgument("int8_matmul: want x [R, I], q [O, I] -> y [R, O]");
   const int64_t R = xd[0], I = xd[1], O = qd[0];
   if (R == 0) return ffi::Error::Success();
-  const int16_t* xp = x.typed_data();
+  std::vector<int16_t> x16(R * I);
+  std::vector<float> as(R);
+  Int16Rows(x.typed_data(), R, I, as.data(), x16.data());
+  const int16_t* xp = x16.data();
+  const float* ap = as.data();
   const int8_t* qp = q.typed_data();
   float* yp = y->typed_data();
-  ParallelRows(pool, O, I, [=](int64_t ob, int64_t oe) { Block(xp, qp, yp, R, I, O, ob, oe); });
+  ParallelRows(pool, O, I, [=](int64_t ob, int64_t oe) { Block(xp, ap, qp, yp, R, I, O, ob, oe); });
   return ffi::Error::Success();
 }
 
 // ---- int4 groups ---------------------------------------------------------------------------
 //
-//   y[r, o] = sum_g ( scale[g, o] * S[r, g, o] + min'[g, o] * xsum[r, g] )
-//   S[r, g, o] = sum_{i in group g} x[r, i] * (q[o, i] + 8)   (exact, int32)
+//   y[r, o] = ( sum_g ( scale[g, o] * S[r, g, o] + min'[g, o] * xsum[r, g] ) ) * a[r]
+//   S[r, g, o] = sum_{i in group g} x16[r, i] * (q[o, i] + 8)   (exact, int32)
 //
 // with min' = min - 8 scale (so y = x @ (q * scale + min)^T; min = 0 without mins). q int4
 // [O, I] as XLA CPU holds it: packed two per byte, the lower-indexed value in the low nibble;
-// x with the even entries of each 32-block first, then the odd ones; xsum transposed, [G, R].
+// x16 (Int4Activations) with the even entries of each 32-block first, then the odd ones;
+// xsum[g, r] = float(sum of x16 over group g) (exact up to 512 inputs a group), [G, R].
 // Groups of 32 to kMaxGroup inputs, a multiple of 32.
 //
 // Each (r, o) is one "cell" and runs the same float32 operations in every tile shape, so
 // the result does not depend on the batch:
 //   acc = fma(float(S[g]), scale[g], acc);  accm = fma(fma(-8, scale[g], min[g]), xsum[g], accm)
-// group after group, then y = acc + accm. S is an exact integer (|S| <= 32 * 32767 * 15 < 2^24
+// group after group, then y = (acc + accm) * a. S is an exact integer (|S| <= 32 * 32767 * 15 < 2^24
 // for a group of 32, so float(S) is exact there too). A tile computes eight cells at once
 // (8 weight rows x 1 token, or 2 x 4): each cell's eight int32 lanes are reduced to one
 // lane of a vector (Reduce8), and one vector FMA then scales all eight cells, with the
@@ -230,8 +291,30 @@ inline int32_t HSum32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// x [R, I] -> a [R], x16 [R, I] in each 32-block's even-odd order, xsum [G, R].
+void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum_t) {
+  std::vector<int16_t> row(I);
+  const int64_t gs = I / G;
+  for (int64_t r = 0; r < R; ++r) {
+    a[r] = RowScale(x + r * I, I);
+    QuantizeRow(x + r * I, I, a[r], row.data());
+    int16_t* out = x16 + r * I;
+    for (int64_t b = 0; b < I; b += 32)
+      for (int64_t j = 0; j < 16; ++j) {
+        out[b + j] = row[b + 2 * j];
+        out[b + 16 + j] = row[b + 2 * j + 1];
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sum = 0;  // |sum| <= 4096 * 32767 < 2^31
+      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) sum += row[i];
+      xsum_t[g * R + r] = static_cast<float>(sum);
+    }
+  }
+}
+
 struct Int4Args {
   const int16_t* x;     // [R, I]
+  const float* a;       // [R]
   const uint8_t* q;     // [O, I / 2]
   const float* scale;   // [G, O]
   const float* mins;    // [G, O], or nullptr (Q4_0: min = 0)
@@ -286,7 +369,7 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
   alignas(32) float out[8];
   _mm256_store_ps(out, _mm256_add_ps(acc, accm));
   for (int a = 0; a < RO; ++a)
-    for (int b = 0; b < RR; ++b) p.y[(r0 + b) * p.O + o0 + a] = out[a * RR + b];
+    for (int b = 0; b < RR; ++b) p.y[(r0 + b) * p.O + o0 + a] = out[a * RR + b] * p.a[r0 + b];
 }
 
 // One cell, the same arithmetic as a lane of Int4Tile.
@@ -300,7 +383,7 @@ void Int4Cell(const Int4Args& p, int64_t o, int64_t r) {
     acc = std::fma(static_cast<float>(HSum32(v)), s, acc);
     accm = std::fma(std::fma(-8.0f, s, m), p.xsum_t[g * p.R + r], accm);
   }
-  p.y[r * p.O + o] = acc + accm;
+  p.y[r * p.O + o] = (acc + accm) * p.a[r];
 }
 
 template <bool kOneChunk>
@@ -330,23 +413,25 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 }
 
 // mins: [G, O] like scale when has_mins, else ignored (pass scale): no zeros written per call.
-ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::AnyBuffer q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::F32> xsum_t,
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
                       ffi::ResultBuffer<ffi::F32> y, int32_t has_mins) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
-             gd = xsum_t.dimensions(), yd = y->dimensions();
+             yd = y->dimensions();
   if (q.element_type() != ffi::DataType::S4 || xd.size() != 2 || qd.size() != 2 || sd.size() != 2 ||
-      md.size() != 2 || gd.size() != 2 ||
-      yd.size() != 2 || xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[0] || md[1] != sd[1] ||
-      gd[1] != xd[0] || gd[0] != sd[0] || yd[0] != xd[0] || yd[1] != qd[0] || sd[0] == 0 ||
-      xd[1] % (32 * sd[0]) != 0 || xd[1] / sd[0] > kMaxGroup)
+      md.size() != 2 || yd.size() != 2 || xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[0] ||
+      md[1] != sd[1] || yd[0] != xd[0] || yd[1] != qd[0] || sd[0] == 0 || xd[1] % (32 * sd[0]) != 0 ||
+      xd[1] / sd[0] > kMaxGroup)
     return ffi::Error::InvalidArgument(
-        "int4_matmul: want x [R, I], q int4 [O, I], scale and mins [G, O], xsum [G, R] -> y [R, O], I / G a "
+        "int4_matmul: want x [R, I], q int4 [O, I], scale and mins [G, O] -> y [R, O], I / G a "
         "multiple of 32 up to 4096");
-  Int4Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-             has_mins ? mins.typed_data() : nullptr, xsum_t.typed_data(), y->typed_data(),
-             xd[0], xd[1], qd[0], sd[0]};
-  if (p.R == 0) return ffi::Error::Success();
+  const int64_t R = xd[0], I = xd[1], G = sd[0];
+  if (R == 0) return ffi::Error::Success();
+  std::vector<int16_t> x16(R * I);
+  std::vector<float> as(R), xsum_t(G * R);
+  Int4Activations(x.typed_data(), R, I, G, as.data(), x16.data(), xsum_t.data());
+  Int4Args p{x16.data(), as.data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+             has_mins ? mins.typed_data() : nullptr, xsum_t.data(), y->typed_data(), R, I, qd[0], G};
   ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   return ffi::Error::Success();
 }
@@ -356,16 +441,15 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x, ffi::AnyBuf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S16>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -1,8 +1,12 @@
-"""int16 activations x int8 (and group-wise int4) weights on XLA CPU: XLA FFI custom calls
-(int8_matmul.cc), their build, and their references.
+"""float32 activations, as int16, x int8 (and group-wise int4) weights on XLA CPU: XLA FFI
+custom calls (int8_matmul.cc), their build, and their references.
 
-    int8_matmul(x int16 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x q)
+    int8_matmul(x float32 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x16 q) * a
     int4_matmul(x, q int4 [O, I], scales, mins [G, O]) -> float32 [R, O], exact per group
+
+x16 and a are x's rows as int16 (int16_rows_reference: a = max|x| / 32767 per row, x16 =
+round(x / a)), which the kernel forms itself: in XLA those were ~6 small operations per
+linear (~2.5 us each call at one token), as much as a 576 x 192 product.
 
 Why a hand-written kernel: XLA CPU widens a one-row int8 weight to a float32 copy, and
 its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight at
@@ -13,8 +17,8 @@ scripts/bench_quant_matmul.py and benchmarks/results/quant-matmul-*.json measure
 beside XLA's forms.
 
 The sums are exact integers (int32 lanes, flushed to int64 before they can overflow),
-rounded once to float32: each element is the same number for any row count, tiling or
-thread split, which is what greedy batch invariance needs.
+rounded once to float32 and scaled by the row's a: each element is the same number for any
+row count, tiling or thread split, which is what greedy batch invariance needs.
 
 The library is compiled on first use with the C++ compiler on PATH ($CXX, g++, c++ or
 clang++) against jax's own FFI headers, into $JAXINFER_CACHE/cpu_kernels (default
@@ -53,11 +57,12 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared",
 
 
 def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
-  """x int16 [R, I], q int8 [O, I] -> float32 [R, O]: each element the exact integer
-  sum_i x[r, i] q[o, i] rounded to float32. Traced into the caller's XLA CPU program as a
-  custom call; raises RuntimeError when the kernel is not available()."""
-  if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int8:
-    raise ValueError(f"int8_matmul: want x int16 [R, I] and q int8 [O, I], got x {x.dtype}{list(x.shape)}, "
+  """x float32 [R, I], q int8 [O, I] -> float32 [R, O]: each element the exact integer
+  sum_i x16[r, i] q[o, i] rounded to float32, times a[r] (x16, a = int16_rows_reference(x)).
+  Traced into the caller's XLA CPU program as a custom call; raises RuntimeError when the
+  kernel is not available()."""
+  if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int8:
+    raise ValueError(f"int8_matmul: want x float32 [R, I] and q int8 [O, I], got x {x.dtype}{list(x.shape)}, "
                      f"q {q.dtype}{list(q.shape)}")
   if not available():
     raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
@@ -72,51 +77,63 @@ def int4_groups_fit(in_size: int, groups: int) -> bool:
 
 
 def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """x int16 [R, I], q int4 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
+  """x float32 [R, I], q int4 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
 
-      y[r, o] = sum_g scales[g, o] S[r, g, o] + mins[g, o] xsum[r, g]
+      y[r, o] = a[r] sum_g scales[g, o] S[r, g, o] + mins[g, o] xsum[r, g]
 
-  with S the exact integer sum of x q over group g's I / G inputs (a multiple of 32, at most
-  INT4_MAX_GROUP) and xsum[r, g] the sum of x over the group: x @ (q * scale + min)^T group by
-  group. Each element is the same fixed sequence of float32 operations at any row count.
+  with x16, a = int16_rows_reference(x), S the exact integer sum of x16 q over group g's I / G
+  inputs (a multiple of 32, at most INT4_MAX_GROUP) and xsum[r, g] the sum of x16 over the
+  group: x @ (q * scale + min)^T group by group. Each element is the same fixed sequence of
+  float32 operations at any row count.
   Raises RuntimeError when the kernel is not available()."""
   G = scales.shape[0]
-  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.int16 or q.dtype != jnp.int4
+  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int4
       or scales.shape != (G, q.shape[0]) or (mins is not None and mins.shape != scales.shape)
       or not int4_groups_fit(q.shape[1], G)):
-    raise ValueError(f"int4_matmul: want x int16 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
+    raise ValueError(f"int4_matmul: want x float32 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
                      f"multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
                      f"{list(scales.shape)}, mins {None if mins is None else list(mins.shape)}")
   if not available():
     raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-  R, I = x.shape
   scales = scales.astype(jnp.float32)
-  # [G, R]: a tile's tokens adjacent. Exact in float32 for groups up to 512 inputs (|sum| < 2^24).
-  xsum = x.reshape(R, G, I // G).astype(jnp.int32).sum(-1).astype(jnp.float32).T
-  # Each 32-block's even entries, then its odd ones: the order the kernel unpacks nibbles in.
-  x_eo = x.reshape(R, I // 32, 16, 2).swapaxes(2, 3).reshape(R, I)
-  out = jax.ShapeDtypeStruct((R, q.shape[0]), jnp.float32)
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   # Without mins the scales stand in for them (not read): no zeros written per call.
   return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(
-      x_eo, q, scales, scales if mins is None else mins.astype(jnp.float32), xsum,
-      has_mins=np.int32(mins is not None))
+      x, q, scales, scales if mins is None else mins.astype(jnp.float32), has_mins=np.int32(mins is not None))
+
+
+def int16_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """x float32 [R, I] -> (x16 int16 [R, I], a float32 [R, 1]), the kernels' float32
+  arithmetic: a = max|x| / 32767 per row (1 for a row of zeros, NaN for a row with a NaN),
+  x16 = round-half-even(x / a) clamped to +-32767, so x = a x16 to within a / 2."""
+  x = np.asarray(x, np.float32)
+  with np.errstate(invalid="ignore"):
+    amax = np.abs(x).max(axis=1, keepdims=True, initial=np.float32(0))
+    a = np.where(amax > 0, amax / np.float32(32767), np.float32(1)).astype(np.float32)
+    a[np.isnan(x).any(axis=1)] = np.nan
+    x16 = np.clip(np.rint(x / a), -32767, 32767)
+  return np.nan_to_num(x16).astype(np.int16), a
 
 
 def int4_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
                           mins: np.ndarray | None = None) -> np.ndarray:
-  """The same product in float64 (int64 group sums): what int4_matmul rounds."""
-  x, q = np.asarray(x, np.int64), np.asarray(q, np.int64)
+  """The same product in float64 over int16_rows_reference(x) (int64 group sums): what
+  int4_matmul rounds."""
+  x16, a = int16_rows_reference(x)
+  x, q = np.asarray(x16, np.int64), np.asarray(q, np.int64)
   G, (R, I) = scales.shape[0], x.shape
   S = np.einsum("rgi,ogi->rgo", x.reshape(R, G, I // G), q.reshape(-1, G, I // G))
   y = np.einsum("rgo,go->ro", S.astype(np.float64), np.asarray(scales, np.float64))
   if mins is not None:
     y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ np.asarray(mins, np.float64)
-  return y
+  return y * a
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray) -> np.ndarray:
-  """The same product in numpy int64, rounded to float32."""
-  return (np.asarray(x, np.int64) @ np.asarray(q, np.int64).T).astype(np.float32)
+  """The same product over int16_rows_reference(x) in numpy int64, rounded to float32 and
+  scaled: what int8_matmul gives, bit for bit."""
+  x16, a = int16_rows_reference(x)
+  return (np.asarray(x16, np.int64) @ np.asarray(q, np.int64).T).astype(np.float32) * a
 
 
 def available() -> bool:

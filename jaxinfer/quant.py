@@ -529,7 +529,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
 
   On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs (up to
   4096) run cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16
-  activations.
+  activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)).
   Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
   scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
   contraction, so the weight is dequantized first (a batched int32 dot per group
@@ -538,8 +538,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   x = x.astype(jnp.float32)
   G = scales.shape[0]
   if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and _cpu_kernels():
-    x16, a = int16_activations(x)
-    return cpu_kernels.int4_matmul(x16, q, scales, mins) * a
+    return cpu_kernels.int4_matmul(x, q, scales, mins)
   if G > 1 or mins is not None:
     return _dot_t(x, dequantize_groups(q, scales, mins))
   if q.dtype == jnp.int8:
@@ -551,15 +550,14 @@ def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
   """x [M, I] float32 @ q [O, I]^T for an int8 q (its scales applied by the caller) -> float32 [M, O].
 
   On the CPU: the hand-written kernel (cpu_kernels.int8_matmul) over int16 activations
-  (int16_activations: x to 2^-15 of its row's largest value), when it is available and the
+  (x to 2^-15 of its row's largest value, in the kernel), when it is available and the
   program runs on one device; else XLA's split_int8_matmul. Both sum integers exactly,
   so neither depends on the batch; they round differently (~1e-6 relative), so one
   process uses one of them throughout (cpu_kernels.available() does not change).
   Elsewhere (GPU): a float32 dot over the converted values.
   """
   if _cpu_kernels():
-    x16, a = int16_activations(x)
-    return cpu_kernels.int8_matmul(x16, q) * a
+    return cpu_kernels.int8_matmul(x.astype(jnp.float32), q)
   if jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
     return split_int8_matmul(x, q)
   return _dot_t(x, q.astype(jnp.float32))
@@ -590,16 +588,6 @@ def tracing_on(mesh: Any, fn: Callable) -> Callable:
     finally:
       _CPU_KERNEL.reset(token)
   return run
-
-
-INT16_MAX = 32767
-
-
-def int16_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x [M, I] -> (int16 [M, I], float32 scale a [M, 1]) with x = a * x16 to within a / 2:
-  a = max|x| / 32767 per row (1 for an all-zero row), x16 = round(x / a)."""
-  a = token_scales(x, INT16_MAX)
-  return jnp.clip(jnp.round(x / a), -INT16_MAX, INT16_MAX).astype(jnp.int16), a
 
 
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ at the cost of a row reduction), and reports the time per matmul.
 Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   float32           x @ W
   (Q: the quantized values as jaxinfer stores them, [out, in]; "@ Q" contracts their minor axis)
-  int8 kernel       cpu_kernels.int8_matmul(x16, Q) * a * s  what jaxinfer.quant.linear runs on CPU
+  int8 kernel       cpu_kernels.int8_matmul(x, Q) * s  what jaxinfer.quant.linear runs on CPU
                                               (one device): x to int16 per token, the hand-written
                                               AVX2 kernel reads Q once, exact integer sums
   int8 split [in,out]  the same dot over values stored [in, out] (the layout before
@@ -127,11 +127,9 @@ def _kernel(x, q, s):
   split dot would be mislabelled."""
   import cpu_kernels
 
-  from jaxinfer.quant import int16_activations
   if not cpu_kernels.available():
     raise SystemExit(f"the int8 CPU kernel is not available: {cpu_kernels.unavailable_reason()}")
-  x16, a = int16_activations(x)
-  return cpu_kernels.int8_matmul(x16, q) * a * s
+  return cpu_kernels.int8_matmul(x, q) * s
 
 
 def _quantize_activations(x):

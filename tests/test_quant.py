@@ -159,8 +159,9 @@ def test_int8_and_int4_on_one_device_are_a_cpu_kernel_over_the_quantized_paramet
                                                                                    layout):
   # One token's linear on the CPU: a custom call to cpu_kernels' kernel reading the
   # [1536, 576] values parameter itself (output first; for int4 also the group scales and
-  # mins of Q4_0 / Q4_1-style groups of 32) and the token as s16; no dot, no copy of the
-  # weight. Fails if the kernels cannot be built here.
+  # mins of Q4_0 / Q4_1-style groups of 32) and the float32 token parameter itself (the
+  # kernel quantizes it; no XLA operation before the call); no dot, no copy of the weight.
+  # Fails if the kernels cannot be built here.
   import cpu_kernels
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
   x = jnp.ones((1, 576), jnp.float32)
@@ -169,9 +170,11 @@ def test_int8_and_int4_on_one_device_are_a_cpu_kernel_over_the_quantized_paramet
   assert not _widened_copies(lines) and not [l for l in lines if " dot(" in l], lines
   calls = [l for l in lines if "custom-call(" in l]
   assert len(calls) == 1 and f'custom_call_target="{target}"' in calls[0], calls
-  assert "= f32[1,1536]" in calls[0] and f"{{s16[1,576]{{1,0}}, {values}{{1,0}}" in calls[0], calls
+  assert "= f32[1,1536]" in calls[0] and f"{{f32[1,576]{{1,0}}, {values}{{1,0}}" in calls[0], calls
+  token = [l.split("=")[0].strip() for l in lines if "= f32[1,576]{1,0} parameter(0)" in l]
   param = [l.split("=")[0].strip() for l in lines if f"= {values}{layout} parameter(1)" in l]
   operands = calls[0].split("custom-call(")[1].split(")")[0].split(", ")
+  assert len(token) == 1 and operands[0] == token[0], (token, calls)
   assert len(param) == 1 and operands[1] == param[0], (param, calls)
 
 

@@ -1,4 +1,4 @@
-"""cpu_kernels.int8_matmul (the XLA FFI kernel) against its int64 reference, exactly."""
+"""cpu_kernels.int8_matmul and int4_matmul (XLA FFI kernels) against their int64 / float64 references."""
 
 import os
 import platform
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from cpu_kernels import int8_matmul, int8_matmul_reference
+from cpu_kernels import int8_matmul, int8_matmul_reference, int16_rows_reference
 
 
 def _x86_with_avx2() -> bool:
@@ -36,7 +36,8 @@ def test_the_kernel_builds_and_registers_here():
 
 
 def _ints(rng, R, I, O):
-  x = rng.integers(-32767, 32768, (R, I)).astype(np.int16)
+  # Rows of different magnitudes: each row's own scale a.
+  x = (rng.standard_normal((R, I)) * rng.uniform(0.01, 30, (R, 1))).astype(np.float32)
   q = rng.integers(-127, 128, (O, I)).astype(np.int8)
   return x, q
 
@@ -61,9 +62,9 @@ def test_random_sums_equal_the_int64_reference_exactly(R, I, O):
 @pytest.mark.parametrize("R", [1, 5])
 def test_extreme_values_over_many_inputs_do_not_overflow(R):
   # Every product at 32767 * 127 (and -) over 20000 inputs: 8.3e10, far past int32; the
-  # kernel flushes its int32 lanes to int64 every 4096 inputs.
+  # kernel flushes its int32 lanes to int64 every 4096 inputs. (x = 32767: a = 1, x16 = x.)
   I = 20000
-  x = np.full((R, I), 32767, np.int16)
+  x = np.full((R, I), 32767, np.float32)
   x[-1] = -32767
   q = np.full((4, I), 127, np.int8)
   q[1] = -127
@@ -86,11 +87,38 @@ def test_each_row_is_the_same_number_at_any_row_count():
     np.testing.assert_array_equal(np.concatenate(parts), together)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kernel", ["int8", "int4"])
+def test_each_row_is_quantized_on_its_own_scale(kernel):
+  # The kernel forms x16 and a itself: a row of zeros gives zeros, a row with a NaN gives
+  # NaNs and leaves the other rows alone, a row of tiny values keeps its precision.
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((4, 64)).astype(np.float32)
+  x[1] = 0
+  x[2, 5] = np.nan
+  x[3] *= 1e-30
+  x16, a = int16_rows_reference(x)
+  assert np.all(np.abs(x[[0, 3]] - a[[0, 3]] * x16[[0, 3]]) <= a[[0, 3]] / 2)
+  assert a[1, 0] == 1 and np.isnan(a[2, 0]) and np.abs(x16).max() == 32767
+  if kernel == "int8":
+    q = rng.integers(-127, 128, (9, 64)).astype(np.int8)
+    got = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q)))
+    ref = int8_matmul_reference(x, q)
+  else:
+    q = rng.integers(-8, 8, (9, 64)).astype(np.int8)
+    s = rng.uniform(0.001, 0.02, (2, 9)).astype(np.float32)
+    got = _int4(x, q, s, None)
+    ref = cpu_kernels.int4_matmul_reference(x, q, s)
+  assert np.all(got[1] == 0) and np.all(np.isnan(got[2]))
+  np.testing.assert_allclose(got[[0, 3]], ref[[0, 3]], rtol=1e-6)
+  assert np.abs(got[3]).max() > 0  # 1e-30 is not flushed to zero
+
+
 def test_wrong_shapes_and_dtypes_are_value_errors():
-  with pytest.raises(ValueError, match=r"x int16 \[R, I\] and q int8 \[O, I\]"):
-    int8_matmul(jnp.ones((2, 8), jnp.int16), jnp.ones((3, 9), jnp.int8))
-  with pytest.raises(ValueError, match="float32"):
-    int8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((3, 8), jnp.int8))
+  with pytest.raises(ValueError, match=r"x float32 \[R, I\] and q int8 \[O, I\], got x float32\[2, 8\], q int8\[3, 9\]"):
+    int8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((3, 9), jnp.int8))
+  with pytest.raises(ValueError, match=r"want x float32 .* got x int16"):
+    int8_matmul(jnp.ones((2, 8), jnp.int16), jnp.ones((3, 8), jnp.int8))
 
 
 def test_switched_off_it_says_why_once_and_int8_runs_through_xla():
@@ -123,7 +151,7 @@ print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 
 # ---- int4 groups -----------------------------------------------------------------------------
 
 def _int4_case(rng, R, I, O, G, with_mins=True):
-  x = rng.integers(-32767, 32768, (R, I)).astype(np.int16)
+  x = (rng.standard_normal((R, I)) * rng.uniform(0.01, 30, (R, 1))).astype(np.float32)
   q = rng.integers(-8, 8, (O, I)).astype(np.int8)
   s = rng.uniform(0.001, 0.02, (G, O)).astype(np.float32)
   m = rng.uniform(-0.1, 0.1, (G, O)).astype(np.float32) if with_mins else None
@@ -157,7 +185,7 @@ def test_int4_groups_equal_the_float64_reference(R, I, O, G, with_mins):
 @needs_kernel
 def test_int4_extreme_values_in_the_largest_group_do_not_overflow():
   # 4096 inputs of 32767 x (7 + 8): a group sum of 2013204480, just inside int32.
-  x = np.full((2, 4096), 32767, np.int16)
+  x = np.full((2, 4096), 32767, np.float32)
   x[1] = -32767
   q = np.full((3, 4096), 7, np.int8)
   s = np.full((1, 3), 1e-3, np.float32)
@@ -177,11 +205,13 @@ def test_int4_rows_are_the_same_number_at_any_row_count():
 
 
 def test_int4_groups_the_kernel_cannot_take_are_value_errors():
-  x = jnp.ones((2, 96), jnp.int16)
+  x = jnp.ones((2, 96), jnp.float32)
   q = jnp.ones((3, 96), jnp.int4)
   with pytest.raises(ValueError, match="I / G a multiple of 32"):
     cpu_kernels.int4_matmul(x, q, jnp.ones((2, 3), jnp.float32))  # groups of 48
   with pytest.raises(ValueError, match="I / G a multiple of 32"):
     cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32), jnp.ones((3, 4), jnp.float32))
   with pytest.raises(ValueError, match="multiple of 32 up to 4096"):  # past it the int32 group sums could overflow
-    cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.int16), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float32))
+    cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.float32), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float32))
+  with pytest.raises(ValueError, match="got x int16"):
+    cpu_kernels.int4_matmul(x.astype(jnp.int16), q, jnp.ones((3, 3), jnp.float32))
