@@ -91,12 +91,21 @@ void QuantizeRow(const float* x, int64_t I, float a, int16_t* x16) {
     x16[i] = static_cast<int16_t>(std::min(std::max(std::nearbyint(x[i] / a), -kInt16Max), kInt16Max));
 }
 
-// Every row of x [R, I]: scales a [R], values x16 [R, I].
-void Int16Rows(const float* x, int64_t R, int64_t I, float* a, int16_t* x16) {
-  for (int64_t r = 0; r < R; ++r) {
+// Rows [rb, re) of x [R, I]: scales a [R], values x16 [R, I].
+void Int16Rows(const float* x, int64_t I, float* a, int16_t* x16, int64_t rb, int64_t re) {
+  for (int64_t r = rb; r < re; ++r) {
     a[r] = RowScale(x + r * I, I);
     QuantizeRow(x + r * I, I, a[r], x16 + r * I);
   }
+}
+
+// Per-thread scratch for a call's int16 activations, grown as needed: no allocation (or
+// fresh pages to fault in) per call. The pool's threads read it only while the calling
+// thread waits inside that same call.
+template <typename T>
+T* Scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
 }
 
 template <int RO, int RR>
@@ -216,11 +225,12 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("int8_matmul: want x [R, I], q [O, I] -> y [R, O]");
   const int64_t R = xd[0], I = xd[1], O = qd[0];
   if (R == 0) return ffi::Error::Success();
-  std::vector<int16_t> x16(R * I);
-  std::vector<float> as(R);
-  Int16Rows(x.typed_data(), R, I, as.data(), x16.data());
-  const int16_t* xp = x16.data();
-  const float* ap = as.data();
+  thread_local std::vector<int16_t> x16_buf;
+  thread_local std::vector<float> a_buf;
+  int16_t* xp = Scratch(x16_buf, R * I);
+  float* ap = Scratch(a_buf, R);
+  const float* xf = x.typed_data();
+  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int16Rows(xf, I, ap, xp, rb, re); });
   const int8_t* qp = q.typed_data();
   float* yp = y->typed_data();
   ParallelRows(pool, O, I, [=](int64_t ob, int64_t oe) { Block(xp, ap, qp, yp, R, I, O, ob, oe); });
@@ -291,24 +301,37 @@ inline int32_t HSum32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// x [R, I] -> a [R], x16 [R, I] in each 32-block's even-odd order, xsum [G, R].
-void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum_t) {
-  std::vector<int16_t> row(I);
+// A 32-block of int16 in place: its 16 even-indexed entries, then its 16 odd ones. An
+// (even, odd) pair read as one int32 lane is even + 65536 odd: shifts split it, and packs
+// (per 128-bit half, so permuted back) joins two vectors' halves.
+inline void EvenOdd32(int16_t* p) {
+  const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const auto even = [](__m256i v) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16); };
+  const auto odd = [](__m256i v) { return _mm256_srai_epi32(v, 16); };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(even(v0), even(v1)), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(odd(v0), odd(v1)), 0xD8));
+}
+
+// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I] in each 32-block's even-odd order, xsum [G, R].
+void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum_t,
+                     int64_t rb, int64_t re) {
   const int64_t gs = I / G;
-  for (int64_t r = 0; r < R; ++r) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = rb; r < re; ++r) {
+    int16_t* row = x16 + r * I;
     a[r] = RowScale(x + r * I, I);
-    QuantizeRow(x + r * I, I, a[r], row.data());
-    int16_t* out = x16 + r * I;
-    for (int64_t b = 0; b < I; b += 32)
-      for (int64_t j = 0; j < 16; ++j) {
-        out[b + j] = row[b + 2 * j];
-        out[b + 16 + j] = row[b + 2 * j + 1];
-      }
+    QuantizeRow(x + r * I, I, a[r], row);
     for (int64_t g = 0; g < G; ++g) {
-      int32_t sum = 0;  // |sum| <= 4096 * 32767 < 2^31
-      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) sum += row[i];
-      xsum_t[g * R + r] = static_cast<float>(sum);
+      // |sum| <= 4096 * 32767 < 2^31; a lane adds at most 512 entries
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = g * gs; i < (g + 1) * gs; i += 16)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)), ones));
+      xsum_t[g * R + r] = static_cast<float>(HSum32(sum));
     }
+    for (int64_t b = 0; b < I; b += 32) EvenOdd32(row + b);
   }
 }
 
@@ -427,11 +450,14 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
         "multiple of 32 up to 4096");
   const int64_t R = xd[0], I = xd[1], G = sd[0];
   if (R == 0) return ffi::Error::Success();
-  std::vector<int16_t> x16(R * I);
-  std::vector<float> as(R), xsum_t(G * R);
-  Int4Activations(x.typed_data(), R, I, G, as.data(), x16.data(), xsum_t.data());
-  Int4Args p{x16.data(), as.data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-             has_mins ? mins.typed_data() : nullptr, xsum_t.data(), y->typed_data(), R, I, qd[0], G};
+  thread_local std::vector<int16_t> x16_buf;
+  thread_local std::vector<float> a_buf, xsum_buf;
+  int16_t* xp = Scratch(x16_buf, R * I);
+  float *ap = Scratch(a_buf, R), *sp = Scratch(xsum_buf, G * R);
+  const float* xf = x.typed_data();
+  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, rb, re); });
+  Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+             has_mins ? mins.typed_data() : nullptr, sp, y->typed_data(), R, I, qd[0], G};
   ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   return ffi::Error::Success();
 }

@@ -39,9 +39,9 @@ head folds the scales into its input (head_logits). An untied embedding is only 
 and stays in the model dtype.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights. Per-channel int8 on the
-CPU runs `int8_matmul`: each token's activations become int16 (x = a x16, 2^-15 of the
-row's largest value) and the hand-written kernel cpu_kernels.int8_matmul (an XLA FFI
-custom call, AVX2) reads the int8 weight once and sums x16 q exactly in integers; the
+CPU runs `int8_matmul`: the hand-written kernel cpu_kernels.int8_matmul (an XLA FFI
+custom call, AVX2) makes each token's activations int16 (x = a x16, 2^-15 of the row's
+largest value), reads the int8 weight once and sums x16 q exactly in integers; the
 scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
 available, or in a program split over several devices, `split_int8_matmul` does the same
 with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
