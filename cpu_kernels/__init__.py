@@ -2,8 +2,9 @@
 reference), reached through XLA's FFI as custom calls in the jitted step.
 
 - `int8_matmul`: float32 activations (quantized per row to int16 inside the kernel) x int8
-  weights -> exact integer sums, the int8 weight read once at any row count (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs
-  every per-channel int8 matmul on the CPU through it when `available()`.
+  weights -> exact integer sums, the int8 weight read once at any row count
+  (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs every per-channel int8 matmul
+  on the CPU through it when `available()`.
 - `int4_matmul`: the same for group-wise int4 weights (scales and mins per group of a
   multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
 """

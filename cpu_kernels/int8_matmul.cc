@@ -7,8 +7,9 @@
 // linear, more than the 576 x 192 products cost. The sum is exact (int32 lanes, flushed
 // to int64 every kFlush inputs, before they can overflow), then rounded once to float32
 // and scaled by a[r]. So every element is the same number whatever R is and however the
-// rows are tiled or split over threads: greedy batch invariance holds by construction. Why a hand-written kernel: XLA CPU reads an int8 weight of one
-// or a few rows through a widened copy or at ~10 GB/s (cpu_kernels/int8_matmul.py).
+// rows are tiled or split over threads: greedy batch invariance holds by construction.
+// Why a hand-written kernel: XLA CPU reads an int8 weight of one or a few rows through a
+// widened copy or at ~10 GB/s (cpu_kernels/int8_matmul.py).
 //
 // AVX2: q's 16 int8 -> 16 int16 (vpmovsxbw), vpmaddwd with 16 int16 activations -> 8
 // int32 pair sums. A tile is RO weight rows x RR activation rows of such accumulators;
@@ -320,10 +321,9 @@ void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, 
                      int64_t rb, int64_t re) {
   const int64_t gs = I / G;
   const __m256i ones = _mm256_set1_epi16(1);
+  Int16Rows(x, I, a, x16, rb, re);
   for (int64_t r = rb; r < re; ++r) {
     int16_t* row = x16 + r * I;
-    a[r] = RowScale(x + r * I, I);
-    QuantizeRow(x + r * I, I, a[r], row);
     for (int64_t g = 0; g < G; ++g) {
       // |sum| <= 4096 * 32767 < 2^31; a lane adds at most 512 entries
       __m256i sum = _mm256_setzero_si256();

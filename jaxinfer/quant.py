@@ -55,7 +55,7 @@ the same jitted step).
 
 Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
 (cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
-model is 103 MB and its batch-1 decode 1.91x float32's, 0.82x at 64 prompts (README
+model is 103 MB and its batch-1 decode 1.73-1.91x float32's, 0.82x at 64 prompts (README
 "Formats").
 Update 2026-11-24 (supersedes the split's speed below): the kernel streams the int8 weight
 at 17-26 GB/s where XLA's split dot streams ~10 and its float32 matrix-vector kernel
