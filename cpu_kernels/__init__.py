@@ -9,9 +9,9 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
   multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
 """
 
-from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, available, int4_groups_fit, int4_matmul,
+from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, int4_groups_fit, int4_matmul,
                                      int4_matmul_reference, int8_matmul, int8_matmul_reference,
                                      int16_rows_reference, unavailable_reason)
 
-__all__ = ["INT4_MAX_GROUP", "available", "int4_groups_fit", "int4_matmul", "int4_matmul_reference",
+__all__ = ["INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "int4_groups_fit", "int4_matmul", "int4_matmul_reference",
            "int8_matmul", "int8_matmul_reference", "int16_rows_reference", "unavailable_reason"]

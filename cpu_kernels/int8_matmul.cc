@@ -316,9 +316,10 @@ inline void EvenOdd32(int16_t* p) {
                       _mm256_permute4x64_epi64(_mm256_packs_epi32(odd(v0), odd(v1)), 0xD8));
 }
 
-// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I] in each 32-block's even-odd order, xsum [G, R].
+// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I] (with even_odd, in each 32-block's even-odd
+// order: the cells' unpacked nibbles; the panel takes them in order), xsum [G, R].
 void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum_t,
-                     int64_t rb, int64_t re) {
+                     bool even_odd, int64_t rb, int64_t re) {
   const int64_t gs = I / G;
   const __m256i ones = _mm256_set1_epi16(1);
   Int16Rows(x, I, a, x16, rb, re);
@@ -331,7 +332,8 @@ void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, 
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)), ones));
       xsum_t[g * R + r] = static_cast<float>(HSum32(sum));
     }
-    for (int64_t b = 0; b < I; b += 32) EvenOdd32(row + b);
+    if (even_odd)
+      for (int64_t b = 0; b < I; b += 32) EvenOdd32(row + b);
   }
 }
 
@@ -435,6 +437,172 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
     Int4Rows<false>(p, ob, oe);
 }
 
+// ---- int4 at many tokens: a repacked panel -------------------------------------------------
+//
+// The cells above unpack each weight chunk once per tile of 2 x 4 and reduce every cell's
+// eight lanes per group (Reduce8): per cell and group of 32 that is ~10 instructions, and at
+// 64 tokens int4 ran 0.82x float32 end to end. From kPanelRows tokens on, each thread
+// instead repacks 8-row blocks of its output rows once per call into a panel whose int32
+// lanes are eight *output rows*: lane k of pair j holds (q[o0 + k, 2j] + 8) | (q[o0 + k,
+// 2j + 1] + 8) << 16, exactly one packed byte of row o0 + k, so a broadcast of the token's
+// activation pair (x16[2j], x16[2j + 1]) and one vpmaddwd give eight rows' pair sums with
+// no reduction. Per cell and group: two vpmaddwd and two adds (~4), then one convert and
+// FMA per eight cells. The repack (~1 instruction per weight byte, an 8 x 16 byte
+// transpose) is shared by all R tokens. Tiles of 3 tokens x 16 rows (4 x 16 and 2 x 16
+// measured slower). A chain of 30 weights, per matmul (us; cells / panel / XLA float32, this
+// host, 2026-11-27): 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797;
+// 1536 x 576 at 64 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. vpmaddwd's 16 products
+// and the add it needs do what two float FMAs do, so the panel runs near the float32 dot
+// rather than past it.
+//
+// Same numbers as the cells: S[r, g, o] is the same exact int32, converted the same way,
+// then acc = fma(float(S), scale, acc) group after group, accm = fma(fma(-8, scale, min),
+// xsum, accm), y = (acc + accm) * a, lane for lane. So which path a call takes (by R) does
+// not change any element: batch invariance holds across it (tested).
+constexpr int64_t kPanelRows = 16;
+
+// Eight rows (o0 ..) of one 32-input chunk (16 packed bytes at byte offset c of each row)
+// -> 16 pairs of eight int32 lanes, written to panel[(j0 + j) * stride].
+inline void RepackChunk(const uint8_t* rows[8], int64_t c, __m256i* out, int64_t stride) {
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  __m128i r[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + c)), flip);
+  // 8 rows x 16 bytes -> for each byte j, the eight rows' bytes side by side.
+  __m128i a[8], b[8];
+  for (int k = 0; k < 4; ++k) {
+    a[2 * k] = _mm_unpacklo_epi8(r[2 * k], r[2 * k + 1]);      // bytes 0-7 of rows 2k, 2k+1
+    a[2 * k + 1] = _mm_unpackhi_epi8(r[2 * k], r[2 * k + 1]);  // bytes 8-15
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+    b[4 * h + 0] = _mm_unpacklo_epi16(a[4 * h + 0], a[4 * h + 2]);  // bytes 0-3 of four rows
+    b[4 * h + 1] = _mm_unpackhi_epi16(a[4 * h + 0], a[4 * h + 2]);  // 4-7
+    b[4 * h + 2] = _mm_unpacklo_epi16(a[4 * h + 1], a[4 * h + 3]);  // 8-11
+    b[4 * h + 3] = _mm_unpackhi_epi16(a[4 * h + 1], a[4 * h + 3]);  // 12-15
+  }
+  const __m256i lo = _mm256_set1_epi32(0x0F), hi = _mm256_set1_epi32(0xF0);
+  const auto lanes = [&](__m128i eight_bytes) {  // byte -> low nibble | high nibble << 16
+    const __m256i e = _mm256_cvtepu8_epi32(eight_bytes);
+    return _mm256_or_si256(_mm256_and_si256(e, lo), _mm256_slli_epi32(_mm256_and_si256(e, hi), 12));
+  };
+  for (int k = 0; k < 4; ++k) {
+    const __m128i c0 = _mm_unpacklo_epi32(b[k], b[4 + k]);  // bytes 4k, 4k+1 of all eight rows
+    const __m128i c1 = _mm_unpackhi_epi32(b[k], b[4 + k]);  // bytes 4k+2, 4k+3
+    out[(4 * k + 0) * stride] = lanes(c0);
+    out[(4 * k + 1) * stride] = lanes(_mm_unpackhi_epi64(c0, c0));
+    out[(4 * k + 2) * stride] = lanes(c1);
+    out[(4 * k + 3) * stride] = lanes(_mm_unpackhi_epi64(c1, c1));
+  }
+}
+
+// Rows [o0, o0 + n) (n <= 8 NV) -> panel[j * NV + v], lane k of vector v = row o0 + 8 v + k
+// (zero lanes past n).
+void RepackPanel(const Int4Args& p, int64_t o0, int64_t n, int NV, __m256i* panel) {
+  const int64_t bytes = p.I / 2;
+  for (int v = 0; v < NV; ++v) {
+    const int64_t nv = std::min<int64_t>(8, n - 8 * v);
+    if (nv == 8) {
+      const uint8_t* rows[8];
+      for (int k = 0; k < 8; ++k) rows[k] = p.q + (o0 + 8 * v + k) * bytes;
+      for (int64_t c = 0; c < bytes; c += 16) RepackChunk(rows, c, panel + c * NV + v, NV);
+    } else {  // the last few rows of the matrix, one lane at a time
+      for (int64_t j = 0; j < bytes; ++j) {
+        alignas(32) int32_t l[8] = {};
+        for (int64_t k = 0; k < nv; ++k) {
+          const uint8_t b = p.q[(o0 + 8 * v + k) * bytes + j] ^ 0x88;
+          l[k] = (b & 0x0F) | ((b >> 4) << 16);
+        }
+        panel[j * NV + v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
+      }
+    }
+  }
+}
+
+// Tokens r0 .. r0 + RR x the panel's 8 NV rows from o0 (n of them real): the same
+// per-cell arithmetic as Int4Tile / Int4Cell.
+template <int RR, int NV, bool kOneChunk>
+void PanelTile(const Int4Args& p, const __m256i* panel, int64_t o0, int64_t n, int64_t r0) {
+  const int64_t pairs = kOneChunk ? 16 : p.I / p.G / 2;
+  const __m256 minus8 = _mm256_set1_ps(-8.0f);
+  __m256 acc[RR][NV];
+  for (int b = 0; b < RR; ++b)
+    for (int v = 0; v < NV; ++v) acc[b][v] = _mm256_setzero_ps();
+  const int32_t* x[RR];
+  for (int b = 0; b < RR; ++b) x[b] = reinterpret_cast<const int32_t*>(p.x + (r0 + b) * p.I);
+  // Lanes past n (the matrix's last rows) read scales of rows that do not exist: a padded copy.
+  const bool partial = n < 8 * NV;
+  alignas(32) float pad_s[8 * NV], pad_m[8 * NV];
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m256i S[RR][NV];
+    for (int b = 0; b < RR; ++b)
+      for (int v = 0; v < NV; ++v) S[b][v] = _mm256_setzero_si256();
+    const __m256i* pg = panel + g * pairs * NV;
+    for (int64_t j = 0; j < pairs; ++j) {
+      __m256i w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = _mm256_load_si256(pg + j * NV + v);
+      for (int b = 0; b < RR; ++b) {
+        const __m256i xb = _mm256_set1_epi32(x[b][g * pairs + j]);
+        for (int v = 0; v < NV; ++v) S[b][v] = _mm256_add_epi32(S[b][v], _mm256_madd_epi16(w[v], xb));
+      }
+    }
+    const float* sg = p.scale + g * p.O + o0;
+    if (partial) {
+      for (int k = 0; k < 8 * NV; ++k) pad_s[k] = k < n ? sg[k] : 0.0f;
+      sg = pad_s;
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256 s = _mm256_loadu_ps(sg + 8 * v);
+      for (int b = 0; b < RR; ++b) acc[b][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[b][v]), s, acc[b][v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int b = 0; b < RR; ++b) {
+      __m256 accm = _mm256_setzero_ps();
+      for (int64_t g = 0; g < p.G; ++g) {
+        const float* sg = p.scale + g * p.O + o0 + 8 * v;
+        const float* mg = p.mins ? p.mins + g * p.O + o0 + 8 * v : nullptr;
+        if (partial) {
+          for (int k = 0; k < 8; ++k) {
+            const bool real = 8 * v + k < n;
+            pad_s[k] = real ? sg[k] : 0.0f;
+            pad_m[k] = real && mg ? mg[k] : 0.0f;
+          }
+          sg = pad_s;
+          mg = mg ? pad_m : nullptr;
+        }
+        const __m256 s = _mm256_loadu_ps(sg), m = mg ? _mm256_loadu_ps(mg) : _mm256_setzero_ps();
+        accm = _mm256_fmadd_ps(_mm256_fmadd_ps(minus8, s, m), _mm256_broadcast_ss(p.xsum_t + g * p.R + r0 + b), accm);
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(acc[b][v], accm));
+      float* yr = p.y + (r0 + b) * p.O + o0 + 8 * v;
+      for (int k = 0; k < 8 && 8 * v + k < n; ++k) yr[k] = out[k] * p.a[r0 + b];
+    }
+}
+
+template <int NV, bool kOneChunk>
+void PanelRows(const Int4Args& p, const __m256i* panel, int64_t o0, int64_t n) {
+  int64_t r = 0;
+  for (; r + 3 <= p.R; r += 3) PanelTile<3, NV, kOneChunk>(p, panel, o0, n, r);
+  for (; r < p.R; ++r) PanelTile<1, NV, kOneChunk>(p, panel, o0, n, r);
+}
+
+template <bool kOneChunk>
+void Int4PanelBlock(const Int4Args& p, int64_t ob, int64_t oe) {
+  thread_local std::vector<int32_t> panel_buf;  // I / 2 pairs x 2 vectors of 8 lanes, 32-byte aligned
+  int32_t* base = Scratch(panel_buf, static_cast<size_t>(8 * p.I + 8));
+  __m256i* panel = reinterpret_cast<__m256i*>(base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8);
+  for (int64_t o = ob; o < oe; o += 16) {
+    const int64_t n = std::min<int64_t>(16, oe - o);
+    if (n > 8) {
+      RepackPanel(p, o, n, 2, panel);
+      PanelRows<2, kOneChunk>(p, panel, o, n);
+    } else {
+      RepackPanel(p, o, n, 1, panel);
+      PanelRows<1, kOneChunk>(p, panel, o, n);
+    }
+  }
+}
+
 // mins: [G, O] like scale when has_mins, else ignored (pass scale): no zeros written per call.
 ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
@@ -455,10 +623,16 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   int16_t* xp = Scratch(x16_buf, R * I);
   float *ap = Scratch(a_buf, R), *sp = Scratch(xsum_buf, G * R);
   const float* xf = x.typed_data();
-  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, rb, re); });
+  const bool panel = R >= kPanelRows;
+  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, !panel, rb, re); });
   Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
              has_mins ? mins.typed_data() : nullptr, sp, y->typed_data(), R, I, qd[0], G};
-  ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
+  if (!panel)
+    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
+  else if (p.I / p.G == 32)
+    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4PanelBlock<true>(p, ob, oe); });
+  else
+    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4PanelBlock<false>(p, ob, oe); });
   return ffi::Error::Success();
 }
 

@@ -51,6 +51,7 @@ SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
 INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot overflow (kMaxGroup)
+INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the weight into panels (kPanelRows)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
 # not others (int4's float32 terms); the kernel's own FMAs are written out.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")

@@ -204,6 +204,26 @@ def test_int4_rows_are_the_same_number_at_any_row_count():
     np.testing.assert_array_equal(np.concatenate(parts), together)
 
 
+@needs_kernel
+@pytest.mark.parametrize("O,G,with_mins", [
+    (43, 18, True),   # groups of 32: 16-row panels, one of 8 rows and 3 rows past the last 8
+    (21, 9, False),   # groups of 64 (two 32-input chunks a group), Q4_0
+])
+def test_int4_panel_rows_are_the_same_numbers_as_the_cells(O, G, with_mins):
+  # From cpu_kernels.INT4_PANEL_ROWS tokens on the kernel takes another path (a repacked
+  # panel of eight output rows a vector); below it, tiles of cells. Each element must be the
+  # same number either way: a request's logits cannot depend on how many share its step.
+  R = cpu_kernels.INT4_PANEL_ROWS * 2 + 5  # panel tiles of 3 tokens plus leftovers
+  x, q, s, m = _int4_case(np.random.default_rng(O + G), R, 576, O, G, with_mins)
+  together = _int4(x, q, s, m)
+  ref = cpu_kernels.int4_matmul_reference(x, q, s, m)
+  assert np.abs(together - ref).max() <= 1e-6 * np.abs(ref).max()
+  one_at_a_time = np.concatenate([_int4(x[i:i + 1], q, s, m) for i in range(R)])
+  np.testing.assert_array_equal(one_at_a_time, together)
+  below = cpu_kernels.INT4_PANEL_ROWS - 1
+  np.testing.assert_array_equal(_int4(x[:below], q, s, m), together[:below])
+
+
 def test_int4_groups_the_kernel_cannot_take_are_value_errors():
   x = jnp.ones((2, 96), jnp.float32)
   q = jnp.ones((3, 96), jnp.int4)
