@@ -6,12 +6,16 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
   (`int8_matmul.py`, `int8_matmul.cc`). jaxinfer.quant runs every per-channel int8 matmul
   on the CPU through it when `available()`.
 - `int4_matmul`: the same for group-wise int4 weights (scales and mins per group of a
-  multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them.
+  multiple of 32 inputs up to 4096, as GGUF Q4_0 / Q4_1), read packed as XLA CPU holds them;
+  from INT4_PANEL_ROWS rows of x on, through repacked panels (the same numbers).
+- `fp8_matmul`: float32 activations x per-channel e4m3fn weights (weight-only), converted a
+  few rows at a time into a small float32 panel instead of a float32 copy of the weight.
 """
 
-from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, int4_groups_fit, int4_matmul,
-                                     int4_matmul_reference, int8_matmul, int8_matmul_reference,
-                                     int16_rows_reference, unavailable_reason)
+from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, fp8_matmul, fp8_matmul_reference,
+                                     int4_groups_fit, int4_matmul, int4_matmul_reference, int8_matmul,
+                                     int8_matmul_reference, int16_rows_reference, unavailable_reason)
 
-__all__ = ["INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "int4_groups_fit", "int4_matmul", "int4_matmul_reference",
-           "int8_matmul", "int8_matmul_reference", "int16_rows_reference", "unavailable_reason"]
+__all__ = ["INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
+           "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "int16_rows_reference",
+           "unavailable_reason"]

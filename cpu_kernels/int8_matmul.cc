@@ -636,6 +636,124 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// ---- fp8 (e4m3fn) weights ---------------------------------------------------------------------
+//
+//   y[r, o] = float32( sum_i x[r, i] * w(q[o, i]) ) * scale[o]     x float32 [R, I], q e4m3fn [O, I]
+//
+// Weight-only, like the XLA form it replaces (x @ float(q), then the per-channel scales): the
+// activations stay float32. XLA CPU converts e4m3 in software into a float32 copy of the
+// whole weight on every call (tests/test_quant.py), so fp8 ran below float32 at every batch.
+// Here each thread converts 8 weight rows at a time into a small float32 panel (exact: every
+// e4m3 value is a float32) that all R tokens then read.
+//
+// Batch invariance: each cell (r, o) sums in one fixed order whatever the tile: eight lanes,
+// lane k taking inputs i = k mod 8 in order by FMA, the lanes added in one fixed tree (HSumF),
+// then the inputs past the last multiple of 8 by scalar FMA, then the scale.
+
+// Eight e4m3fn bytes -> eight float32, exactly: sign | exponent + 120 | mantissa for normal
+// values, mantissa x 2^-9 for subnormals, NaN for S.1111.111 (e4m3fn has no infinities).
+inline __m256 Fp8x8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512));
+  __m256 f = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F))));
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
+
+// The same for one byte (the inputs past the last multiple of 8).
+inline float Fp8One(uint8_t b) {
+  const int em = b & 0x7F;
+  float f = em == 0x7F ? std::numeric_limits<float>::quiet_NaN()
+            : em < 8   ? static_cast<float>(em) * (1.0f / 512)
+                       : std::ldexp(static_cast<float>(8 + (em & 7)), (em >> 3) - 10);
+  return (b & 0x80) ? -f : f;
+}
+
+// The eight lanes of v added in a fixed tree: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then those.
+inline float HSumF(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct Fp8Args {
+  const float* x;      // [R, I]
+  const uint8_t* q;    // [O, I]
+  const float* scale;  // [O]
+  float* y;            // [R, O]
+  int64_t R, I, O;
+};
+
+// Panel rows a (weight rows o0 + a, ld floats apart) x tokens r0 + b.
+template <int RO, int RR>
+void Fp8Tile(const Fp8Args& p, const float* panel, int64_t ld, int64_t o0, int64_t r0) {
+  const int64_t I8 = p.I / 8 * 8;
+  __m256 acc[RO][RR];
+  for (int a = 0; a < RO; ++a)
+    for (int b = 0; b < RR; ++b) acc[a][b] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I8; i += 8) {
+    __m256 xv[RR];
+    for (int b = 0; b < RR; ++b) xv[b] = _mm256_loadu_ps(p.x + (r0 + b) * p.I + i);
+    for (int a = 0; a < RO; ++a) {
+      const __m256 w = _mm256_load_ps(panel + a * ld + i);
+      for (int b = 0; b < RR; ++b) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
+    }
+  }
+  for (int a = 0; a < RO; ++a)
+    for (int b = 0; b < RR; ++b) {
+      float s = HSumF(acc[a][b]);
+      for (int64_t i = I8; i < p.I; ++i) s = std::fma(panel[a * ld + i], p.x[(r0 + b) * p.I + i], s);
+      p.y[(r0 + b) * p.O + o0 + a] = s * p.scale[o0 + a];
+    }
+}
+
+void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
+  thread_local std::vector<float> panel_buf;
+  const int64_t ld = (p.I + 7) / 8 * 8;  // each panel row 32-byte aligned
+  float* base = Scratch(panel_buf, static_cast<size_t>(8 * ld + 8));
+  float* panel = base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+  for (int64_t o = ob; o < oe; o += 8) {
+    const int64_t n = std::min<int64_t>(8, oe - o);
+    for (int64_t a = 0; a < n; ++a) {
+      const uint8_t* row = p.q + (o + a) * p.I;
+      float* out = panel + a * ld;
+      int64_t i = 0;
+      for (; i + 8 <= p.I; i += 8) _mm256_store_ps(out + i, Fp8x8(row + i));
+      for (; i < p.I; ++i) out[i] = Fp8One(row[i]);
+    }
+    if (n == 8 && p.R == 1) {
+      Fp8Tile<8, 1>(p, panel, ld, o, 0);
+    } else if (n == 8) {
+      for (int h = 0; h < 2; ++h) {
+        int64_t r = 0;
+        for (; r + 3 <= p.R; r += 3) Fp8Tile<4, 3>(p, panel + 4 * h * ld, ld, o + 4 * h, r);
+        for (; r < p.R; ++r) Fp8Tile<4, 1>(p, panel + 4 * h * ld, ld, o + 4 * h, r);
+      }
+    } else {  // the matrix's last rows
+      for (int64_t a = 0; a < n; ++a)
+        for (int64_t r = 0; r < p.R; ++r) Fp8Tile<1, 1>(p, panel + a * ld, ld, o + a, r);
+    }
+  }
+}
+
+ffi::Error Fp8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (q.element_type() != ffi::DataType::F8E4M3FN || xd.size() != 2 || qd.size() != 2 || sd.size() != 1 ||
+      yd.size() != 2 || xd[1] != qd[1] || sd[0] != qd[0] || yd[0] != xd[0] || yd[1] != qd[0])
+    return ffi::Error::InvalidArgument("fp8_matmul: want x [R, I], q float8_e4m3fn [O, I], scale [O] -> y [R, O]");
+  Fp8Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+            y->typed_data(), xd[0], xd[1], qd[0]};
+  if (p.R == 0) return ffi::Error::Success();
+  ParallelRows(pool, p.O, p.I, [p](int64_t ob, int64_t oe) { Fp8Block(p, ob, oe); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
@@ -654,3 +772,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("has_mins"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fp8_matmul, Fp8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,8 +1,9 @@
-"""float32 activations, as int16, x int8 (and group-wise int4) weights on XLA CPU: XLA FFI
-custom calls (int8_matmul.cc), their build, and their references.
+"""float32 activations, as int16, x int8 (and group-wise int4) weights, and float32 x fp8
+weights on XLA CPU: XLA FFI custom calls (int8_matmul.cc), their build, and their references.
 
     int8_matmul(x float32 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x16 q) * a
     int4_matmul(x, q int4 [O, I], scales, mins [G, O]) -> float32 [R, O], exact per group
+    fp8_matmul(x, q float8_e4m3fn [O, I], scale [O]) -> float32 [R, O], weight-only, fixed order
 
 x16 and a are x's rows as int16 (int16_rows_reference: a = max|x| / 32767 per row, x16 =
 round(x / a)), which the kernel forms itself: in XLA those were ~6 small operations per
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
+FP8_TARGET = "jaxinfer_fp8_matmul"
 INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot overflow (kMaxGroup)
 INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the weight into panels (kPanelRows)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
@@ -101,6 +103,28 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
   # Without mins the scales stand in for them (not read): no zeros written per call.
   return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(
       x, q, scales, scales if mins is None else mins.astype(jnp.float32), has_mins=np.int32(mins is not None))
+
+
+def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  """x float32 [R, I], q float8_e4m3fn [O, I], scale float32 [O] -> float32 [R, O] = (x @ float(q)^T) * scale.
+
+  Weight-only: x stays float32, each e4m3 value converts exactly. Each element is summed in
+  one fixed order at any row count (eight lanes over i mod 8, a fixed tree, then the inputs
+  past the last multiple of 8), so rows do not depend on the batch.
+  Raises RuntimeError when the kernel is not available()."""
+  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32
+      or q.dtype != jnp.float8_e4m3fn or scale.shape != (q.shape[0],)):
+    raise ValueError(f"fp8_matmul: want x float32 [R, I], q float8_e4m3fn [O, I], scale [O], got x "
+                     f"{x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scale {list(scale.shape)}")
+  if not available():
+    raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(FP8_TARGET, out, vmap_method="sequential")(x, q, scale.astype(jnp.float32))
+
+
+def fp8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  """The same product in float64 (q's e4m3 values exactly): what fp8_matmul rounds."""
+  return (np.asarray(x, np.float64) @ np.asarray(q, np.float64).T) * np.asarray(scale, np.float64)
 
 
 def int16_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,10 +179,11 @@ def _load() -> tuple[bool, str | None]:
       lib = ctypes.CDLL(str(_build()))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_matmul), platform="cpu")
       jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int4_matmul), platform="cpu")
+      jax.ffi.register_ffi_target(FP8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_fp8_matmul), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
       reason = f"building {SOURCE.name} failed: {e}"
   if reason is not None:
-    log.warning("int8 and int4 weights on CPU run through XLA (slower): %s", reason)
+    log.warning("int8, int4 and fp8 weights on CPU run through XLA (slower): %s", reason)
   return reason is None, reason
 
 

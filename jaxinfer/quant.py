@@ -47,12 +47,19 @@ available, or in a program split over several devices, `split_int8_matmul` does 
 with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
 s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs
 (up to 4096) run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in
-float32).
+float32; from 16 tokens on through repacked panels, the same numbers). Per-channel fp8 runs
+cpu_kernels.fp8_matmul: weight-only (float32 activations), the e4m3 values converted a few
+rows at a time into a small float32 panel rather than a float32 copy of the weight.
 Every other form is weight-only: activations stay float, the values are converted for the
 dot and per-channel scales multiply its output. Group-wise scales (Q8_0, and int4 without
 the kernel) vary along the contraction, so those weights are dequantized whole first (in
 the same jitted step).
 
+Update 2026-11-27 (supersedes what follows for fp8 on one CPU device, and int4 at many
+tokens): fp8 runs its own kernel (cpu_kernels.fp8_matmul), no float32 copy of the weight per
+call; per matmul it is 0.85-1.15x XLA's float32 dot (faster at one token, where it reads a
+quarter of the bytes). int4 at 16 tokens and more runs repacked panels, 1.1-1.8x faster
+than its cells at 64-256 tokens and 0.85-1.0x float32 (README "Formats").
 Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
 (cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
 model is 103 MB and its batch-1 decode 1.73-1.91x float32's, 0.82x at 64 prompts (README
@@ -199,7 +206,9 @@ def leaf_format(spec, quantization: str | None) -> str | None:
   (spec.head), is int8 under int8 and under int4: it is the largest weight (113 MB of the
   default model's 538 in float32) and read whole per token, and its int8 form (per-column
   scales folded into the activations, head_logits) runs the int8 CPU kernel. Under fp8 it
-  stays float: fp8 on the CPU would write a float32 copy of it per step.
+  stays float, as FP8 serving recipes keep it (chosen when fp8 on the CPU still wrote a
+  float32 copy of each weight per step; kept since cpu_kernels.fp8_matmul, so fp8
+  checkpoints keep their layout).
   """
   if not quantization:
     return None
@@ -529,7 +538,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
 
   On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs (up to
   4096) run cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16
-  activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)).
+  activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)), and
+  per-channel fp8 cpu_kernels.fp8_matmul (weight-only, float32 activations).
   Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
   scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
   contraction, so the weight is dequantized first (a batched int32 dot per group
@@ -541,6 +551,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
     return cpu_kernels.int4_matmul(x, q, scales, mins)
   if G > 1 or mins is not None:
     return _dot_t(x, dequantize_groups(q, scales, mins))
+  if q.dtype == jnp.float8_e4m3fn and _cpu_kernels():
+    return cpu_kernels.fp8_matmul(x, q, scales[0])
   if q.dtype == jnp.int8:
     return int8_matmul(x, q) * scales[0]
   return _dot_t(x, q.astype(jnp.float32)) * scales[0]

@@ -154,13 +154,15 @@ def _widened_copies(lines):
 @pytest.mark.parametrize("quantization,target,values,layout", [
     ("int8", "jaxinfer_int8_matmul", "s8[1536,576]", "{1,0}"),
     ("int4", "jaxinfer_int4_matmul", "s4[1536,576]", "{1,0:E(4)}"),  # packed: 4-bit elements
+    ("fp8", "jaxinfer_fp8_matmul", "f8e4m3fn[1536,576]", "{1,0}"),
 ])
-def test_int8_and_int4_on_one_device_are_a_cpu_kernel_over_the_quantized_parameter(quantization, target, values,
-                                                                                   layout):
+def test_int8_int4_and_fp8_on_one_device_are_a_cpu_kernel_over_the_quantized_parameter(quantization, target, values,
+                                                                                       layout):
   # One token's linear on the CPU: a custom call to cpu_kernels' kernel reading the
   # [1536, 576] values parameter itself (output first; for int4 also the group scales and
-  # mins of Q4_0 / Q4_1-style groups of 32) and the float32 token parameter itself (the
-  # kernel quantizes it; no XLA operation before the call); no dot, no copy of the weight.
+  # mins of Q4_0 / Q4_1-style groups of 32, for fp8 its per-channel scales) and the float32
+  # token parameter itself (the int8 / int4 kernels quantize it; no XLA operation before the
+  # call); no dot, no copy of the weight.
   # Fails if the kernels cannot be built here.
   import cpu_kernels
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()

@@ -143,7 +143,7 @@ print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   warnings = [l for l in lines if l.startswith("cpu_kernels.int8_matmul:")]
-  assert warnings == ["cpu_kernels.int8_matmul: int8 and int4 weights on CPU run through XLA "
+  assert warnings == ["cpu_kernels.int8_matmul: int8, int4 and fp8 weights on CPU run through XLA "
                       "(slower): JAXINFER_CPU_KERNELS=0"], lines
   assert "available False JAXINFER_CPU_KERNELS=0" in lines and "close True" in lines, lines
 
@@ -235,3 +235,66 @@ def test_int4_groups_the_kernel_cannot_take_are_value_errors():
     cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.float32), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float32))
   with pytest.raises(ValueError, match="got x int16"):
     cpu_kernels.int4_matmul(x.astype(jnp.int16), q, jnp.ones((3, 3), jnp.float32))
+
+
+# ---- fp8 (e4m3fn) -----------------------------------------------------------------------------
+
+def _fp8_case(rng, R, I, O):
+  import ml_dtypes
+  x = (rng.standard_normal((R, I)) * rng.uniform(0.01, 30, (R, 1))).astype(np.float32)
+  q = (rng.standard_normal((O, I)) * 60).astype(ml_dtypes.float8_e4m3fn)  # normals, subnormals, +-448
+  s = rng.uniform(0.001, 0.02, O).astype(np.float32)
+  return x, q, s
+
+
+def _fp8(x, q, s):
+  return np.asarray(jax.jit(cpu_kernels.fp8_matmul)(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("R,I,O", [
+    (1, 576, 1536),   # one token: 8-row tiles
+    (6, 100, 13),     # 4 x 3 tiles, inputs past the last multiple of 8, 5 rows past the last 8
+    (64, 1536, 576),  # SmolLM2's down projection at 64 tokens
+    (2, 3, 2),        # fewer inputs than one vector
+])
+def test_fp8_equals_the_float64_reference(R, I, O):
+  x, q, s = _fp8_case(np.random.default_rng(R + I + O), R, I, O)
+  got = _fp8(x, q, s)
+  ref = cpu_kernels.fp8_matmul_reference(x, q, s)
+  assert got.dtype == np.float32 and got.shape == (R, O)
+  assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("column", [0, 8])  # the eight-at-a-time conversion, and the one past them
+def test_fp8_converts_every_e4m3_value_exactly(column):
+  # Weight row b holds byte b at `column` and zeros elsewhere; x is 1 there: y[0, b] is that
+  # byte's e4m3fn value (NaN for 0x7f / 0xff), times a scale of 1.
+  import ml_dtypes
+  codes = np.arange(256, dtype=np.uint8)
+  q = np.zeros((256, 9), np.uint8)
+  q[:, column] = codes
+  x = np.zeros((1, 9), np.float32)
+  x[0, column] = 1
+  got = _fp8(x, q.view(ml_dtypes.float8_e4m3fn), np.ones(256, np.float32))[0]
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  assert np.isnan(want).sum() == 2
+  np.testing.assert_array_equal(got, want)  # NaN where want is NaN; -0 == 0
+
+
+@needs_kernel
+def test_fp8_rows_are_the_same_numbers_at_any_row_count():
+  x, q, s = _fp8_case(np.random.default_rng(12), 13, 580, 43)
+  together = _fp8(x, q, s)
+  for rows in (1, 2, 3, 4, 5):
+    parts = [_fp8(x[i:i + rows], q, s) for i in range(0, 13, rows)]
+    np.testing.assert_array_equal(np.concatenate(parts), together)
+
+
+def test_fp8_wrong_shapes_and_dtypes_are_value_errors():
+  q = jnp.ones((3, 8), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match=r"q float8_e4m3fn \[O, I\], scale \[O\], got x float32\[2, 8\], q float8_e4m3fn\[3, 8\], scale \[4\]"):
+    cpu_kernels.fp8_matmul(jnp.ones((2, 8), jnp.float32), q, jnp.ones(4, jnp.float32))
+  with pytest.raises(ValueError, match=r"got x float32\[2, 8\], q int8\[3, 8\]"):
+    cpu_kernels.fp8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((3, 8), jnp.int8), jnp.ones(3, jnp.float32))
