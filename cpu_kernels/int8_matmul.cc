@@ -200,18 +200,23 @@ struct Work {
   }
 };
 
-// rows(ob, oe) over [0, O) on the calling thread and XLA's intra-op pool; row_bytes is the
-// weight read per output row.
-void ParallelRows(ffi::ThreadPool& pool, int64_t O, int64_t row_bytes, std::function<void(int64_t, int64_t)> rows) {
+// rows(ob, oe) over [0, O) on the calling thread and XLA's intra-op pool; row_cost is the
+// work per output row in weight bytes x tokens (bytes of a row read by every token), align
+// the rows a chunk is a multiple of (whole tiles).
+void ParallelRows(ffi::ThreadPool& pool, int64_t O, int64_t row_cost, int64_t align,
+                  std::function<void(int64_t, int64_t)> rows) {
   if (O == 0) return;
   auto w = std::make_shared<Work>();
   w->rows = std::move(rows);
   w->O = O;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // ~4 chunks per thread (balance), each a multiple of 8 rows (whole tiles), and at least
-  // ~64 KiB of weight so a chunk outweighs its scheduling.
-  const int64_t min_rows = std::max<int64_t>(8, (65536 / std::max<int64_t>(1, row_bytes)) / 8 * 8);
-  w->chunk = std::max(min_rows, ((O + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
+  // ~4 chunks per thread (balance), and at least ~64 Ki of work (a 64 KiB weight slice at one
+  // token) so a chunk outweighs its scheduling. Counting the tokens matters: at 64 tokens
+  // a 64 KiB minimum alone put a 576 x 192 projection on one thread (one 192-row chunk)
+  // and a 576-row output in chunks of 224, 224 and 128 over two.
+  const auto up = [align](int64_t n) { return (n + align - 1) / align * align; };
+  const int64_t min_rows = up(std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_cost)));
+  w->chunk = std::max(min_rows, up((O + 4 * threads - 1) / (4 * threads)));
   w->chunks = (O + w->chunk - 1) / w->chunk;
   for (int64_t k = 1; k < threads && k < w->chunks; ++k) pool.Schedule([w] { w->Run(); });
   w->Run();
@@ -231,10 +236,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   int16_t* xp = Scratch(x16_buf, R * I);
   float* ap = Scratch(a_buf, R);
   const float* xf = x.typed_data();
-  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int16Rows(xf, I, ap, xp, rb, re); });
+  ParallelRows(pool, R, I * 4, 1, [=](int64_t rb, int64_t re) { Int16Rows(xf, I, ap, xp, rb, re); });
   const int8_t* qp = q.typed_data();
   float* yp = y->typed_data();
-  ParallelRows(pool, O, I, [=](int64_t ob, int64_t oe) { Block(xp, ap, qp, yp, R, I, O, ob, oe); });
+  ParallelRows(pool, O, I * R, 8, [=](int64_t ob, int64_t oe) { Block(xp, ap, qp, yp, R, I, O, ob, oe); });
   return ffi::Error::Success();
 }
 
@@ -517,88 +522,96 @@ void RepackPanel(const Int4Args& p, int64_t o0, int64_t n, int NV, __m256i* pane
   }
 }
 
-// Tokens r0 .. r0 + RR x the panel's 8 NV rows from o0 (n of them real): the same
-// per-cell arithmetic as Int4Tile / Int4Cell.
+// One block of 8 NV output rows: the panel, and per group the rows' scales and min' = min -
+// 8 scale (zero past the matrix's last row), as the cells form them.
+struct PanelBlock {
+  const __m256i* panel;  // [I / 2 pairs][NV] vectors
+  const float* scale;    // [G][16]
+  const float* minp;     // [G][16]
+  float* acc;            // [R][16]: each cell's acc between blocks of groups
+};
+
+// Tokens r0 .. r0 + RR x the block's rows over groups [g0, g1): acc = fma(float(S), scale,
+// acc) group after group, as Int4Tile / Int4Cell do, carried in b.acc between calls.
 template <int RR, int NV, bool kOneChunk>
-void PanelTile(const Int4Args& p, const __m256i* panel, int64_t o0, int64_t n, int64_t r0) {
+void PanelGroups(const Int4Args& p, const PanelBlock& b, int64_t r0, int64_t g0, int64_t g1) {
   const int64_t pairs = kOneChunk ? 16 : p.I / p.G / 2;
-  const __m256 minus8 = _mm256_set1_ps(-8.0f);
   __m256 acc[RR][NV];
-  for (int b = 0; b < RR; ++b)
-    for (int v = 0; v < NV; ++v) acc[b][v] = _mm256_setzero_ps();
+  for (int t = 0; t < RR; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_ps(b.acc + (r0 + t) * 16 + 8 * v);
   const int32_t* x[RR];
-  for (int b = 0; b < RR; ++b) x[b] = reinterpret_cast<const int32_t*>(p.x + (r0 + b) * p.I);
-  // Lanes past n (the matrix's last rows) read scales of rows that do not exist: a padded copy.
-  const bool partial = n < 8 * NV;
-  alignas(32) float pad_s[8 * NV], pad_m[8 * NV];
-  for (int64_t g = 0; g < p.G; ++g) {
+  for (int t = 0; t < RR; ++t) x[t] = reinterpret_cast<const int32_t*>(p.x + (r0 + t) * p.I);
+  for (int64_t g = g0; g < g1; ++g) {
     __m256i S[RR][NV];
-    for (int b = 0; b < RR; ++b)
-      for (int v = 0; v < NV; ++v) S[b][v] = _mm256_setzero_si256();
-    const __m256i* pg = panel + g * pairs * NV;
+    for (int t = 0; t < RR; ++t)
+      for (int v = 0; v < NV; ++v) S[t][v] = _mm256_setzero_si256();
+    const __m256i* pg = b.panel + g * pairs * NV;
+#pragma GCC unroll 4
     for (int64_t j = 0; j < pairs; ++j) {
       __m256i w[NV];
       for (int v = 0; v < NV; ++v) w[v] = _mm256_load_si256(pg + j * NV + v);
-      for (int b = 0; b < RR; ++b) {
-        const __m256i xb = _mm256_set1_epi32(x[b][g * pairs + j]);
-        for (int v = 0; v < NV; ++v) S[b][v] = _mm256_add_epi32(S[b][v], _mm256_madd_epi16(w[v], xb));
+      for (int t = 0; t < RR; ++t) {
+        const __m256i xt = _mm256_set1_epi32(x[t][g * pairs + j]);
+        for (int v = 0; v < NV; ++v) S[t][v] = _mm256_add_epi32(S[t][v], _mm256_madd_epi16(w[v], xt));
       }
-    }
-    const float* sg = p.scale + g * p.O + o0;
-    if (partial) {
-      for (int k = 0; k < 8 * NV; ++k) pad_s[k] = k < n ? sg[k] : 0.0f;
-      sg = pad_s;
     }
     for (int v = 0; v < NV; ++v) {
-      const __m256 s = _mm256_loadu_ps(sg + 8 * v);
-      for (int b = 0; b < RR; ++b) acc[b][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[b][v]), s, acc[b][v]);
+      const __m256 sc = _mm256_loadu_ps(b.scale + g * 16 + 8 * v);
+      for (int t = 0; t < RR; ++t) acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[t][v]), sc, acc[t][v]);
     }
   }
-  for (int v = 0; v < NV; ++v)
-    for (int b = 0; b < RR; ++b) {
-      __m256 accm = _mm256_setzero_ps();
-      for (int64_t g = 0; g < p.G; ++g) {
-        const float* sg = p.scale + g * p.O + o0 + 8 * v;
-        const float* mg = p.mins ? p.mins + g * p.O + o0 + 8 * v : nullptr;
-        if (partial) {
-          for (int k = 0; k < 8; ++k) {
-            const bool real = 8 * v + k < n;
-            pad_s[k] = real ? sg[k] : 0.0f;
-            pad_m[k] = real && mg ? mg[k] : 0.0f;
-          }
-          sg = pad_s;
-          mg = mg ? pad_m : nullptr;
-        }
-        const __m256 s = _mm256_loadu_ps(sg), m = mg ? _mm256_loadu_ps(mg) : _mm256_setzero_ps();
-        accm = _mm256_fmadd_ps(_mm256_fmadd_ps(minus8, s, m), _mm256_broadcast_ss(p.xsum_t + g * p.R + r0 + b), accm);
-      }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_add_ps(acc[b][v], accm));
-      float* yr = p.y + (r0 + b) * p.O + o0 + 8 * v;
-      for (int k = 0; k < 8 && 8 * v + k < n; ++k) yr[k] = out[k] * p.a[r0 + b];
-    }
+  for (int t = 0; t < RR; ++t)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(b.acc + (r0 + t) * 16 + 8 * v, acc[t][v]);
 }
 
+// Rows [o0, o0 + n), n <= 8 NV, for every token: groups in blocks whose panel slice stays in
+// L1 (~8 KiB) across all the tokens, then accm = fma(min', xsum, accm) group after group and
+// y = (acc + accm) * a.
 template <int NV, bool kOneChunk>
-void PanelRows(const Int4Args& p, const __m256i* panel, int64_t o0, int64_t n) {
-  int64_t r = 0;
-  for (; r + 3 <= p.R; r += 3) PanelTile<3, NV, kOneChunk>(p, panel, o0, n, r);
-  for (; r < p.R; ++r) PanelTile<1, NV, kOneChunk>(p, panel, o0, n, r);
+void PanelRows(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n) {
+  const int64_t gs = p.I / p.G, per_block = std::max<int64_t>(1, 256 / gs);
+  std::fill(b.acc, b.acc + p.R * 16, 0.0f);
+  for (int64_t g0 = 0; g0 < p.G; g0 += per_block) {
+    const int64_t g1 = std::min(p.G, g0 + per_block);
+    int64_t r = 0;
+    for (; r + 3 <= p.R; r += 3) PanelGroups<3, NV, kOneChunk>(p, b, r, g0, g1);
+    for (; r < p.R; ++r) PanelGroups<1, NV, kOneChunk>(p, b, r, g0, g1);
+  }
+  for (int64_t r = 0; r < p.R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      __m256 accm = _mm256_setzero_ps();
+      for (int64_t g = 0; g < p.G; ++g)
+        accm = _mm256_fmadd_ps(_mm256_loadu_ps(b.minp + g * 16 + 8 * v), _mm256_broadcast_ss(p.xsum_t + g * p.R + r), accm);
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(_mm256_loadu_ps(b.acc + r * 16 + 8 * v), accm));
+      float* yr = p.y + r * p.O + o0 + 8 * v;
+      for (int k = 0; k < 8 && 8 * v + k < n; ++k) yr[k] = out[k] * p.a[r];
+    }
 }
 
 template <bool kOneChunk>
 void Int4PanelBlock(const Int4Args& p, int64_t ob, int64_t oe) {
-  thread_local std::vector<int32_t> panel_buf;  // I / 2 pairs x 2 vectors of 8 lanes, 32-byte aligned
-  int32_t* base = Scratch(panel_buf, static_cast<size_t>(8 * p.I + 8));
-  __m256i* panel = reinterpret_cast<__m256i*>(base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8);
+  // Per thread, grown as needed: the panel (I / 2 pairs x 2 vectors), the block's scales and
+  // min' [G][16], its cells' acc [R][16]; 32-byte aligned.
+  thread_local std::vector<float> buf;
+  float* base = Scratch(buf, static_cast<size_t>(8 * p.I + 32 * p.G + 16 * p.R + 8));
+  float* panel = base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+  float *scale = panel + 8 * p.I, *minp = scale + 16 * p.G, *acc = minp + 16 * p.G;
+  const PanelBlock b{reinterpret_cast<const __m256i*>(panel), scale, minp, acc};
   for (int64_t o = ob; o < oe; o += 16) {
     const int64_t n = std::min<int64_t>(16, oe - o);
+    for (int64_t g = 0; g < p.G; ++g)
+      for (int64_t k = 0; k < 16; ++k) {
+        const float sc = k < n ? p.scale[g * p.O + o + k] : 0.0f, m = k < n && p.mins ? p.mins[g * p.O + o + k] : 0.0f;
+        scale[g * 16 + k] = sc;
+        minp[g * 16 + k] = std::fma(-8.0f, sc, m);  // Int4Tile's fma(-8, s, m)
+      }
     if (n > 8) {
-      RepackPanel(p, o, n, 2, panel);
-      PanelRows<2, kOneChunk>(p, panel, o, n);
+      RepackPanel(p, o, n, 2, reinterpret_cast<__m256i*>(panel));
+      PanelRows<2, kOneChunk>(p, b, o, n);
     } else {
-      RepackPanel(p, o, n, 1, panel);
-      PanelRows<1, kOneChunk>(p, panel, o, n);
+      RepackPanel(p, o, n, 1, reinterpret_cast<__m256i*>(panel));
+      PanelRows<1, kOneChunk>(p, b, o, n);
     }
   }
 }
@@ -624,15 +637,15 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   float *ap = Scratch(a_buf, R), *sp = Scratch(xsum_buf, G * R);
   const float* xf = x.typed_data();
   const bool panel = R >= kPanelRows;
-  ParallelRows(pool, R, I * 4, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, !panel, rb, re); });
+  ParallelRows(pool, R, I * 4, 1, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, !panel, rb, re); });
   Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
              has_mins ? mins.typed_data() : nullptr, sp, y->typed_data(), R, I, qd[0], G};
   if (!panel)
-    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
+    ParallelRows(pool, p.O, p.I / 2 * R, 8, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   else if (p.I / p.G == 32)
-    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4PanelBlock<true>(p, ob, oe); });
+    ParallelRows(pool, p.O, p.I / 2 * R, 16, [p](int64_t ob, int64_t oe) { Int4PanelBlock<true>(p, ob, oe); });
   else
-    ParallelRows(pool, p.O, p.I / 2, [p](int64_t ob, int64_t oe) { Int4PanelBlock<false>(p, ob, oe); });
+    ParallelRows(pool, p.O, p.I / 2 * R, 16, [p](int64_t ob, int64_t oe) { Int4PanelBlock<false>(p, ob, oe); });
   return ffi::Error::Success();
 }
 
@@ -750,7 +763,7 @@ ffi::Error Fp8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   Fp8Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
             y->typed_data(), xd[0], xd[1], qd[0]};
   if (p.R == 0) return ffi::Error::Success();
-  ParallelRows(pool, p.O, p.I, [p](int64_t ob, int64_t oe) { Fp8Block(p, ob, oe); });
+  ParallelRows(pool, p.O, p.I * p.R, 8, [p](int64_t ob, int64_t oe) { Fp8Block(p, ob, oe); });
   return ffi::Error::Success();
 }
 

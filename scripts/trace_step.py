@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Where a decode step's device time goes, per XLA operation kind, from a jax.profiler trace.
 
-  python scripts/trace_step.py [--quantization int4] [--steps 40] [--out FILE.json]
+  python scripts/trace_step.py [--quantization int4] [--steps 40] [--batch 1] [--out FILE.json]
 
-Runs the default model at batch 1 (greedy, EOS ignored), warms it up, then
-traces --steps decode steps with jax.profiler and sums the XLA CPU runtime's
+Runs the default model on --batch copies of one short prompt (greedy, EOS ignored), warms
+it up, then traces --steps decode steps (and the one prefill step before them) with jax.profiler and sums the XLA CPU runtime's
 per-operation events by kind (the HLO instruction name without its number:
 `ffi_call` = the cpu_kernels matmuls, `while` = attention's decode loop with
 everything inside it, `*_fusion` = XLA's fused element-wise work). Only
@@ -49,18 +49,20 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quantization", choices=["int8", "fp8", "int4"], default=None)
   ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
 
   import jax
   from jaxinfer import LLM, SamplingParams
-  llm = LLM(None, quantization=args.quantization, max_num_seqs=1, max_num_batched_tokens=256)
+  llm = LLM(None, quantization=args.quantization, max_num_seqs=args.batch, max_num_batched_tokens=256)
   sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
   prompt = llm.tokenizer.encode("The capital of France is")
-  llm.generate([prompt], sp)  # compiles the programs a one-sequence decode runs
+  prompts = [prompt] * args.batch
+  llm.generate(prompts, sp)  # compiles the programs this decode runs
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d, create_perfetto_trace=True)
-    llm.generate([prompt], sp)
+    llm.generate(prompts, sp)
     jax.profiler.stop_trace()
     trace = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -73,12 +75,12 @@ def main() -> None:
   rows = [{"kind": k, "ms_per_step": round(v, 3), "share": round(v / total, 3),
            "ops_per_step": round(count[k] / args.steps, 1)} for k, v in ms.most_common()]
   fmt = args.quantization or "float32"
-  print(f"device time per decode step ({fmt}, batch 1, {args.steps} steps): {total:.2f} ms")
+  print(f"device time per decode step ({fmt}, batch {args.batch}, {args.steps} steps): {total:.2f} ms")
   print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
   for r in rows[:15]:
     print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
   from bench_peers import write_results
-  out = write_results(f"trace-step-{fmt}", dict(format=fmt, batch=1, steps=args.steps, jax=jax.__version__,
+  out = write_results(f"trace-step-{fmt}", dict(format=fmt, batch=args.batch, steps=args.steps, jax=jax.__version__,
                                                 device_ms_per_step=round(total, 3), kinds=rows), args.out)
   print(f"wrote {out}")
 
