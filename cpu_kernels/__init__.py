@@ -10,12 +10,15 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
   from INT4_PANEL_ROWS rows of x on, through repacked panels (the same numbers).
 - `fp8_matmul`: float32 activations x per-channel e4m3fn weights (weight-only), converted a
   few rows at a time into a small float32 panel instead of a float32 copy of the weight.
+
+The library is built for AVX2, or where the CPU has AVX512-VNNI with its int16 multiply-adds as
+vpdpwssd (`isa()` says which runs; the same numbers either way).
 """
 
 from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, fp8_matmul, fp8_matmul_reference,
                                      int4_groups_fit, int4_matmul, int4_matmul_reference, int8_matmul,
-                                     int8_matmul_reference, int16_rows_reference, unavailable_reason)
+                                     int8_matmul_reference, int16_rows_reference, isa, unavailable_reason)
 
 __all__ = ["INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
            "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "int16_rows_reference",
-           "unavailable_reason"]
+           "isa", "unavailable_reason"]

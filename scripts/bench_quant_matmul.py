@@ -28,9 +28,12 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   q8_0 groups       int8 x int8 with one scale per 32 inputs (GGUF Q8_0 as loaded): one
                     int32 dot per group (a batch dimension), scaled, summed (not used)
   q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
-  fp8 weight-only   (x @ float(F8)) * s        e4m3 values, per-channel scales (quant.linear's fp8)
-  int4 g32          x @ (Q4 * s + m)           int4 values, scales and mins per 32 inputs (quant.linear's
-                                               int4, GGUF Q4_0 / Q4_1 as loaded): dequantized whole
+  fp8               quant.linear's fp8 (e4m3 values, per-channel scales): on one CPU device
+                    cpu_kernels.fp8_matmul (weight-only, rows converted into a small float32
+                    panel); before 2026-11-27 (x @ float(F8)) * s, a float32 copy per call
+  int4 g32          quant.linear's int4 (values, scales and mins per 32 inputs; GGUF Q4_0 / Q4_1
+                    as loaded): cpu_kernels.int4_matmul (cells below 16 tokens, repacked panels
+                    from 16 on); without the kernel x @ (Q4 * s + m), dequantized whole
 
 --accuracy: float32 vs int8 next-token logits of the default model over chat
 prompts (teacher-forced): the library's split form, weight-only and one-limb
@@ -75,7 +78,7 @@ def _time(fn, *args, repeats: int) -> float:
   return best
 
 
-def matmul_rows(layers: int, repeats: int) -> list[dict]:
+def matmul_rows(layers: int, repeats: int, only: list[str] | None = None, tokens=(1, 16, 64)) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -95,9 +98,14 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
       "bf16 linear": lambda x, w: float_linear("TD,DF->TF", x.astype(jnp.bfloat16), w["b"]).astype(x.dtype),
       "q8_0 groups": lambda x, w: _grouped_int8(x, w["q"], w["g"]),
       "q8_0 dequant": lambda x, w: quantized_matmul(x, w["q"], w["g"]),  # what quant.linear runs for G > 1
-      "fp8 weight-only": lambda x, w: quantized_matmul(x, w["f8"], w["s8"]),
+      "fp8": lambda x, w: quantized_matmul(x, w["f8"], w["s8"]),
       "int4 g32": lambda x, w: quantized_matmul(x, w["i4"], w["s4"], w["m4"]),
   }
+  if only:
+    unknown = set(only) - set(forms)
+    if unknown:
+      raise SystemExit(f"unknown forms {sorted(unknown)}; known: {', '.join(forms)}")
+    forms = {k: v for k, v in forms.items() if k in only}
   rows = []
   for name, (I, O) in SHAPES.items():
     weights = []
@@ -110,7 +118,7 @@ def matmul_rows(layers: int, repeats: int) -> list[dict]:
                       "qio": jnp.asarray(np.ascontiguousarray(q.values.T)),
                       "g": jnp.asarray(groups), "f8": jnp.asarray(f8.values), "s8": jnp.asarray(f8.scales),
                       "i4": jnp.asarray(i4.values), "s4": jnp.asarray(i4.scales), "m4": jnp.asarray(i4.mins)})
-    for T in (1, 16, 64):
+    for T in tokens:
       x = jnp.asarray(rng.standard_normal((T, I)).astype(np.float32))
       row = {"shape": name, "in": I, "out": O, "tokens": T, "layers": layers}
       for form, mm in forms.items():
@@ -257,6 +265,8 @@ def main() -> None:
                  help="also float32 vs int8 logits of the default model over --accuracy-prompts chat prompts")
   p.add_argument("--accuracy-prompts", type=int, default=16)
   p.add_argument("--skip-matmuls", action="store_true")
+  p.add_argument("--forms", default=None, help="comma-separated matmul forms to time (default: all)")
+  p.add_argument("--tokens", default="1,16,64", help="comma-separated token counts T per matmul")
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--num-prompts", type=int, default=64)
   p.add_argument("--timeout", type=float, default=1800)
@@ -265,7 +275,9 @@ def main() -> None:
   from bench_peers import write_results
 
   load_before = os.getloadavg()
-  rows = [] if args.skip_matmuls else matmul_rows(args.layers, args.repeats)
+  only = args.forms.split(",") if args.forms else None
+  tokens = tuple(int(t) for t in args.tokens.split(","))
+  rows = [] if args.skip_matmuls else matmul_rows(args.layers, args.repeats, only, tokens)
   forms = [k for k in rows[0] if k.endswith(" us")] if rows else []
   if rows:
     print("\n| shape | T | " + " | ".join(forms) + " |")
@@ -287,7 +299,9 @@ def main() -> None:
   path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,
                                             load_average_before=load_before, load_average_after=load_after,
                                             notes="best of --repeats; time per matmul (a chain of "
-                                                  "--layers distinct weights). Bottleneck of every "
+                                                  "--layers distinct weights). On one CPU device int8, "
+                                                  "int4 g32 and (since 2026-11-27) fp8 run cpu_kernels' "
+                                                  "custom calls. Bottleneck of every other "
                                                   "weight-only form: the loop fusion that converts "
                                                   "(int4: and scales and offsets) the whole weight into an "
                                                   "f32 [in, out] buffer before the dot (compiled HLO, "

@@ -298,3 +298,40 @@ def test_fp8_wrong_shapes_and_dtypes_are_value_errors():
     cpu_kernels.fp8_matmul(jnp.ones((2, 8), jnp.float32), q, jnp.ones(4, jnp.float32))
   with pytest.raises(ValueError, match=r"got x float32\[2, 8\], q int8\[3, 8\]"):
     cpu_kernels.fp8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((3, 8), jnp.int8), jnp.ones(3, jnp.float32))
+
+
+# ---- the AVX2 and AVX512-VNNI builds ------------------------------------------------------------
+
+def _has_vnni() -> bool:
+  try:
+    flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+  except (OSError, StopIteration):
+    return False
+  return {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= set(flags)
+
+
+@pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX512-VNNI: only the AVX2 build runs here")
+def test_the_vnni_build_runs_here_and_gives_the_avx2_builds_numbers(tmp_path):
+  # Where the CPU has AVX512-VNNI the kernels' int16 multiply-adds are vpdpwssd; forced to
+  # the AVX2 build (JAXINFER_CPU_KERNELS_ISA=avx2) every element must be the same number.
+  code = """
+import sys, numpy as np, jax, jax.numpy as jnp, cpu_kernels
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((37, 576)) * rng.uniform(0.01, 30, (37, 1))).astype(np.float32)
+q8 = rng.integers(-127, 128, (43, 576)).astype(np.int8)
+q4 = jnp.asarray(rng.integers(-8, 8, (43, 576)).astype(np.int8)).astype(jnp.int4)
+s, m = rng.uniform(0.001, 0.02, (18, 43)).astype(np.float32), rng.uniform(-0.1, 0.1, (18, 43)).astype(np.float32)
+outs = [cpu_kernels.int8_matmul(jnp.asarray(x[:r]), jnp.asarray(q8)) for r in (1, 37)]
+outs += [cpu_kernels.int4_matmul(jnp.asarray(x[:r]), q4, jnp.asarray(s), jnp.asarray(m)) for r in (1, 37)]
+np.savez(sys.argv[1], isa=cpu_kernels.isa(), *[np.asarray(o) for o in outs])
+"""
+  got = {}
+  for isa in ("avx512vnni", "avx2"):
+    env = {**os.environ, "JAXINFER_CPU_KERNELS_ISA": isa, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{isa}.npz")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got[isa] = np.load(tmp_path / f"{isa}.npz")
+    assert str(got[isa]["isa"]) == isa
+  for k in range(4):
+    np.testing.assert_array_equal(got["avx512vnni"][f"arr_{k}"], got["avx2"][f"arr_{k}"])
