@@ -53,8 +53,9 @@ inline int64_t HSum(__m256i v) {
 // AVX512-VNNI (int8_matmul.py builds a second library with JAXINFER_VNNI there), one vpdpwssd;
 // else vpmaddwd then vpaddd. The same int32 lanes either way: every pair sum and running sum
 // here fits int32 (kFlush, kMaxGroup), and both wrap alike past it. On the Zen 4 core this
-// was measured on, vpdpwssd multiply-adds 2x as fast as float32 FMA, vpmaddwd + vpaddd at
-// FMA's rate (scripts/bench_simd_peak.py).
+// was measured on (scripts/bench_simd_peak.py), with enough independent accumulators,
+// vpdpwssd multiply-adds 1.9x as fast as float32 FMA, vpmaddwd + vpaddd 1.5x; vpdpwssd waits
+// ~4 cycles on its accumulator, so tiles keep 8 or more of them in flight.
 inline __m256i DotAdd(__m256i a, __m256i w, __m256i x) {
 #ifdef JAXINFER_VNNI
   return _mm256_dpwssd_epi32(a, w, x);
@@ -468,7 +469,7 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // no reduction. Per cell and group: two vpmaddwd and two adds (~4), then one convert and
 // FMA per eight cells. The repack (~1 instruction per weight byte, an 8 x 16 byte
 // transpose) is shared by all R tokens. Tiles of 3 tokens x 16 rows (4 x 16 and 2 x 16
-// measured slower). A chain of 30 weights, per matmul (us; cells / panel / XLA float32, this
+// measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). A chain of 30 weights, per matmul (us; cells / panel / XLA float32, this
 // host, 2026-11-27): 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797;
 // 1536 x 576 at 64 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. vpmaddwd's 16 products
 // and the add it needs do what two float FMAs do, so the panel runs near the float32 dot
@@ -479,6 +480,11 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // xsum, accm), y = (acc + accm) * a, lane for lane. So which path a call takes (by R) does
 // not change any element: batch invariance holds across it (tested).
 constexpr int64_t kPanelRows = 16;
+#ifdef JAXINFER_VNNI
+constexpr int kPanelTokens = 6;  // 12 accumulators for vpdpwssd's latency; AVX-512 has the registers
+#else
+constexpr int kPanelTokens = 3;
+#endif
 
 // Eight rows (o0 ..) of one 32-input chunk (16 packed bytes at byte offset c of each row)
 // -> 16 pairs of eight int32 lanes, written to panel[(j0 + j) * stride].
@@ -588,6 +594,7 @@ void PanelRows(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n) {
   for (int64_t g0 = 0; g0 < p.G; g0 += per_block) {
     const int64_t g1 = std::min(p.G, g0 + per_block);
     int64_t r = 0;
+    for (; r + kPanelTokens <= p.R; r += kPanelTokens) PanelGroups<kPanelTokens, NV, kOneChunk>(p, b, r, g0, g1);
     for (; r + 3 <= p.R; r += 3) PanelGroups<3, NV, kOneChunk>(p, b, r, g0, g1);
     for (; r < p.R; ++r) PanelGroups<1, NV, kOneChunk>(p, b, r, g0, g1);
   }

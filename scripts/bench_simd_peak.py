@@ -15,6 +15,9 @@ nanosecond and each form's ratio to float32 FMA:
   int8 maddubs+...  vpmaddubsw + vpmaddwd(ones) + vpaddd: 32 u8 x s8 products into int32
                     (what int8 activations, as llama.cpp's Q8 blocks, would allow)
   int8 maddubs x2   two vpmaddubsw summed in int16 before one widening (64 products)
+  int16 vnni        vpdpwssd: 16 int16 products added into int32 in one instruction (AVX512-VNNI;
+                    cpu_kernels' VNNI build), only where the CPU has it
+  int8 vnni         vpdpbusd: 32 u8 x s8 products into int32 (AVX512-VNNI)
 
 Writes benchmarks/results/simd-peak-<date>.json and prints a Markdown table.
 """
@@ -29,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 # Each form runs enough independent accumulators to hide its latency (twelve FMA chains: 4-cycle
@@ -72,33 +76,80 @@ int main() {
       f[1] = _mm256_add_ps(_mm256_add_ps(f6, f7), _mm256_add_ps(_mm256_add_ps(f8, f9), _mm256_add_ps(f10, f11)));
     }, N, 12 * 8);
     if (r > best[0]) best[0] = r;
-    r = Rate([&](long n) { for (long i = 0; i < n; ++i) asm volatile(
+    r = Rate([&](long n) {
+      __m256i a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+      for (long i = 0; i < n; ++i) asm volatile(
           "vpmaddwd %[w], %[x], %%ymm12\n\tvpaddd %%ymm12, %[a0], %[a0]\n\t"
           "vpmaddwd %[w], %[x], %%ymm13\n\tvpaddd %%ymm13, %[a1], %[a1]\n\t"
           "vpmaddwd %[w], %[x], %%ymm14\n\tvpaddd %%ymm14, %[a2], %[a2]\n\t"
           "vpmaddwd %[w], %[x], %%ymm15\n\tvpaddd %%ymm15, %[a3], %[a3]\n\t"
-          : [a0]"+x"(a[0]), [a1]"+x"(a[1]), [a2]"+x"(a[2]), [a3]"+x"(a[3]) : [w]"x"(w), [x]"x"(x)
-          : "xmm12", "xmm13", "xmm14", "xmm15"); }, N, 4 * 16);
+          : [a0]"+x"(a0), [a1]"+x"(a1), [a2]"+x"(a2), [a3]"+x"(a3) : [w]"x"(w), [x]"x"(x)
+          : "xmm12", "xmm13", "xmm14", "xmm15");
+      a[0] = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
+    }, N, 4 * 16);
     if (r > best[1]) best[1] = r;
-    r = Rate([&](long n) { for (long i = 0; i < n; ++i) asm volatile(
+    r = Rate([&](long n) {
+      __m256i a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+      for (long i = 0; i < n; ++i) asm volatile(
           "vpmaddubsw %[x], %[w], %%ymm12\n\tvpmaddwd %[o], %%ymm12, %%ymm12\n\tvpaddd %%ymm12, %[a0], %[a0]\n\t"
           "vpmaddubsw %[x], %[w], %%ymm13\n\tvpmaddwd %[o], %%ymm13, %%ymm13\n\tvpaddd %%ymm13, %[a1], %[a1]\n\t"
           "vpmaddubsw %[x], %[w], %%ymm14\n\tvpmaddwd %[o], %%ymm14, %%ymm14\n\tvpaddd %%ymm14, %[a2], %[a2]\n\t"
           "vpmaddubsw %[x], %[w], %%ymm15\n\tvpmaddwd %[o], %%ymm15, %%ymm15\n\tvpaddd %%ymm15, %[a3], %[a3]\n\t"
-          : [a0]"+x"(a[0]), [a1]"+x"(a[1]), [a2]"+x"(a[2]), [a3]"+x"(a[3]) : [w]"x"(w), [x]"x"(x), [o]"x"(ones)
-          : "xmm12", "xmm13", "xmm14", "xmm15"); }, N, 4 * 32);
+          : [a0]"+x"(a0), [a1]"+x"(a1), [a2]"+x"(a2), [a3]"+x"(a3) : [w]"x"(w), [x]"x"(x), [o]"x"(ones)
+          : "xmm12", "xmm13", "xmm14", "xmm15");
+      a[1] = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
+    }, N, 4 * 32);
     if (r > best[2]) best[2] = r;
-    r = Rate([&](long n) { for (long i = 0; i < n; ++i) asm volatile(
+    r = Rate([&](long n) {
+      __m256i a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+      for (long i = 0; i < n; ++i) asm volatile(
           "vpmaddubsw %[x], %[w], %%ymm12\n\tvpmaddubsw %[x], %[w], %%ymm13\n\tvpaddw %%ymm13, %%ymm12, %%ymm12\n\t"
           "vpmaddwd %[o], %%ymm12, %%ymm12\n\tvpaddd %%ymm12, %[a0], %[a0]\n\t"
           "vpmaddubsw %[x], %[w], %%ymm14\n\tvpmaddubsw %[x], %[w], %%ymm15\n\tvpaddw %%ymm15, %%ymm14, %%ymm14\n\t"
           "vpmaddwd %[o], %%ymm14, %%ymm14\n\tvpaddd %%ymm14, %[a1], %[a1]\n\t"
-          : [a0]"+x"(a[0]), [a1]"+x"(a[1]) : [w]"x"(w), [x]"x"(x), [o]"x"(ones)
-          : "xmm12", "xmm13", "xmm14", "xmm15"); }, N, 2 * 64);
+          : [a0]"+x"(a0), [a1]"+x"(a1) : [w]"x"(w), [x]"x"(x), [o]"x"(ones)
+          : "xmm12", "xmm13", "xmm14", "xmm15");
+      a[2] = _mm256_add_epi32(a0, a1);
+    }, N, 2 * 64);
     if (r > best[3]) best[3] = r;
   }
+  double vnni[2] = {0, 0};
+#ifdef JAXINFER_VNNI
+  // Eight accumulators: a vpdpwssd / vpdpbusd waits on its own accumulator (~4 cycles), so
+  // four chains measured 1.0x FMA where eight reach 2x.
+  __m256i b[8];
+  for (int i = 0; i < 8; ++i) b[i] = _mm256_set1_epi32(0);
+  for (int round = 0; round < 3; ++round) {
+    double r = Rate([&](long n) {
+      __m256i b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3], b4 = b[4], b5 = b[5], b6 = b[6], b7 = b[7];
+      for (long i = 0; i < n; ++i) asm volatile(
+          "vpdpwssd %[w], %[x], %[b0]\n\tvpdpwssd %[w], %[x], %[b1]\n\tvpdpwssd %[w], %[x], %[b2]\n\t"
+          "vpdpwssd %[w], %[x], %[b3]\n\tvpdpwssd %[w], %[x], %[b4]\n\tvpdpwssd %[w], %[x], %[b5]\n\t"
+          "vpdpwssd %[w], %[x], %[b6]\n\tvpdpwssd %[w], %[x], %[b7]\n\t"
+          : [b0]"+v"(b0), [b1]"+v"(b1), [b2]"+v"(b2), [b3]"+v"(b3), [b4]"+v"(b4), [b5]"+v"(b5),
+            [b6]"+v"(b6), [b7]"+v"(b7) : [w]"v"(w), [x]"v"(x));
+      b[0] = _mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(_mm256_add_epi32(b2, b3), _mm256_add_epi32(
+          _mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
+    }, N, 8 * 16);
+    if (r > vnni[0]) vnni[0] = r;
+    r = Rate([&](long n) {
+      __m256i b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3], b4 = b[4], b5 = b[5], b6 = b[6], b7 = b[7];
+      for (long i = 0; i < n; ++i) asm volatile(
+          "vpdpbusd %[w], %[x], %[b0]\n\tvpdpbusd %[w], %[x], %[b1]\n\tvpdpbusd %[w], %[x], %[b2]\n\t"
+          "vpdpbusd %[w], %[x], %[b3]\n\tvpdpbusd %[w], %[x], %[b4]\n\tvpdpbusd %[w], %[x], %[b5]\n\t"
+          "vpdpbusd %[w], %[x], %[b6]\n\tvpdpbusd %[w], %[x], %[b7]\n\t"
+          : [b0]"+v"(b0), [b1]"+v"(b1), [b2]"+v"(b2), [b3]"+v"(b3), [b4]"+v"(b4), [b5]"+v"(b5),
+            [b6]"+v"(b6), [b7]"+v"(b7) : [w]"v"(w), [x]"v"(x));
+      b[1] = _mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(_mm256_add_epi32(b2, b3), _mm256_add_epi32(
+          _mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
+    }, N, 8 * 32);
+    if (r > vnni[1]) vnni[1] = r;
+  }
+  a[0] = _mm256_add_epi32(a[0], _mm256_add_epi32(b[0], b[7]));
+#endif
   float sink = _mm256_cvtss_f32(f[0]) + _mm256_extract_epi32(a[0], 0) + _mm256_extract_epi32(a[3], 0);
-  std::printf("%.3f %.3f %.3f %.3f %g\n", best[0], best[1], best[2], best[3], sink > 0 ? 0.0 : 1.0);
+  std::printf("%.3f %.3f %.3f %.3f %.3f %.3f %g\n", best[0], best[1], best[2], best[3], vnni[0], vnni[1],
+              sink > 0 ? 0.0 : 1.0);
 }
 """
 
@@ -107,7 +158,10 @@ FORMS = [
     ("int16 madd+add", "vpmaddwd + vpaddd", 16, "cpu_kernels' int8 and int4 (int16 activations)"),
     ("int8 maddubs+madd+add", "vpmaddubsw + vpmaddwd(ones) + vpaddd", 32, "int8 activations (not used)"),
     ("int8 maddubs x2", "2 vpmaddubsw + vpaddw + vpmaddwd(ones) + vpaddd", 64, "int8 activations, int16 pair sums (not used)"),
+    ("int16 vnni", "vpdpwssd (AVX512-VNNI, ymm)", 16, "cpu_kernels' int8 and int4, VNNI build"),
+    ("int8 vnni", "vpdpbusd (AVX512-VNNI, ymm)", 32, "int8 activations (not used)"),
 ]
+VNNI_CPU_FLAGS = {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
 
 
 def measure() -> list[float]:
@@ -117,9 +171,13 @@ def measure() -> list[float]:
   with tempfile.TemporaryDirectory() as d:
     src, exe = Path(d) / "peak.cc", Path(d) / "peak"
     src.write_text(SOURCE)
-    subprocess.run([compiler, "-O2", "-mavx2", "-mfma", "-std=c++17", str(src), "-o", str(exe)], check=True)
+    from cpu_kernels.int8_matmul import _cpu_flags
+    vnni = VNNI_CPU_FLAGS <= (_cpu_flags() or set())
+    extra = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI"] if vnni else []
+    subprocess.run([compiler, "-O2", "-mavx2", "-mfma", *extra, "-std=c++17", str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
-  return [float(v) for v in out[:4]]
+  rates = [float(v) for v in out[:6]]
+  return rates if vnni else rates[:4]  # no VNNI rows where the CPU has none
 
 
 def main() -> None:

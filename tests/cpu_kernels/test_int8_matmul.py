@@ -213,7 +213,7 @@ def test_int4_panel_rows_are_the_same_numbers_as_the_cells(O, G, with_mins):
   # From cpu_kernels.INT4_PANEL_ROWS tokens on the kernel takes another path (a repacked
   # panel of eight output rows a vector); below it, tiles of cells. Each element must be the
   # same number either way: a request's logits cannot depend on how many share its step.
-  R = cpu_kernels.INT4_PANEL_ROWS * 2 + 5  # panel tiles of 3 tokens plus leftovers
+  R = cpu_kernels.INT4_PANEL_ROWS * 2 + 9  # panel tiles of 6 (the VNNI build) and 3 tokens, and 2 left over
   x, q, s, m = _int4_case(np.random.default_rng(O + G), R, 576, O, G, with_mins)
   together = _int4(x, q, s, m)
   ref = cpu_kernels.int4_matmul_reference(x, q, s, m)
