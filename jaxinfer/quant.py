@@ -57,9 +57,12 @@ the same jitted step).
 
 Update 2026-11-27 (supersedes what follows for fp8 on one CPU device, and int4 at many
 tokens): fp8 runs its own kernel (cpu_kernels.fp8_matmul), no float32 copy of the weight per
-call; per matmul it is 0.85-1.15x XLA's float32 dot (faster at one token, where it reads a
-quarter of the bytes). int4 at 16 tokens and more runs repacked panels, 1.1-1.8x faster
-than its cells at 64-256 tokens and 0.85-1.0x float32 (README "Formats").
+call. int4 at 16 tokens and more runs repacked panels (1.1-1.8x faster than its cells at
+64-256 tokens). With the VNNI build on a Zen 4 host, per matmul against XLA's float32 dot
+(quant-matmul-2026-11-27.json): at 64 tokens int8 1.5-1.7x, int4 1.0-1.6x, fp8 1.0-1.3x;
+at 256 int8 and int4 1.0-1.3x, fp8 0.7-0.9x. End to end at 64 prompts all three stay
+within ~10% of float32, at batch 1 2-2.8x (int8, int4) and 1.3-1.4x (fp8, whose LM head
+stays float) (README "Formats").
 Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
 (cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
 model is 103 MB and its batch-1 decode 1.73-1.91x float32's, 0.82x at 64 prompts (README
