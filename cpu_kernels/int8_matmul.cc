@@ -124,6 +124,12 @@ T* Scratch(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
+// The same for n floats starting on a 32-byte boundary (aligned vector loads and stores).
+float* AlignedScratch(std::vector<float>& v, size_t n) {
+  float* base = Scratch(v, n + 7);
+  return base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+}
+
 template <int RO, int RR>
 void Tile(const int16_t* x, const float* as, const int8_t* q, float* y, int64_t I, int64_t O, int64_t o0, int64_t r0) {
   int64_t sum[RO][RR] = {};
@@ -462,18 +468,19 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // The cells above unpack each weight chunk once per tile of 2 x 4 and reduce every cell's
 // eight lanes per group (Reduce8): per cell and group of 32 that is ~10 instructions, and at
 // 64 tokens int4 ran 0.82x float32 end to end. From kPanelRows tokens on, each thread
-// instead repacks 8-row blocks of its output rows once per call into a panel whose int32
+// instead repacks 16-row blocks of its output rows once per call into a panel whose int32
 // lanes are eight *output rows*: lane k of pair j holds (q[o0 + k, 2j] + 8) | (q[o0 + k,
 // 2j + 1] + 8) << 16, exactly one packed byte of row o0 + k, so a broadcast of the token's
 // activation pair (x16[2j], x16[2j + 1]) and one vpmaddwd give eight rows' pair sums with
 // no reduction. Per cell and group: two vpmaddwd and two adds (~4), then one convert and
 // FMA per eight cells. The repack (~1 instruction per weight byte, an 8 x 16 byte
 // transpose) is shared by all R tokens. Tiles of 3 tokens x 16 rows (4 x 16 and 2 x 16
-// measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). A chain of 30 weights, per matmul (us; cells / panel / XLA float32, this
-// host, 2026-11-27): 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797;
-// 1536 x 576 at 64 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. vpmaddwd's 16 products
-// and the add it needs do what two float FMAs do, so the panel runs near the float32 dot
-// rather than past it.
+// measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). A chain of 30
+// weights, per matmul (us; cells / panel / XLA float32, AVX2 build, 2026-11-27):
+// 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797; 1536 x 576 at 64
+// 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. The instructions allow more (vpmaddwd +
+// vpaddd 1.5x float32 FMA's rate, scripts/bench_simd_peak.py): the broadcasts, panel loads
+// and the activations' quantization take the rest.
 //
 // Same numbers as the cells: S[r, g, o] is the same exact int32, converted the same way,
 // then acc = fma(float(S), scale, acc) group after group, accm = fma(fma(-8, scale, min),
@@ -615,8 +622,7 @@ void Int4PanelBlock(const Int4Args& p, int64_t ob, int64_t oe) {
   // Per thread, grown as needed: the panel (I / 2 pairs x 2 vectors), the block's scales and
   // min' [G][16], its cells' acc [R][16]; 32-byte aligned.
   thread_local std::vector<float> buf;
-  float* base = Scratch(buf, static_cast<size_t>(8 * p.I + 32 * p.G + 16 * p.R + 8));
-  float* panel = base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+  float* panel = AlignedScratch(buf, static_cast<size_t>(8 * p.I + 32 * p.G + 16 * p.R));
   float *scale = panel + 8 * p.I, *minp = scale + 16 * p.G, *acc = minp + 16 * p.G;
   const PanelBlock b{reinterpret_cast<const __m256i*>(panel), scale, minp, acc};
   for (int64_t o = ob; o < oe; o += 16) {
@@ -749,8 +755,7 @@ void Fp8Tile(const Fp8Args& p, const float* panel, int64_t ld, int64_t o0, int64
 void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
   thread_local std::vector<float> panel_buf;
   const int64_t ld = (p.I + 7) / 8 * 8;  // each panel row 32-byte aligned
-  float* base = Scratch(panel_buf, static_cast<size_t>(8 * ld + 8));
-  float* panel = base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+  float* panel = AlignedScratch(panel_buf, static_cast<size_t>(8 * ld));
   for (int64_t o = ob; o < oe; o += 8) {
     const int64_t n = std::min<int64_t>(8, oe - o);
     for (int64_t a = 0; a < n; ++a) {

@@ -59,7 +59,7 @@ INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the wei
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 # Where the CPU has AVX512-VNNI (Zen 4, Ice Lake and later), the library is built a second way:
 # the int16 multiply-adds become vpdpwssd (DotAdd in the source), the same integer sums at
-# twice float32 FMA's rate there. JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
+# 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; scripts/bench_simd_peak.py). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
 VNNI_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI")
 
 
