@@ -76,6 +76,34 @@ def test_extreme_values_over_many_inputs_do_not_overflow(R):
 
 
 @needs_kernel
+def test_calls_from_two_threads_at_once_give_the_reference_numbers():
+  # The kernels' helper threads serve one call at a time; a call made while another thread's
+  # call holds them goes to XLA's pool. Both threads, over many overlapping calls of several
+  # chunks each (a 576 x 1536 weight at one and at 7 tokens), must get exact results.
+  import threading
+  cases = [_ints(np.random.default_rng(seed), R, 576, 1536) for seed, R in ((1, 1), (2, 7))]
+  fn = jax.jit(int8_matmul)
+  wrong, errors = [], []
+
+  def run(x, q):
+    try:
+      want = int8_matmul_reference(x, q)
+      xj, qj = jnp.asarray(x), jnp.asarray(q)
+      for _ in range(60):
+        if not np.array_equal(np.asarray(fn(xj, qj)), want):
+          wrong.append(x.shape)
+    except Exception as e:  # noqa: BLE001 - reported below, not swallowed
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=case) for case in cases]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and not wrong, (errors, wrong)
+
+
+@needs_kernel
 def test_each_row_is_the_same_number_at_any_row_count():
   # Greedy batch invariance: a row's result does not depend on the rows beside it (the
   # one-row stream, the 2 x 4 tiles and their leftovers all sum the same integers).
