@@ -49,9 +49,13 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
+# One library from these (attention.cc: cpu_kernels.attention), and the header they share.
+SOURCES = (SOURCE, Path(__file__).with_name("attention.cc"))
+HEADERS = (Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
 FP8_TARGET = "jaxinfer_fp8_matmul"
+DECODE_ATTENTION_TARGET = "jaxinfer_decode_attention"
 INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot overflow (kMaxGroup)
 INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the weight into panels (kPanelRows)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
@@ -200,10 +204,12 @@ def _load() -> tuple[bool, str | None]:
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_matmul), platform="cpu")
       jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int4_matmul), platform="cpu")
       jax.ffi.register_ffi_target(FP8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_fp8_matmul), platform="cpu")
+      jax.ffi.register_ffi_target(DECODE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxinfer_decode_attention),
+                                  platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-      reason = f"building {SOURCE.name} failed: {e}"
+      reason = f"building {', '.join(p.name for p in SOURCES)} failed: {e}"
   if reason is not None:
-    log.warning("int8, int4 and fp8 weights on CPU run through XLA (slower): %s", reason)
+    log.warning("int8, int4 and fp8 weights and decode attention on CPU run through XLA (slower): %s", reason)
   return reason is None, reason
 
 
@@ -245,19 +251,19 @@ def _build() -> Path:
   compiler = _compiler()
   variant = _isa()
   flags = FLAGS + (VNNI_FLAGS if variant == "avx512vnni" else ())
-  key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(),
-                                   " ".join(flags).encode()])).hexdigest()[:16]
+  key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), jaxlib.__version__.encode(),
+                                   compiler.encode(), " ".join(flags).encode()])).hexdigest()[:16]
   out = _cache_dir() / f"int8_matmul-{variant}-{key}.so"
   if out.exists():
     return out
   out.parent.mkdir(parents=True, exist_ok=True)
-  log.info("compiling %s for %s with %s (once per machine)", SOURCE.name, variant, compiler)
+  log.info("compiling %s for %s with %s (once per machine)", ", ".join(p.name for p in SOURCES), variant, compiler)
   # Build beside, then rename: another process (a pytest-xdist worker, a server replica)
   # may be building or loading the same file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
   try:
-    done = subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+    done = subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp],
                           capture_output=True, text=True, timeout=300)
     if done.returncode:
       raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")

@@ -550,11 +550,11 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """
   x = x.astype(jnp.float32)
   G = scales.shape[0]
-  if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and _cpu_kernels():
+  if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and use_cpu_kernels():
     return cpu_kernels.int4_matmul(x, q, scales, mins)
   if G > 1 or mins is not None:
     return _dot_t(x, dequantize_groups(q, scales, mins))
-  if q.dtype == jnp.float8_e4m3fn and _cpu_kernels():
+  if q.dtype == jnp.float8_e4m3fn and use_cpu_kernels():
     return cpu_kernels.fp8_matmul(x, q, scales[0])
   if q.dtype == jnp.int8:
     return int8_matmul(x, q) * scales[0]
@@ -571,16 +571,16 @@ def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
   process uses one of them throughout (cpu_kernels.available() does not change).
   Elsewhere (GPU): a float32 dot over the converted values.
   """
-  if _cpu_kernels():
+  if use_cpu_kernels():
     return cpu_kernels.int8_matmul(x.astype(jnp.float32), q)
   if jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
     return split_int8_matmul(x, q)
   return _dot_t(x, q.astype(jnp.float32))
 
 
-def _cpu_kernels() -> bool:
-  """Whether the program being traced runs cpu_kernels' int8 / int4 matmuls: on the CPU, on
-  one device, where they built."""
+def use_cpu_kernels() -> bool:
+  """Whether the program being traced runs cpu_kernels' matmuls (and jaxinfer.ops its decode
+  attention): on the CPU, on one device, where they built."""
   return jax.default_backend() == "cpu" and _CPU_KERNEL.get() and cpu_kernels.available()
 
 

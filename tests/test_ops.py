@@ -1,11 +1,12 @@
 """ops.ragged_paged_attention (XLA reference) against a naive per-sequence numpy attention."""
 
 import hypothesis.strategies as st
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from jaxinfer import ops
+from jaxinfer import ops, quant
 
 
 def naive(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window=None, soft_cap=None,
@@ -68,7 +69,17 @@ CASES = [(16, 4, 4, 32, None, None), (16, 8, 2, 64, None, None), (4, 6, 2, 16, 5
          (32, 8, 1, 64, None, None), (16, 4, 2, 32, 40, 2.0)]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])  # both behind the one signature
+def attention(*args, impl, **kwargs):
+  """ops.ragged_paged_attention; impl 'xla-loop' is the XLA path with the CPU kernels off (its
+  decode rows through its own chunk loop, as on several devices or where the kernels cannot
+  build) rather than through cpu_kernels.decode_attention."""
+  if impl != "xla-loop":
+    return ops.ragged_paged_attention(*args, impl=impl, **kwargs)
+  two = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+  return quant.tracing_on(two, ops.ragged_paged_attention)(*args, impl="xla", **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-loop", "pallas_interpret"])  # all behind the one signature
 @pytest.mark.parametrize("page_size,H,K,d,window,soft_cap", CASES)
 def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window, soft_cap, impl):
   rng = np.random.default_rng(page_size + H + K)
@@ -82,13 +93,12 @@ def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window
   k_pages = rng.normal(size=(num_pages, page_size, K, d)).astype(np.float32)
   v_pages = rng.normal(size=(num_pages, page_size, K, d)).astype(np.float32)
   kv_full = np.concatenate([kv_lens, [0, 0]]).astype(np.int32)
-  got = np.asarray(ops.ragged_paged_attention(q, k_pages, v_pages, kv_full, page_indices, cu,
-                                              np.int32(len(q_lens)), sliding_window=window,
-                                              soft_cap=soft_cap, impl=impl))
+  got = np.asarray(attention(q, k_pages, v_pages, kv_full, page_indices, cu, np.int32(len(q_lens)),
+                             sliding_window=window, soft_cap=soft_cap, impl=impl))
   want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window, soft_cap)
   real = int(cu[len(q_lens)])
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
-  if impl == "xla":
+  if impl != "pallas_interpret":
     assert np.isfinite(got).all()  # padding rows are unspecified but never NaN
 
 

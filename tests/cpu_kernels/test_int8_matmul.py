@@ -171,8 +171,8 @@ print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   warnings = [l for l in lines if l.startswith("cpu_kernels.int8_matmul:")]
-  assert warnings == ["cpu_kernels.int8_matmul: int8, int4 and fp8 weights on CPU run through XLA "
-                      "(slower): JAXINFER_CPU_KERNELS=0"], lines
+  assert warnings == ["cpu_kernels.int8_matmul: int8, int4 and fp8 weights and decode attention on CPU "
+                      "run through XLA (slower): JAXINFER_CPU_KERNELS=0"], lines
   assert "available False JAXINFER_CPU_KERNELS=0" in lines and "close True" in lines, lines
 
 
