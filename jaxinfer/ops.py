@@ -186,7 +186,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   # quantized cache's tiles are cast to q's dtype instead (the tile only, never the pool).
   dot_dtype = q.dtype if quantized else values_dtype(k_pages.dtype)
   qs = (q.astype(jnp.float32) * scale).astype(dot_dtype).reshape(T, K, H // K, d)
-  qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
+  blocks = T > decode_q_len  # else no sequence can have more queries than a decode (T = 1 at batch 1)
+  if blocks:
+    qs = jnp.pad(qs, ((0, _BLOCK_Q), (0, 0), (0, 0), (0, 0)))  # a last block may overhang T
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   real = jnp.arange(S) < num_seqs
   sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(K, H // K)
@@ -204,7 +206,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
         qb, k_pages, v_pages, q_pos, pages, dv=dv, window=sliding_window, soft_cap=soft_cap)
   out = _decode_rows(decode_attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
                      sliding_window)
-  if T > decode_q_len:  # else no sequence can have more queries than a decode (T = 1 at batch 1)
+  if blocks:
     out = _query_blocks(attend, qs, out, kv_lens, page_indices, cu_q_lens,
                         real & (q_lens > decode_q_len), sliding_window)
   return out[:T].reshape(T, H, dv).astype(q.dtype)
@@ -214,7 +216,7 @@ def _decode_rows(attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, R
   """Sequences with at most R queries: all at once, R rows each, each reading its own pages."""
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   j = jnp.arange(R, dtype=jnp.int32)
-  rows = cu_q_lens[:-1, None] + j  # [S, R]; < T + R <= the padded length of qs
+  rows = cu_q_lens[:-1, None] + j  # [S, R]; a valid row < T, the others clamped by the gather
   valid = is_decode[:, None] & (j < q_lens[:, None])
   q_pos = jnp.where(valid, (kv_lens - q_lens)[:, None] + j, -1)  # -1: a padding row, sees no key
   hi = jnp.max(jnp.where(is_decode, kv_lens, 0))
