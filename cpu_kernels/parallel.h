@@ -132,7 +132,7 @@ class Helpers {
   static inline std::atomic<bool> forked_{false};
 };
 
-// rows(ob, oe) over [0, O) on the calling thread and XLA's intra-op pool; row_cost is the
+// rows(ob, oe) over [0, O) on the calling thread and the helpers (or XLA's pool); row_cost is the
 // work per output row in weight bytes x tokens (bytes of a row read by every token), align
 // the rows a chunk is a multiple of (whole tiles).
 inline void ParallelRows(xla::ffi::ThreadPool& pool, int64_t O, int64_t row_cost, int64_t align,
