@@ -136,7 +136,7 @@ class Helpers {
 // work per output row in weight bytes x tokens (bytes of a row read by every token), align
 // the rows a chunk is a multiple of (whole tiles).
 inline void ParallelRows(xla::ffi::ThreadPool& pool, int64_t O, int64_t row_cost, int64_t align,
-                  std::function<void(int64_t, int64_t)> rows) {
+                         std::function<void(int64_t, int64_t)> rows) {
   if (O == 0) return;
   auto w = std::make_shared<Work>();
   w->rows = std::move(rows);
@@ -162,7 +162,6 @@ inline void ParallelRows(xla::ffi::ThreadPool& pool, int64_t O, int64_t row_cost
   w->Run();
   while (w->done.load(std::memory_order_acquire) < w->chunks) _mm_pause();
 }
-
 
 }  // namespace jaxinfer_cpu
 
