@@ -63,8 +63,9 @@ call. int4 at 16 tokens and more runs repacked panels (1.1-1.8x faster than its 
 at 256 int8 and int4 1.0-1.3x, fp8 0.7-0.9x. End to end at 64 prompts all three stay
 within ~10% of float32, at batch 1 2-2.8x (int8, int4) and 1.3-1.4x (fp8, whose LM head
 stays float) (README "Formats"). Later that day, with decode attention as one CPU kernel per
-layer and the kernels' own helper threads (cpu_kernels), batch 1 ran int8 3.0x, int4 2.3x
-and fp8 1.4x float32 in one run, int8 1.16x llama.cpp's Q8_0 and int4 0.74x its Q4_1.
+layer and the kernels' own helper threads (cpu_kernels), batch 1 ran int8 2.6-3.0x, int4
+2.3x and fp8 1.4x float32; against llama.cpp int8 0.90-0.92x its Q8_0 (three of four runs)
+and int4 0.74-0.75x its Q4_1.
 Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
 (cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
 model is 103 MB and its batch-1 decode 1.73-1.91x float32's, 0.82x at 64 prompts (README
