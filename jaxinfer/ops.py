@@ -195,7 +195,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   attend = functools.partial(_attend, k_pages, k_pages if same_kv else v_pages, dv=dv,
                              sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink,
                              k_scale=k_scale, v_scale=k_scale if same_kv else v_scale)
-  out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T + _BLOCK_Q, K, G, dv]
+  out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T (+ _BLOCK_Q with blocks), K, G, dv]
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   decode_attend = attend
   if (use_cpu_kernels() and not quantized and sinks is None and d % 8 == 0 and dv % 8 == 0
