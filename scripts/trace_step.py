@@ -6,8 +6,10 @@
 Runs the default model on --batch copies of one short prompt (greedy, EOS ignored), warms
 it up, then traces --steps decode steps (and the one prefill step before them) with jax.profiler and sums the XLA CPU runtime's
 per-operation events by kind (the HLO instruction name without its number:
-`ffi_call` = the cpu_kernels matmuls, `while` = attention's decode loop with
-everything inside it, `*_fusion` = XLA's fused element-wise work). Only
+`ffi_call` = the cpu_kernels matmuls and, on one CPU device with a float32 cache,
+decode attention (cpu_kernels.decode_attention); `while` = XLA's attention loops
+(prefill blocks, and decode where the kernel does not apply) with everything inside
+them; `*_fusion` = XLA's fused element-wise work). Only
 top-level operations count (an operation inside a while loop is part of the
 loop's time), so the kinds add up to the device time of a step. Times are
 under the profiler, which adds a little per operation: read them as shares.
