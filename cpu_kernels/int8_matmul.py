@@ -65,6 +65,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared",
 # the int16 multiply-adds become vpdpwssd (DotAdd in the source), the same integer sums at
 # 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; scripts/bench_simd_peak.py). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
 VNNI_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI")
+VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512vl", "avx512bw", "avx512_vnni"})  # /proc/cpuinfo names
 
 
 def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
@@ -178,11 +179,15 @@ def _isa() -> str:
   choice = os.environ.get("JAXINFER_CPU_KERNELS_ISA", "auto")
   if choice not in ("auto", "avx2", "avx512vnni"):
     raise ValueError(f"JAXINFER_CPU_KERNELS_ISA must be auto, avx2 or avx512vnni, got {choice!r}")
-  flags = _cpu_flags() or set()
-  has_vnni = {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags
+  has_vnni = has_avx512_vnni()
   if choice == "avx512vnni" and not has_vnni:
     raise ValueError("JAXINFER_CPU_KERNELS_ISA=avx512vnni, but this CPU lacks AVX512-VNNI")
   return "avx512vnni" if has_vnni and choice != "avx2" else "avx2"
+
+
+def has_avx512_vnni() -> bool:
+  """Whether this CPU has what the VNNI build needs (VNNI_CPU_FLAGS)."""
+  return VNNI_CPU_FLAGS <= (_cpu_flags() or set())
 
 
 def available() -> bool:

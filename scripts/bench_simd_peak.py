@@ -119,30 +119,23 @@ int main() {
   // four chains measured 1.0x FMA where eight reach 2x.
   __m256i b[8];
   for (int i = 0; i < 8; ++i) b[i] = _mm256_set1_epi32(0);
+  // Eight chains of one instruction OP (its mnemonic spliced into the asm), summed into b[OUT].
+#define EIGHT_CHAINS(OP, OUT)                                                                           \
+  [&](long n) {                                                                                         \
+    __m256i b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3], b4 = b[4], b5 = b[5], b6 = b[6], b7 = b[7];     \
+    for (long i = 0; i < n; ++i) asm volatile(                                                          \
+        #OP " %[w], %[x], %[b0]\n\t" #OP " %[w], %[x], %[b1]\n\t" #OP " %[w], %[x], %[b2]\n\t"          \
+        #OP " %[w], %[x], %[b3]\n\t" #OP " %[w], %[x], %[b4]\n\t" #OP " %[w], %[x], %[b5]\n\t"          \
+        #OP " %[w], %[x], %[b6]\n\t" #OP " %[w], %[x], %[b7]\n\t"                                         \
+        : [b0]"+v"(b0), [b1]"+v"(b1), [b2]"+v"(b2), [b3]"+v"(b3), [b4]"+v"(b4), [b5]"+v"(b5),            \
+          [b6]"+v"(b6), [b7]"+v"(b7) : [w]"v"(w), [x]"v"(x));                                             \
+    b[OUT] = _mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(_mm256_add_epi32(b2, b3),      \
+        _mm256_add_epi32(_mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));                         \
+  }
   for (int round = 0; round < 3; ++round) {
-    double r = Rate([&](long n) {
-      __m256i b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3], b4 = b[4], b5 = b[5], b6 = b[6], b7 = b[7];
-      for (long i = 0; i < n; ++i) asm volatile(
-          "vpdpwssd %[w], %[x], %[b0]\n\tvpdpwssd %[w], %[x], %[b1]\n\tvpdpwssd %[w], %[x], %[b2]\n\t"
-          "vpdpwssd %[w], %[x], %[b3]\n\tvpdpwssd %[w], %[x], %[b4]\n\tvpdpwssd %[w], %[x], %[b5]\n\t"
-          "vpdpwssd %[w], %[x], %[b6]\n\tvpdpwssd %[w], %[x], %[b7]\n\t"
-          : [b0]"+v"(b0), [b1]"+v"(b1), [b2]"+v"(b2), [b3]"+v"(b3), [b4]"+v"(b4), [b5]"+v"(b5),
-            [b6]"+v"(b6), [b7]"+v"(b7) : [w]"v"(w), [x]"v"(x));
-      b[0] = _mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(_mm256_add_epi32(b2, b3), _mm256_add_epi32(
-          _mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
-    }, N, 8 * 16);
+    double r = Rate(EIGHT_CHAINS(vpdpwssd, 0), N, 8 * 16);
     if (r > vnni[0]) vnni[0] = r;
-    r = Rate([&](long n) {
-      __m256i b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3], b4 = b[4], b5 = b[5], b6 = b[6], b7 = b[7];
-      for (long i = 0; i < n; ++i) asm volatile(
-          "vpdpbusd %[w], %[x], %[b0]\n\tvpdpbusd %[w], %[x], %[b1]\n\tvpdpbusd %[w], %[x], %[b2]\n\t"
-          "vpdpbusd %[w], %[x], %[b3]\n\tvpdpbusd %[w], %[x], %[b4]\n\tvpdpbusd %[w], %[x], %[b5]\n\t"
-          "vpdpbusd %[w], %[x], %[b6]\n\tvpdpbusd %[w], %[x], %[b7]\n\t"
-          : [b0]"+v"(b0), [b1]"+v"(b1), [b2]"+v"(b2), [b3]"+v"(b3), [b4]"+v"(b4), [b5]"+v"(b5),
-            [b6]"+v"(b6), [b7]"+v"(b7) : [w]"v"(w), [x]"v"(x));
-      b[1] = _mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(_mm256_add_epi32(b2, b3), _mm256_add_epi32(
-          _mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
-    }, N, 8 * 32);
+    r = Rate(EIGHT_CHAINS(vpdpbusd, 1), N, 8 * 32);
     if (r > vnni[1]) vnni[1] = r;
   }
   a[0] = _mm256_add_epi32(a[0], _mm256_add_epi32(b[0], b[7]));
@@ -161,7 +154,6 @@ FORMS = [
     ("int16 vnni", "vpdpwssd (AVX512-VNNI, ymm)", 16, "cpu_kernels' int8 and int4, VNNI build"),
     ("int8 vnni", "vpdpbusd (AVX512-VNNI, ymm)", 32, "int8 activations (not used)"),
 ]
-VNNI_CPU_FLAGS = {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
 
 
 def measure() -> list[float]:
@@ -171,9 +163,9 @@ def measure() -> list[float]:
   with tempfile.TemporaryDirectory() as d:
     src, exe = Path(d) / "peak.cc", Path(d) / "peak"
     src.write_text(SOURCE)
-    from cpu_kernels.int8_matmul import _cpu_flags
-    vnni = VNNI_CPU_FLAGS <= (_cpu_flags() or set())
-    extra = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI"] if vnni else []
+    from cpu_kernels.int8_matmul import VNNI_FLAGS, has_avx512_vnni
+    vnni = has_avx512_vnni()
+    extra = list(VNNI_FLAGS) if vnni else []
     subprocess.run([compiler, "-O2", "-mavx2", "-mfma", *extra, "-std=c++17", str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
   rates = [float(v) for v in out[:6]]
