@@ -199,8 +199,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="KV cache dtype: auto = the model's; int8 / fp8 store it quantized (a float32 scale "
                       "per token and kv head), so about 2-4x more tokens fit")
   p.add_argument("--no-prefix-caching", action="store_true")
-  p.add_argument("--async-scheduling", action="store_true",
-                 help="schedule and pack step n+1 while the device runs step n "
+  p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                 help="schedule and pack step n+1 while the device runs step n (default: on) "
                       "(with --speculative-method mtp too; ngram drafts need each step's tokens on "
                       "the host, so those steps do not overlap)")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],

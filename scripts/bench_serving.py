@@ -83,8 +83,7 @@ def engine_options(args) -> list[str]:
           str(args.max_num_batched_tokens), "--dtype", args.dtype]
   if args.model:
     opts = ["--model", str(args.model)] + opts
-  if args.async_scheduling:
-    opts.append("--async-scheduling")
+  opts.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
   return opts
 
 
@@ -217,7 +216,8 @@ def main() -> None:
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--async-scheduling", action="store_true", help="engine and server schedule one step ahead")
+  p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                 help="engine and server schedule one step ahead (the default; --no-async-scheduling: not)")
   p.add_argument("--no-load", action="store_true", help="skip phase 3")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-<date>.json)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -89,3 +89,13 @@ def test_cli_input_output(tmp_path):
   assert set(read(out)) == {"x", "line-2"}
   r = subprocess.run(cmd + ["--input", str(inp)], capture_output=True, text=True)
   assert r.returncode == 1 and "--input needs --output" in r.stderr
+
+
+def test_async_scheduling_is_the_cli_default_and_can_be_turned_off():
+  from jaxinfer.cli import build_parser
+  from jaxinfer.engine.engine import EngineConfig
+  parse = build_parser().parse_args
+  assert EngineConfig().async_scheduling is True
+  assert parse(["generate", "hi"]).async_scheduling is True
+  assert parse(["generate", "--no-async-scheduling", "hi"]).async_scheduling is False
+  assert parse(["serve", "--no-async-scheduling"]).async_scheduling is False
