@@ -38,84 +38,40 @@ per embedding column, so the lookup is values[t] * scales and the
 head folds the scales into its input (head_logits). An untied embedding is only gathered
 and stays in the model dtype.
 
-`linear(eq, x, w)` is the model's only matmul over linear weights. Per-channel int8 on the
-CPU runs `int8_matmul`: the hand-written kernel cpu_kernels.int8_matmul (an XLA FFI
-custom call, AVX2) makes each token's activations int16 (x = a x16, 2^-15 of the row's
-largest value), reads the int8 weight once and sums x16 q exactly in integers; the
-scales multiply after (sum_i x_i q_io s_o = s_o sum_i x_i q_io). Where the kernel is not
-available, or in a program split over several devices, `split_int8_matmul` does the same
-with XLA's own int8 dot: two int8 limbs per token (x = a (hi + lo / 254)), one s8 x s8 ->
-s32 dot of the 2T limb rows over the int8 weight. int4 groups of a multiple of 32 inputs
-(up to 4096) run cpu_kernels.int4_matmul likewise (exact integer sums per group, scaled in
-float32; from 16 tokens on through repacked panels, the same numbers). Per-channel fp8 runs
-cpu_kernels.fp8_matmul: weight-only (float32 activations), the e4m3 values converted a few
-rows at a time into a small float32 panel rather than a float32 copy of the weight.
-Every other form is weight-only: activations stay float, the values are converted for the
-dot and per-channel scales multiply its output. Group-wise scales (Q8_0, and int4 without
-the kernel) vary along the contraction, so those weights are dequantized whole first (in
-the same jitted step).
+`linear(eq, x, w)` is the model's only matmul over linear weights (`head_logits` and
+`embed_lookup` read the tied table). Which form runs (`quantized_matmul`):
+- On the CPU, in a program on one device, where cpu_kernels built (`use_cpu_kernels`):
+  hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8 and
+  group-wise int4 (groups of a multiple of 32, up to 4096) make each token's activations
+  int16 in the kernel (x = a x16, a = max|x| / 32767), sum x16 q exactly in integers
+  (per group for int4), and scale in float32 after; int4 below 16 tokens runs "cells",
+  from 16 on repacked panels, the same numbers. Per-channel fp8 is weight-only: e4m3 rows
+  converted into a small float32 panel per call. Every element is computed the same way
+  whatever the batch, so greedy outputs do not depend on it (tests/cpu_kernels).
+- Without the kernels, or in a program split over several devices (`tracing_on`: XLA's
+  partitioner cannot split a custom call): int8 runs `split_int8_matmul`, two int8 limbs
+  per token (x = a (hi + lo / 254)) in one s8 x s8 -> s32 dot XLA CPU does not widen;
+  group-wise weights (Q8_0 blocks, int4) are dequantized whole in the step, since their
+  scales vary along the contraction; anything else (fp8, the GPU) is weight-only, the dot
+  over the converted values and the per-channel scales after.
 
-Update 2026-11-27 (supersedes what follows for fp8 on one CPU device, and int4 at many
-tokens): fp8 runs its own kernel (cpu_kernels.fp8_matmul), no float32 copy of the weight per
-call. int4 at 16 tokens and more runs repacked panels (1.1-1.8x faster than its cells at
-64-256 tokens). With the VNNI build on a Zen 4 host, per matmul against XLA's float32 dot
-(quant-matmul-2026-11-27.json): at 64 tokens int8 1.5-1.7x, int4 1.0-1.6x, fp8 1.0-1.3x;
-at 256 int8 and int4 1.0-1.3x, fp8 0.7-0.9x. End to end at 64 prompts all three stay
-within ~10% of float32, at batch 1 2-2.8x (int8, int4) and 1.3-1.4x (fp8, whose LM head
-stays float) (README "Formats"). Later that day, with decode attention as one CPU kernel per
-layer and the kernels' own helper threads (cpu_kernels), batch 1 ran int8 2.6-3.0x, int4
-2.3x and fp8 1.4x float32; against llama.cpp int8 0.90-0.92x its Q8_0 (three of four runs)
-and int4 0.74-0.75x its Q4_1.
-Update 2026-11-24, int4 (supersedes "int4 does not pay" below): int4 runs its own kernel
-(cpu_kernels.int4_matmul) and holds the tied LM head in int8 (leaf_format); the default
-model is 103 MB and its batch-1 decode 1.73-1.91x float32's, 0.82x at 64 prompts (README
-"Formats").
-Update 2026-11-24 (supersedes the split's speed below): the kernel streams the int8 weight
-at 17-26 GB/s where XLA's split dot streams ~10 and its float32 matrix-vector kernel
-20-24; the batch-1 int8 decode step of the default model went from 17.5 to ~10 ms
-(float32 ~29) (README "Formats"). Update 2026-11-23: a one-row s8 x s8 dot is
-widened, but two or more rows are not (tests/test_quant.py asserts both), which the split
-limbs exploit. End to end on the default model, 64 new tokens, idle 2-core EPYC: batch 1
-float32 28.7, int8 31.2 tok/s (weight-only was 5.2); 64 prompts float32 234.7, int8 223.4.
-The same holds for bfloat16 (float_linear). With the int8 LM head (commit 713cca7, same
-benchmark): batch 1 float32 27.6, int8 42.2 (1.53x); 64 prompts 230.0 and 197.1 (0.86x:
-at 128 limb rows YNNPACK's int8 dot does not beat its float32 one).
+Why kernels: XLA CPU does not fuse a convert into its dot. It writes a float32 [in, out]
+copy of an int8 / fp8 / int4 weight per call, and widens an int8 weight read by a one-row
+s8 x s8 dot to s32 (tests/test_quant.py asserts each on the HLO), which made every
+quantized form 6-18x slower than float32 per matmul at one token. Why int16 activations
+and not int8 (what llama.cpp's Q8 blocks and `vpdpbusd` would allow): the default model
+with per-token int8 activations agreed with float32 on the top-1 token at 90% of
+positions (weight-only: 97%, mean |logit diff| 0.94 vs 0.30); int16 (2^-15 of the row's
+largest value) loses far less, and the quality below is measured through it.
 
-What was measured to choose this (scripts/bench_quant_matmul.py, SmolLM2-135M
-shapes, a chain of 30 layers' weights; benchmarks/results/quant-matmul-*.json):
-- XLA CPU does not fuse the convert into the dot: it writes a float32
-  [in, out] copy of the weight on every call (a convert fusion feeding the
-  dot; tests/test_quant.py asserts it). int8 activations x int8 weights with
-  int32 accumulation do not escape it: XLA CPU widens the int8 weight to an
-  s32 copy for that dot (also asserted). fp8 and int4 compile the same way: one
-  loop fusion converts (and for int4 scales and offsets) the whole weight to an
-  f32 [in, out] buffer that the dot reads (asserted for both in tests/test_quant.py),
-  so on CPU they read the small weight once and write and read a float32 one.
-- Speed: at 1 token every int8 form is ~6-13x slower per matmul than
-  float32 (the widening convert dominates); at 64 tokens int8 x int8 was
-  1.0-1.7x faster than float32 on the MLP weights over four runs on a shared
-  machine, weight-only 0.7-1.2x.
-- Accuracy (the default model, float32 vs int8 next-token logits over 16
-  chat prompts): weight-only agrees on the top-1 token at 97% of positions,
-  mean |logit diff| 0.30; per-token int8 activations drop that to 90% and
-  0.94. That loss outweighs a 1.4x gain at large batch, so weight-only it is.
-- fp8 and int4 (same benchmark, 2026-11-23, load ~8 on the 2 shared cores): per matmul,
-  at 1 token fp8 is 11-17x and int4 15-18x slower than float32, at 64 tokens 1.5-2.2x
-  and 2.4-2.6x slower (int8 weight-only 0.8-1.0x in the same run). The bottleneck is the
-  dequantizing loop fusion above; e4m3 -> f32 and s4 -> f32 (plus the group scale and
-  offset) are software conversions on this CPU, slower per element than int8's. So int4
-  does not pay for speed here at batch 1 or 64: what it buys is memory (the default model's
-  weights 184 MB held in int4 vs 513 MB in float32; int4 is jnp.int4, held packed by XLA
-  CPU, s4 layout E(4), and converted exactly under jax 0.10.2: tests/test_quant.py).
-- Quality (scripts/eval_quality.py, benchmarks/results/quality-2026-11-23.json, the
-  default model, perplexity on our own text): bfloat16 +0.15%, int8 +0.37%, fp8 +1.82%
-  against float32. int4 is +0.00%, bit-identical logits, because the default model is a
-  Q4_1 file: its float32 weights are Q4_1 blocks, which int4 (asymmetric, groups of 32)
-  recovers exactly; on a model not already 4-bit int4 loses more (tiny random smollm2:
-  mean |logit diff| 0.15 vs int8's 0.012 and fp8's 0.056).
-Still, int8 is not 2x float32 at batch 1: YNNPACK's small-row int8 dot costs more per
-byte than XLA's float32 matrix-vector kernel (the LM head, once read as float32 either
-way, is int8 now).
+Quality (scripts/eval_quality.py, README "Formats"): perplexity against float32 bfloat16
++0.15%, int8 +0.37%, fp8 +1.82%; int4 of the default model is exact (its float32 weights
+are Q4_1 blocks, which int4 holds as they are). Speed (README "Formats", dated runs on a
+2-core EPYC): at batch 1 int8 2.6-3.0x and int4 2.3-2.6x float32, fp8 1.4x (its LM head
+stays float32); at 64 prompts all three within ~10-15% of float32. At one token int4 is
+bound by its instructions rather than its bytes (scripts/bench_cpu_tiles.py, one thread):
+with the weights in cache it unpacks and sums 21-29 multiply-adds per ns (int8: 25-40),
+and from DRAM it reads 9-11 GB/s where int8 reads 17-19, the stream one core sustains.
 """
 
 from __future__ import annotations
