@@ -10,21 +10,23 @@ reference), reached through XLA's FFI as custom calls in the jitted step.
   from INT4_PANEL_ROWS rows of x on, through repacked panels (the same numbers).
 - `fp8_matmul`: float32 activations x per-channel e4m3fn weights (weight-only), converted a
   few rows at a time into a small float32 panel instead of a float32 copy of the weight.
-- `decode_attention`: the decode rows of paged attention (float32 cache), one call per layer
-  instead of XLA's chunk loop (`attention.py`, `attention.cc`); jaxinfer.ops uses it.
+- `decode_attention`: the decode rows of paged attention (a float32, bfloat16, int8 or fp8
+  cache, the last two with their per-token scales), one call per layer instead of XLA's
+  chunk loop (`attention.py`, `attention.cc`); jaxinfer.ops uses it.
 
 All of them are one library; parallel.h splits their output rows over the calling thread and
-helper threads.
+helper threads, convert.h holds the float8 conversion they share.
 
 The library is built for AVX2, or where the CPU has AVX512-VNNI with its int16 multiply-adds as
 vpdpwssd (`isa()` says which runs; the same numbers either way).
 """
 
-from cpu_kernels.attention import DECODE_ATTENTION_TARGET, decode_attention, decode_attention_reference
+from cpu_kernels.attention import (DECODE_ATTENTION_TARGET, decode_attention, decode_attention_reference,
+                                   pages_as_float)
 from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, fp8_matmul, fp8_matmul_reference,
                                      int4_groups_fit, int4_matmul, int4_matmul_reference, int8_matmul,
                                      int8_matmul_reference, int16_rows_reference, isa, unavailable_reason)
 
-__all__ = ["DECODE_ATTENTION_TARGET", "INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "decode_attention", "decode_attention_reference", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
+__all__ = ["DECODE_ATTENTION_TARGET", "INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "decode_attention", "decode_attention_reference", "pages_as_float", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
            "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "int16_rows_reference",
            "isa", "unavailable_reason"]

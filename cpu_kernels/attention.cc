@@ -3,9 +3,13 @@
 //   out[s, r, k, g, :] = sum_j w_j v[j, k, :dv] / sum_j w_j,   w_j = exp(c_j - max_j c_j)
 //   c_j = q[s, r, k, g] . k[j, k]   (soft-capped: cap * tanh(c_j / cap))
 //
-// q float32 [S, R, K, G, d] (already scaled), k_pages float32 [N, p, K, d], v_pages float32
-// [N, p, K, dv'] (the first dv columns are the values), q_pos int32 [S, R], page_indices
-// int32 [S, P] -> out float32 [S, R, K, G, dv]. Row (s, r) sees keys j = lo .. q_pos[s, r]
+// q float32 [S, R, K, G, d] (already scaled), k_pages [N, p, K, d], v_pages [N, p, K, dv']
+// (the first dv columns are the values), q_pos int32 [S, R], page_indices int32 [S, P] ->
+// out float32 [S, R, K, G, dv]. The pages are float32, bfloat16 (or its bits as uint16, as
+// the CPU cache stores it), or quantized: int8, or float8 e4m3fn (or its bits as uint8),
+// with float32 k_scale / v_scale [N, p, K], one per token and kv head (key j's vector is
+// values * scale; the score is q . values times the scale, a value row enters with its
+// weight times its scale). Row (s, r) sees keys j = lo .. q_pos[s, r]
 // (lo = q_pos - window + 1 with a window, else 0), key j in page page_indices[s, j / p],
 // slot j % p. A row with q_pos < 0 is zeros and reads nothing (the caller's padding rows).
 //
@@ -26,6 +30,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "convert.h"
 #include "parallel.h"
 
 namespace ffi = xla::ffi;
@@ -62,8 +67,29 @@ inline float HSum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// How the pages hold their values.
+enum class Kv { kF32, kBf16, kInt8, kFp8 };
+
+// Eight values of a page row, from element idx on, as float32 (exact for every kind).
+template <Kv kind>
+inline __m256 Load8(const void* base, int64_t idx) {
+  if constexpr (kind == Kv::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
+  } else if constexpr (kind == Kv::kBf16) {  // bfloat16 is float32's top half
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + idx));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (kind == Kv::kInt8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + idx));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else {
+    return jaxinfer_cpu::Fp8x8(static_cast<const uint8_t*>(base) + idx);
+  }
+}
+
 struct Args {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;
+  const float *k_scale, *v_scale;  // [N * p, K] each, or null (float pages)
   const int32_t *q_pos, *pages;
   float* out;
   int64_t S, R, K, G, d, N, p, dvp, dv, P, window;
@@ -81,6 +107,7 @@ inline void ForKeys(const Args& a, int64_t s, int64_t lo, int64_t hi, Fn fn) {
 }
 
 // Item (s, r, k): kv head k's G query heads of row r of sequence s.
+template <Kv kind>
 void Item(const Args& a, int64_t item) {
   const int64_t s = item / (a.R * a.K), r = item / a.K % a.R, k = item % a.K;
   const int64_t G = a.G, d = a.d, dv = a.dv;
@@ -100,11 +127,13 @@ void Item(const Args& a, int64_t item) {
   const float* q = a.q + item * G * d;
 
   ForKeys(a, s, lo, hi, [&](int64_t j, int64_t row) {
-    const float* kj = a.k + (row * a.K + k) * d;
+    const int64_t kj = (row * a.K + k) * d;  // key j's first element
+    const float ks = a.k_scale ? a.k_scale[row * a.K + k] : 1.0f;
     for (int64_t g = 0; g < G; ++g) {
       __m256 c = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), _mm256_loadu_ps(kj + i), c);
+      for (int64_t i = 0; i < d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), Load8<kind>(a.k, kj + i), c);
       float score = HSum(c);
+      if (a.k_scale) score *= ks;
       if (a.soft_cap > 0) score = a.soft_cap * std::tanh(score / a.soft_cap);
       w[g * L8 + j - lo] = score;
     }
@@ -128,38 +157,58 @@ void Item(const Args& a, int64_t item) {
 
   std::fill(acc, acc + G * dv, 0.0f);
   ForKeys(a, s, lo, hi, [&](int64_t j, int64_t row) {
-    const float* vj = a.v + (row * a.K + k) * a.dvp;
+    const int64_t vj = (row * a.K + k) * a.dvp;
+    const float vs = a.v_scale ? a.v_scale[row * a.K + k] : 1.0f;
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 wj = _mm256_set1_ps(w[g * L8 + j - lo]);
+      const __m256 wj = _mm256_set1_ps(a.v_scale ? w[g * L8 + j - lo] * vs : w[g * L8 + j - lo]);
       float* ag = acc + g * dv;
       for (int64_t i = 0; i < dv; i += 8)
-        _mm256_store_ps(ag + i, _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + i), _mm256_load_ps(ag + i)));
+        _mm256_store_ps(ag + i, _mm256_fmadd_ps(wj, Load8<kind>(a.v, vj + i), _mm256_load_ps(ag + i)));
     }
   });
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < dv; ++i) out[g * dv + i] = acc[g * dv + i] / total[g];
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> pages,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t window, float soft_cap) {
+// k_scale / v_scale: [N, p, K] float32 with int8 or float8 pages; ignored for float pages
+// (the caller passes any float32 buffer).
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> q_pos,
+                           ffi::Buffer<ffi::S32> pages, ffi::ResultBuffer<ffi::F32> out, int64_t window,
+                           float soft_cap) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = q_pos.dimensions(),
-             td = pages.dimensions(), od = out->dimensions();
+             td = pages.dimensions(), od = out->dimensions(), ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  using T = ffi::DataType;
+  const T kt = k.element_type();
+  const Kv kind = kt == T::F32 ? Kv::kF32 : kt == T::BF16 || kt == T::U16 ? Kv::kBf16
+                  : kt == T::S8 ? Kv::kInt8 : Kv::kFp8;
+  const bool known = kt == T::F32 || kt == T::BF16 || kt == T::U16 || kt == T::S8 || kt == T::U8 || kt == T::F8E4M3FN;
+  const bool scaled = kind == Kv::kInt8 || kind == Kv::kFp8;
+  const auto per_token = [&](auto sd) { return sd.size() == 3 && sd[0] == kd[0] && sd[1] == kd[1] && sd[2] == kd[2]; };
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || td.size() != 2 || od.size() != 5 ||
       kd[2] != qd[2] || kd[3] != qd[4] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || pd[0] != qd[0] ||
       pd[1] != qd[1] || td[0] != qd[0] || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3] ||
-      od[4] > vd[3] || qd[4] % 8 != 0 || od[4] % 8 != 0 || kd[0] == 0 || kd[1] == 0)
+      od[4] > vd[3] || qd[4] % 8 != 0 || od[4] % 8 != 0 || kd[0] == 0 || kd[1] == 0 || !known ||
+      v.element_type() != kt || (scaled && !(per_token(ksd) && per_token(vsd))))
     return ffi::Error::InvalidArgument(
-        "decode_attention: want q [S, R, K, G, d], k_pages [N, p, K, d], v_pages [N, p, K, >= dv], q_pos [S, R], "
-        "page_indices [S, P] -> [S, R, K, G, dv], d and dv multiples of 8");
-  const Args a{q.typed_data(), k.typed_data(), v.typed_data(), q_pos.typed_data(), pages.typed_data(),
-               out->typed_data(), qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[1], vd[3], od[4], td[1],
-               window, soft_cap};
+        "decode_attention: want q [S, R, K, G, d], k_pages [N, p, K, d], v_pages [N, p, K, >= dv] of one dtype "
+        "(float32, bfloat16 or its uint16 bits, int8, float8_e4m3fn or its uint8 bits; the last two with "
+        "k_scale, v_scale [N, p, K]), q_pos [S, R], page_indices [S, P] -> [S, R, K, G, dv], d and dv multiples of 8");
+  const Args a{q.typed_data(), k.untyped_data(), v.untyped_data(), scaled ? k_scale.typed_data() : nullptr,
+               scaled ? v_scale.typed_data() : nullptr, q_pos.typed_data(), pages.typed_data(), out->typed_data(),
+               qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[1], vd[3], od[4], td[1], window, soft_cap};
   const int64_t items = a.S * a.R * a.K;
-  // Work per item: at most the table's P * p keys of d + dv floats for G heads.
-  ParallelRows(pool, items, a.P * a.p * (a.d + a.dv) * a.G, 1, [a](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) Item(a, i);
-  });
+  // Work per item: at most the table's P * p keys of d + dv values for G heads.
+  const int64_t cost = a.P * a.p * (a.d + a.dv) * a.G;
+  const auto run = [&](auto item) { ParallelRows(pool, items, cost, 1, [a, item](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) item(a, i);
+  }); };
+  switch (kind) {
+    case Kv::kF32: run(Item<Kv::kF32>); break;
+    case Kv::kBf16: run(Item<Kv::kBf16>); break;
+    case Kv::kInt8: run(Item<Kv::kInt8>); break;
+    case Kv::kFp8: run(Item<Kv::kFp8>); break;
+  }
   return ffi::Error::Success();
 }
 
@@ -169,6 +218,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 # One library from these (attention.cc: cpu_kernels.attention), and the header they share.
 SOURCES = (SOURCE, Path(__file__).with_name("attention.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = (Path(__file__).with_name("parallel.h"), Path(__file__).with_name("convert.h"))
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
 FP8_TARGET = "jaxinfer_fp8_matmul"

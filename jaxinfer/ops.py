@@ -198,12 +198,17 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
   out = jnp.zeros(qs.shape[:-1] + (dv,), jnp.float32)  # [T (+ _BLOCK_Q with blocks), K, G, dv]
   is_decode = real & (q_lens >= 1) & (q_lens <= decode_q_len)
   decode_attend = attend
-  if (use_cpu_kernels() and not quantized and sinks is None and d % 8 == 0 and dv % 8 == 0
-      and qs.dtype == k_pages.dtype == v_pages.dtype == jnp.float32):
+  kv_scales = (k_scale, k_scale if same_kv else v_scale) if quantized else (None, None)
+  if (use_cpu_kernels() and sinks is None and d % 8 == 0 and dv % 8 == 0 and k_pages.dtype == v_pages.dtype
+      and k_pages.dtype in cpu_kernels.attention.FLOAT_PAGES + cpu_kernels.attention.SCALED_PAGES
+      and all(s is None or s.ndim == k_pages.ndim - 1 for s in kv_scales)):  # (MLA's grouped scales: no)
     # One custom call instead of the chunk loop's ~15 XLA operations per 128 keys (see
     # cpu_kernels.attention; 2.8-3.7 ms of a 12-14 ms batch-1 step of the default model).
+    # It reads the pages as stored (bfloat16 bits, int8 or float8 with their scales) and q in
+    # float32 (exact: q was rounded to the dot's dtype above).
     decode_attend = lambda qb, q_pos, pages, lo, hi, keys_per_chunk: cpu_kernels.decode_attention(  # noqa: E731
-        qb, k_pages, v_pages, q_pos, pages, dv=dv, window=sliding_window, soft_cap=soft_cap)
+        qb.astype(jnp.float32), k_pages, v_pages, q_pos, pages, dv=dv, window=sliding_window, soft_cap=soft_cap,
+        k_scale=kv_scales[0], v_scale=kv_scales[1])
   out = _decode_rows(decode_attend, qs, out, kv_lens, page_indices, cu_q_lens, is_decode, decode_q_len,
                      sliding_window)
   if blocks:

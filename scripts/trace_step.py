@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Where a decode step's device time goes, per XLA operation kind, from a jax.profiler trace.
 
-  python scripts/trace_step.py [--quantization int4] [--steps 40] [--batch 1] [--out FILE.json]
+  python scripts/trace_step.py [--quantization int4] [--kv-cache-dtype int8] [--dtype bfloat16]
+                               [--steps 40] [--batch 1] [--out FILE.json]
 
 Runs the default model on --batch copies of one short prompt (greedy, EOS ignored), warms
 it up, then traces --steps decode steps (and the one prefill step before them) with jax.profiler and sums the XLA CPU runtime's
 per-operation events by kind (the HLO instruction name without its number:
-`ffi_call` = the cpu_kernels matmuls and, on one CPU device with a float32 cache,
-decode attention (cpu_kernels.decode_attention); `while` = XLA's attention loops
+`ffi_call` = the cpu_kernels matmuls and, on one CPU device, decode attention
+(cpu_kernels.decode_attention); `while` = XLA's attention loops
 (prefill blocks, and decode where the kernel does not apply) with everything inside
 them; `*_fusion` = XLA's fused element-wise work). Only
 top-level operations count (an operation inside a while loop is part of the
@@ -50,6 +51,8 @@ def top_level_ops(events: list[dict]) -> list[dict]:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quantization", choices=["int8", "fp8", "int4"], default=None)
+  ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8"])
+  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
   ap.add_argument("--out", default=None)
@@ -57,7 +60,8 @@ def main() -> None:
 
   import jax
   from jaxinfer import LLM, SamplingParams
-  llm = LLM(None, quantization=args.quantization, max_num_seqs=args.batch, max_num_batched_tokens=256)
+  llm = LLM(None, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            max_num_seqs=args.batch, max_num_batched_tokens=256)
   sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
   prompt = llm.tokenizer.encode("The capital of France is")
   prompts = [prompt] * args.batch
@@ -76,13 +80,15 @@ def main() -> None:
   total = sum(ms.values())
   rows = [{"kind": k, "ms_per_step": round(v, 3), "share": round(v / total, 3),
            "ops_per_step": round(count[k] / args.steps, 1)} for k, v in ms.most_common()]
-  fmt = args.quantization or "float32"
-  print(f"device time per decode step ({fmt}, batch {args.batch}, {args.steps} steps): {total:.2f} ms")
+  fmt = args.quantization or args.dtype
+  kv = llm.engine.kv_cache_dtype
+  print(f"device time per decode step ({fmt}, KV cache {kv}, batch {args.batch}, {args.steps} steps): {total:.2f} ms")
   print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
   for r in rows[:15]:
     print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
   from bench_peers import write_results
-  out = write_results(f"trace-step-{fmt}", dict(format=fmt, batch=args.batch, steps=args.steps, jax=jax.__version__,
+  out = write_results(f"trace-step-{fmt}", dict(format=fmt, kv_cache_dtype=kv, batch=args.batch, steps=args.steps,
+                                                jax=jax.__version__,
                                                 device_ms_per_step=round(total, 3), kinds=rows), args.out)
   print(f"wrote {out}")
 
