@@ -121,17 +121,24 @@ void Item(const Args& a, int64_t item) {
   }
   const int64_t L = hi - lo + 1, L8 = (L + 7) / 8 * 8;
   thread_local std::vector<float> buf;
-  // [G][L8] scores, then weights; [G][dv] weighted sums of values; [G] sums of weights
-  float* w = AlignedScratch(buf, G * L8 + G * dv + G);
-  float *acc = w + G * L8, *total = acc + G * dv;
+  // [G][L8] scores, then weights; [G][dv] weighted sums of values; [G] sums of weights; one
+  // key's or value's row as float32 (converted once for the G heads that read it)
+  float* w = AlignedScratch(buf, G * L8 + G * dv + G + std::max(d, dv) + 8);
+  float *acc = w + G * L8, *total = acc + G * dv, *row_f = total + (G + 7) / 8 * 8;  // (32-byte aligned)
   const float* q = a.q + item * G * d;
+  // Row `at` of the pages (n values from element at) as float32: in place for float32 pages.
+  const auto as_float = [&](const void* pages, int64_t at, int64_t n) -> const float* {
+    if constexpr (kind == Kv::kF32) return static_cast<const float*>(pages) + at;
+    for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(row_f + i, Load8<kind>(pages, at + i));
+    return row_f;
+  };
 
   ForKeys(a, s, lo, hi, [&](int64_t j, int64_t row) {
-    const int64_t kj = (row * a.K + k) * d;  // key j's first element
+    const float* kj = as_float(a.k, (row * a.K + k) * d, d);
     const float ks = a.k_scale ? a.k_scale[row * a.K + k] : 1.0f;
     for (int64_t g = 0; g < G; ++g) {
       __m256 c = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), Load8<kind>(a.k, kj + i), c);
+      for (int64_t i = 0; i < d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), _mm256_loadu_ps(kj + i), c);
       float score = HSum(c);
       if (a.k_scale) score *= ks;
       if (a.soft_cap > 0) score = a.soft_cap * std::tanh(score / a.soft_cap);
@@ -157,13 +164,13 @@ void Item(const Args& a, int64_t item) {
 
   std::fill(acc, acc + G * dv, 0.0f);
   ForKeys(a, s, lo, hi, [&](int64_t j, int64_t row) {
-    const int64_t vj = (row * a.K + k) * a.dvp;
+    const float* vj = as_float(a.v, (row * a.K + k) * a.dvp, dv);
     const float vs = a.v_scale ? a.v_scale[row * a.K + k] : 1.0f;
     for (int64_t g = 0; g < G; ++g) {
       const __m256 wj = _mm256_set1_ps(a.v_scale ? w[g * L8 + j - lo] * vs : w[g * L8 + j - lo]);
       float* ag = acc + g * dv;
       for (int64_t i = 0; i < dv; i += 8)
-        _mm256_store_ps(ag + i, _mm256_fmadd_ps(wj, Load8<kind>(a.v, vj + i), _mm256_load_ps(ag + i)));
+        _mm256_store_ps(ag + i, _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + i), _mm256_load_ps(ag + i)));
     }
   });
   for (int64_t g = 0; g < G; ++g)

@@ -2,10 +2,11 @@
 """Where a decode step's device time goes, per XLA operation kind, from a jax.profiler trace.
 
   python scripts/trace_step.py [--quantization int4] [--kv-cache-dtype int8] [--dtype bfloat16]
-                               [--steps 40] [--batch 1] [--out FILE.json]
+                               [--steps 40] [--batch 1] [--prompt-len N] [--out FILE.json]
 
-Runs the default model on --batch copies of one short prompt (greedy, EOS ignored), warms
-it up, then traces --steps decode steps (and the one prefill step before them) with jax.profiler and sums the XLA CPU runtime's
+Runs the default model on --batch copies of one short prompt (or, with --prompt-len, of N
+random token ids: a long context; the second run's prefill is then served by the prefix
+cache but its last page) (greedy, EOS ignored), warms it up, then traces --steps decode steps (and the one prefill step before them) with jax.profiler and sums the XLA CPU runtime's
 per-operation events by kind (the HLO instruction name without its number:
 `ffi_call` = the cpu_kernels matmuls and, on one CPU device, decode attention
 (cpu_kernels.decode_attention); `while` = XLA's attention loops
@@ -55,15 +56,20 @@ def main() -> None:
   ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+  ap.add_argument("--prompt-len", type=int, default=None, help="random prompt ids of this length (default: a short text)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
 
   import jax
   from jaxinfer import LLM, SamplingParams
   llm = LLM(None, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            max_num_seqs=args.batch, max_num_batched_tokens=256)
+            max_num_seqs=args.batch, max_num_batched_tokens=256,
+            max_model_len=max(4096, (args.prompt_len or 0) + args.steps + 1))
   sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
   prompt = llm.tokenizer.encode("The capital of France is")
+  if args.prompt_len:
+    import numpy as np
+    prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, args.prompt_len).tolist()
   prompts = [prompt] * args.batch
   llm.generate(prompts, sp)  # compiles the programs this decode runs
   with tempfile.TemporaryDirectory() as d:
@@ -82,12 +88,14 @@ def main() -> None:
            "ops_per_step": round(count[k] / args.steps, 1)} for k, v in ms.most_common()]
   fmt = args.quantization or args.dtype
   kv = llm.engine.kv_cache_dtype
-  print(f"device time per decode step ({fmt}, KV cache {kv}, batch {args.batch}, {args.steps} steps): {total:.2f} ms")
+  print(f"device time per decode step ({fmt}, KV cache {kv}, batch {args.batch}, prompt "
+        f"{args.prompt_len or len(prompt)}, {args.steps} steps): {total:.2f} ms")
   print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
   for r in rows[:15]:
     print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
   from bench_peers import write_results
-  out = write_results(f"trace-step-{fmt}", dict(format=fmt, kv_cache_dtype=kv, batch=args.batch, steps=args.steps,
+  out = write_results(f"trace-step-{fmt}", dict(format=fmt, kv_cache_dtype=kv, batch=args.batch,
+                                                prompt_len=args.prompt_len or len(prompt), steps=args.steps,
                                                 jax=jax.__version__,
                                                 device_ms_per_step=round(total, 3), kinds=rows), args.out)
   print(f"wrote {out}")
