@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -86,6 +87,17 @@ inline __m256 Load8(const void* base, int64_t idx) {
   }
 }
 
+// The kind of pages of an element type; none for one the kernel does not read.
+inline std::optional<Kv> KindOf(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return Kv::kF32;
+    case ffi::DataType::BF16: case ffi::DataType::U16: return Kv::kBf16;
+    case ffi::DataType::S8: return Kv::kInt8;
+    case ffi::DataType::F8E4M3FN: case ffi::DataType::U8: return Kv::kFp8;
+    default: return std::nullopt;
+  }
+}
+
 struct Args {
   const float* q;
   const void *k, *v;
@@ -135,12 +147,11 @@ void Item(const Args& a, int64_t item) {
 
   ForKeys(a, s, lo, hi, [&](int64_t j, int64_t row) {
     const float* kj = as_float(a.k, (row * a.K + k) * d, d);
-    const float ks = a.k_scale ? a.k_scale[row * a.K + k] : 1.0f;
+    const float ks = a.k_scale ? a.k_scale[row * a.K + k] : 1.0f;  // (x * 1 is x, exactly)
     for (int64_t g = 0; g < G; ++g) {
       __m256 c = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), _mm256_loadu_ps(kj + i), c);
-      float score = HSum(c);
-      if (a.k_scale) score *= ks;
+      float score = HSum(c) * ks;
       if (a.soft_cap > 0) score = a.soft_cap * std::tanh(score / a.soft_cap);
       w[g * L8 + j - lo] = score;
     }
@@ -167,7 +178,7 @@ void Item(const Args& a, int64_t item) {
     const float* vj = as_float(a.v, (row * a.K + k) * a.dvp, dv);
     const float vs = a.v_scale ? a.v_scale[row * a.K + k] : 1.0f;
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 wj = _mm256_set1_ps(a.v_scale ? w[g * L8 + j - lo] * vs : w[g * L8 + j - lo]);
+      const __m256 wj = _mm256_set1_ps(w[g * L8 + j - lo] * vs);
       float* ag = acc + g * dv;
       for (int64_t i = 0; i < dv; i += 8)
         _mm256_store_ps(ag + i, _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + i), _mm256_load_ps(ag + i)));
@@ -185,18 +196,15 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            float soft_cap) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = q_pos.dimensions(),
              td = pages.dimensions(), od = out->dimensions(), ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
-  using T = ffi::DataType;
-  const T kt = k.element_type();
-  const Kv kind = kt == T::F32 ? Kv::kF32 : kt == T::BF16 || kt == T::U16 ? Kv::kBf16
-                  : kt == T::S8 ? Kv::kInt8 : Kv::kFp8;
-  const bool known = kt == T::F32 || kt == T::BF16 || kt == T::U16 || kt == T::S8 || kt == T::U8 || kt == T::F8E4M3FN;
+  const std::optional<Kv> known = KindOf(k.element_type());
+  const Kv kind = known.value_or(Kv::kF32);
   const bool scaled = kind == Kv::kInt8 || kind == Kv::kFp8;
   const auto per_token = [&](auto sd) { return sd.size() == 3 && sd[0] == kd[0] && sd[1] == kd[1] && sd[2] == kd[2]; };
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || td.size() != 2 || od.size() != 5 ||
       kd[2] != qd[2] || kd[3] != qd[4] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || pd[0] != qd[0] ||
       pd[1] != qd[1] || td[0] != qd[0] || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3] ||
       od[4] > vd[3] || qd[4] % 8 != 0 || od[4] % 8 != 0 || kd[0] == 0 || kd[1] == 0 || !known ||
-      v.element_type() != kt || (scaled && !(per_token(ksd) && per_token(vsd))))
+      v.element_type() != k.element_type() || (scaled && !(per_token(ksd) && per_token(vsd))))
     return ffi::Error::InvalidArgument(
         "decode_attention: want q [S, R, K, G, d], k_pages [N, p, K, d], v_pages [N, p, K, >= dv] of one dtype "
         "(float32, bfloat16 or its uint16 bits, int8, float8_e4m3fn or its uint8 bits; the last two with "

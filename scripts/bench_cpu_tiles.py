@@ -24,8 +24,6 @@ Writes benchmarks/results/cpu-tiles-<date>.json and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import shutil
 import subprocess
@@ -114,7 +112,6 @@ def main() -> int:
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   import bench_peers
-  from bench_offline import git_commit
   rows = []
   with tempfile.TemporaryDirectory() as d:
     exe, isa = build(Path(d))
@@ -133,14 +130,8 @@ def main() -> int:
     lines.append(f"| {r['shape']} ({r['in']} x {r['out']}) | {r['weights']} | {r['int8_us']:.1f} | "
                  f"{r['int8_gb_s']:.1f} | {r['int8_mac_per_ns']:.1f} | {r['int4_us']:.1f} | {r['int4_gb_s']:.1f} | "
                  f"{r['int4_mac_per_ns']:.1f} | {r['int4_us'] / r['int8_us']:.2f}x |")
-  result = {"benchmark": "cpu-tiles", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "command": " ".join(sys.argv), "isa": isa, "threads": 1,
-            "machine": {"platform": platform.platform(), **bench_peers.cpu_info()}, "rows": rows}
-  result["commit"] = git_commit()
-  out = Path(args.out) if args.out else (
-      ROOT / "benchmarks" / "results" / f"cpu-tiles-{datetime.date.today().isoformat()}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  out = bench_peers.write_results("cpu-tiles", {"isa": isa, "threads": 1, "platform": platform.platform(),
+                                                "rows": rows}, args.out)
   print("\n".join(lines))
   print(f"wrote {out}")
   return 0

@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_peers import git_commit  # noqa: E402
+
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
     "Explain what a neural network is.", "Translate 'good morning' into Spanish.",
@@ -274,18 +276,6 @@ def run_gpu(args) -> int:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-
-def git_commit() -> str:
-  """HEAD's short hash, with '+dirty' when tracked files differ from it (then the numbers are not HEAD's)."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
-  except OSError:
-    return "unknown"
-
 
 def table(rows: list[dict]) -> str:
   lines = ["| workload | system | dtype (precision) | tokens/s | vs jaxinfer | TTFT s | peak RSS MB |",

@@ -342,16 +342,27 @@ def _timed_worker(name: str, python: str, command: str, spec: dict[str, Any], ti
   return result
 
 
+def git_commit() -> str:
+  """HEAD's short hash, with '+dirty' when tracked files differ from it (then the numbers are not HEAD's)."""
+  root = Path(__file__).resolve().parent.parent
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+  except OSError:
+    return "unknown"
+
+
 def write_results(kind: str, payload: dict[str, Any], out: str | os.PathLike[str] | None = None) -> Path:
   """Writes a benchmark's JSON with this repository's commit and the CPU it ran on:
   `out`, or benchmarks/results/<kind>-<date>.json."""
   import datetime
   root = Path(__file__).resolve().parent.parent
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                          text=True).stdout.strip()
   path = Path(out) if out else root / "benchmarks" / "results" / f"{kind}-{datetime.date.today().isoformat()}.json"
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(dict(benchmark=kind, commit=commit, cpu=cpu_info(), command=" ".join(sys.argv),
+  path.write_text(json.dumps(dict(benchmark=kind, commit=git_commit(), cpu=cpu_info(), command=" ".join(sys.argv),
                                   **payload), indent=1))
   return path
 
