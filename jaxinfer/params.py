@@ -322,23 +322,26 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 quantization: str | None = None) -> Any:
   """Random weights at the config's real shapes (normal with std 1/sqrt(fan_in)).
 
-  With `quantization`, the same random weights quantized (on the host).
+  With `quantization`, the same random weights quantized on the device, one weight at a
+  time (an 8B model never exists in float32 whole), through the same functions as the
+  converter's numpy quantization (tests/test_quant.py bounds how far the two differ).
   """
-  if quantization is not None:
-    from jaxinfer.quant import cast_floats, parse_quantization, quantize_tree
-    parse_quantization(quantization)
-    floats = jax.device_get(init_params(cfg, key, jnp.float32))
-    return jax.device_put(cast_floats(quantize_tree(param_specs(cfg), floats, quantization), dtype))
   specs = param_specs(cfg)
+  if quantization is not None:
+    from jaxinfer.quant import check_quantizable, leaf_format, parse_quantization, quantize_weight
+    parse_quantization(quantization)
+    check_quantizable(specs, quantization)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))
 
-  def init(spec: WeightSpec, k: jax.Array) -> jax.Array:
+  def init(spec: WeightSpec, k: jax.Array) -> Any:
     if spec.init == "ones":
       return jnp.ones(spec.shape, dtype)
     if spec.init == "zeros":
       return jnp.zeros(spec.shape, dtype)
     fan_in = spec.fan_in if spec.linear or spec.num_experts else spec.shape[-1]
-    return (jax.random.normal(k, spec.shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+    w = jax.random.normal(k, spec.shape, jnp.float32) / math.sqrt(fan_in)
+    fmt = quantization and leaf_format(spec, quantization)
+    return quantize_weight(spec, w, fmt) if fmt else w.astype(dtype)
 
   return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(leaves, keys)])

@@ -53,7 +53,9 @@ and stays in the model dtype.
   per token (x = a (hi + lo / 254)) in one s8 x s8 -> s32 dot XLA CPU does not widen;
   group-wise weights (Q8_0 blocks, int4) are dequantized whole in the step, since their
   scales vary along the contraction; anything else (fp8, the GPU) is weight-only, the dot
-  over the converted values and the per-channel scales after.
+  over the converted values in the activations' dtype (bf16 for a bf16 model: exact for
+  int8 and e4m3 values, and on a GPU XLA fuses the convert into the GEMM) and the
+  per-channel scales after.
 
 Why kernels: XLA CPU does not fuse a convert into its dot. It writes a float32 [in, out]
 copy of an int8 / fp8 / int4 weight per call, and widens an int8 weight read by a one-row
@@ -221,9 +223,11 @@ def values_shape(shape: tuple, n_in: int, lead: int = 0) -> tuple:
   return shape[:lead] + shape[lead + n_in:] + shape[lead:lead + n_in]
 
 
-def to_values_layout(a: np.ndarray, n_in: int) -> np.ndarray:
-  """[in..., out...] -> [out..., in...] (a copy, C order)."""
+def to_values_layout(a, n_in: int):
+  """[in..., out...] -> [out..., in...] (numpy: a copy, C order; or jax)."""
   axes = tuple(range(n_in, a.ndim)) + tuple(range(n_in))
+  if isinstance(a, jax.Array):
+    return jnp.transpose(a, axes)
   return np.ascontiguousarray(np.transpose(a, axes))
 
 
@@ -252,32 +256,42 @@ def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") 
   return QuantizedWeight(values, scales, mins)
 
 
-# ---- quantization (host, numpy) ---------------------------------------------------------------
+# ---- quantization (numpy on the host, or jax where the weight lives) ---------------------------
+
+def _xp(w: Any):
+  """The array namespace of `w`: jax.numpy for a jax array (quantized where it lives, e.g. an
+  8B model's random weights on the GPU), numpy for anything else. Both round the same way
+  (round half to even, float32 -> e4m3 to nearest even), so the two give the same bits."""
+  return jnp if isinstance(w, jax.Array) else np
+
 
 def quantize_int8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   """Symmetric per-output-channel int8 over the first `n_in` (input) axes."""
-  w = np.asarray(w, np.float32)
+  xp = _xp(w)
+  w = xp.asarray(w, np.float32)
   axes = tuple(range(n_in))
-  amax = np.max(np.abs(w), axis=axes, keepdims=True)
+  amax = xp.max(xp.abs(w), axis=axes, keepdims=True)
   # An all-zero channel gets scale 1 (its values are 0 anyway), never a division by zero.
-  scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-  values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+  scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+  values = xp.clip(xp.rint(w / scale), -127, 127).astype(np.int8)
   return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
 
 
 def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   """Per-output-channel float8_e4m3fn over the first `n_in` (input) axes: max|w| maps to 448."""
-  w = np.asarray(w, np.float32)
-  amax = np.max(np.abs(w), axis=tuple(range(n_in)), keepdims=True)
-  scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+  xp = _xp(w)
+  w = xp.asarray(w, np.float32)
+  amax = xp.max(xp.abs(w), axis=tuple(range(n_in)), keepdims=True)
+  scale = xp.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
   # e4m3fn has no infinity: a value past 448 would become NaN, so clip the rounding overshoot.
-  values = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+  values = xp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
   return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
 
 
 def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: str = "weight") -> QuantizedWeight:
   """Asymmetric int4 per group of `group_size` consecutive inputs (GGUF Q4_1's scheme)."""
-  w = np.asarray(w, np.float32)
+  xp = _xp(w)
+  w = xp.asarray(w, np.float32)
   in_size = math.prod(w.shape[:n_in])
   if group_size < 1 or in_size % group_size:
     raise ValueError(f"int4 group size {group_size} does not divide the {in_size} inputs of {name} "
@@ -286,8 +300,8 @@ def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: 
   grouped = w.reshape(G, group_size, -1)
   lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
   # A constant group gets scale 1: all its values land on the min, exactly.
-  scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
-  q = np.clip(np.rint((grouped - lo[:, None]) / scale[:, None]), 0, 15)
+  scale = xp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+  q = xp.clip(xp.rint((grouped - lo[:, None]) / scale[:, None]), 0, 15)
   values = (q - 8).astype(np.int8).reshape(w.shape)
   mins = (lo + 8.0 * scale).astype(np.float32)
   out = (G,) + w.shape[n_in:]
@@ -308,14 +322,16 @@ def quantize(w: np.ndarray, n_in: int, quantization: str, group_size: int = INT4
 def quantize_weight(spec, w: np.ndarray, quantization: str, group_size: int = INT4_GROUP) -> QuantizedWeight:
   """`quantize` for the weight `spec` describes: a stacked expert weight expert by expert
   (values [E, out, in], scales [E, G, out])."""
+  xp = _xp(w)
   if is_table(spec):
     q = quantize(w, 1, quantization, group_size, spec.hf)
-    return QuantizedWeight(np.ascontiguousarray(from_values_layout(q.values, 1)), q.scales)
+    values = from_values_layout(q.values, 1)
+    return QuantizedWeight(values if xp is jnp else np.ascontiguousarray(values), q.scales)
   if not spec.num_experts:
     return quantize(w, num_in_axes(spec), quantization, group_size, spec.hf)
-  parts = [quantize(e, num_in_axes(spec), quantization, group_size, spec.hf) for e in np.asarray(w)]
-  return QuantizedWeight(np.stack([p.values for p in parts]), np.stack([p.scales for p in parts]),
-                         None if parts[0].mins is None else np.stack([p.mins for p in parts]))
+  parts = [quantize(w[e], num_in_axes(spec), quantization, group_size, spec.hf) for e in range(w.shape[0])]
+  return QuantizedWeight(xp.stack([p.values for p in parts]), xp.stack([p.scales for p in parts]),
+                         None if parts[0].mins is None else xp.stack([p.mins for p in parts]))
 
 
 def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
@@ -349,7 +365,8 @@ def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_si
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec, quantization):
       return w
-    return quantize_weight(spec, np.asarray(w), leaf_format(spec, quantization), group_size)
+    return quantize_weight(spec, w if isinstance(w, jax.Array) else np.asarray(w),
+                           leaf_format(spec, quantization), group_size)
 
   return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or is_quantized(x))
 
@@ -502,39 +519,50 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   4096) run cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16
   activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)), and
   per-channel fp8 cpu_kernels.fp8_matmul (weight-only, float32 activations).
-  Otherwise per channel (G = 1, no mins): the dot over the converted values, then the
-  scales (exact factoring); group-wise (Q8_0, int4): the scales differ along the
+  Otherwise per channel (G = 1, no mins): the dot over the converted values in the
+  activations' dtype (_in_compute_dtype: bf16 for a bf16 model), then the scales (exact
+  factoring); group-wise (Q8_0, int4): the scales differ along the
   contraction, so the weight is dequantized first (a batched int32 dot per group
   measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
   """
-  x = x.astype(jnp.float32)
   G = scales.shape[0]
   if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and use_cpu_kernels():
-    return cpu_kernels.int4_matmul(x, q, scales, mins)
+    return cpu_kernels.int4_matmul(x.astype(jnp.float32), q, scales, mins)
   if G > 1 or mins is not None:
-    return _dot_t(x, dequantize_groups(q, scales, mins))
+    return _dot_t(x.astype(jnp.float32), dequantize_groups(q, scales, mins))
   if q.dtype == jnp.float8_e4m3fn and use_cpu_kernels():
-    return cpu_kernels.fp8_matmul(x, q, scales[0])
+    return cpu_kernels.fp8_matmul(x.astype(jnp.float32), q, scales[0])
   if q.dtype == jnp.int8:
     return int8_matmul(x, q) * scales[0]
-  return _dot_t(x, q.astype(jnp.float32)) * scales[0]
+  return _dot_t(*_in_compute_dtype(x, q)) * scales[0]
+
+
+def _in_compute_dtype(x: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x and per-channel values q (int8 / e4m3) in the dtype the dot runs in: bfloat16 for
+  bfloat16 activations, else float32. Both conversions of q are exact (|int8| <= 127 and
+  e4m3's 3-bit significand fit bfloat16's 8 bits), and a bf16 x bf16 product is exact in
+  the float32 accumulator, so the result is the float32 dot's up to summation order. On a
+  GPU this is what lets XLA fuse the convert into a bf16 GEMM (one byte read per weight)
+  instead of writing a float32 copy of the weight and running a float32 GEMM."""
+  cd = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+  return x.astype(cd), q.astype(cd)
 
 
 def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
-  """x [M, I] float32 @ q [O, I]^T for an int8 q (its scales applied by the caller) -> float32 [M, O].
+  """x [M, I] float @ q [O, I]^T for an int8 q (its scales applied by the caller) -> float32 [M, O].
 
   On the CPU: the hand-written kernel (cpu_kernels.int8_matmul) over int16 activations
   (x to 2^-15 of its row's largest value, in the kernel), when it is available and the
   program runs on one device; else XLA's split_int8_matmul. Both sum integers exactly,
   so neither depends on the batch; they round differently (~1e-6 relative), so one
   process uses one of them throughout (cpu_kernels.available() does not change).
-  Elsewhere (GPU): a float32 dot over the converted values.
+  Elsewhere (GPU): a dot over the converted values in x's dtype (_in_compute_dtype).
   """
   if use_cpu_kernels():
     return cpu_kernels.int8_matmul(x.astype(jnp.float32), q)
   if jax.default_backend() == "cpu" and q.shape[1] <= SPLIT_INT8_MAX_IN:
-    return split_int8_matmul(x, q)
-  return _dot_t(x, q.astype(jnp.float32))
+    return split_int8_matmul(x.astype(jnp.float32), q)
+  return _dot_t(*_in_compute_dtype(x, q))
 
 
 def use_cpu_kernels() -> bool:
@@ -566,7 +594,7 @@ def tracing_on(mesh: Any, fn: Callable) -> Callable:
 
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [M, I] @ w [O, I]^T -> [M, O] (no transposed copy: the dot contracts both minor axes)."""
-  return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+  return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 # |hi|, |lo| <= 127 and |q| <= 127: a dot over I inputs stays inside int32 while I * 127^2 < 2^31.

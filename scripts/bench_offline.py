@@ -163,8 +163,67 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
   return 2 * x.nbytes / best
 
 
+def weight_matmul_probe(quantization: str | None, smoke: bool):
+  """One linear weight of the model (w_gate, [D] -> [F]) in `quantization` (None: bf16), through
+  quant.linear at 1 and 256 tokens (smoke: 64). Compiles now; returns a function that times it.
+  The compiled HLO says whether a full-precision copy of the weight is written per call (a
+  result with the weight's shape that is not a parameter) and what runs the dot (a Triton
+  GEMM fusion or a cuBLAS call); the time per call is set against the time to read the
+  weight once at the measured copy bandwidth."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxinfer.quant import linear, quantize
+  D, F = (SMOKE if smoke else LLAMA3_8B)["hidden_size"], (SMOKE if smoke else LLAMA3_8B)["intermediate_size"]
+  reps = 4  # distinct weights, rotated, so the timed reads come from HBM rather than L2
+  ws = []
+  for i in range(reps):
+    w = jax.random.normal(jax.random.key(i), (D, F), jnp.float32) / D ** 0.5
+    ws.append(quantize(w, 1, quantization) if quantization else w.astype(jnp.bfloat16))
+  f = jax.jit(lambda x, w: linear("TD,DF->TF", x, w))
+  cases = {}
+  for key, T in (("T1", 1), ("Tbig", 64 if smoke else 256)):  # smoke: 256 would be the weight's own [F, D]
+    x = jax.random.normal(jax.random.key(9), (T, D), jnp.bfloat16)
+    hlo = f.lower(x, ws[0]).compile().as_text()
+    shapes = (f"[{F},{D}]", f"[{D},{F}]")
+    copies = [l.strip()[:160] for l in hlo.splitlines()
+              if "=" in l and any(s in l.split("=", 1)[1].split("(")[0] for s in shapes)
+              and "parameter(" not in l and not l.strip().startswith("ROOT %tuple")]
+    gemm = sorted({k for k in ("__triton_gemm", "triton_gemm", "__cublas$gemm", "__cublas$lt$matmul", "__cudnn$")
+                   if k in hlo})
+    for w in ws:
+      f(x, w).block_until_ready()
+    cases[key] = (T, x, copies, gemm, hlo)
+
+  def timed() -> dict:
+    out = {}
+    for key, (T, x, copies, gemm, _) in cases.items():
+      best = float("inf")
+      for _ in range(10):
+        t = time.perf_counter()
+        for w in ws:
+          y = f(x, w)
+        y.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / reps)
+      out[key] = {"tokens": T, "us_per_call": best * 1e6, "weight_bytes": sum(a.nbytes for a in jax.tree.leaves(ws[0])),
+                  "full_precision_weight_copies": copies, "gemm_markers": gemm, "flops": 2 * T * D * F}
+    return out
+  timed.hlo = {key: c[4] for key, c in cases.items()}
+  return timed
+
+
+def wait_for(path: Path, timeout: float) -> None:
+  end = time.monotonic() + timeout
+  while not path.exists():
+    if time.monotonic() > end:
+      raise TimeoutError(f"no {path} after {timeout:.0f} s")
+    time.sleep(0.05)
+
+
 def run_gpu_worker(spec: dict) -> dict:
-  """Fresh process: random-weight model, engine warmed up, then the two workloads."""
+  """Fresh process: random-weight model (quantized on the device); everything compiled first,
+  then (when `sync_dir` is given: after the parent's go, so rows that compile side by side
+  are timed one at a time) the copy bandwidth, the matmul probe and the two workloads."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -175,48 +234,72 @@ def run_gpu_worker(spec: dict) -> dict:
   from jaxinfer.params import init_params
   from jaxinfer.sampling import SamplingParams
 
-  smoke = spec["smoke"]
+  smoke, quantization, kv = spec["smoke"], spec["quantization"], spec["kv_cache_dtype"]
   cfg = ModelConfig.from_hf(SMOKE if smoke else LLAMA3_8B)
   dtype = jnp.bfloat16
-  params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
+  t = time.perf_counter()
+  params = init_params(cfg, jax.random.key(0), dtype, quantization=quantization)
+  jax.block_until_ready(params)
+  init_s = time.perf_counter() - t
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  bandwidth = copy_bandwidth(1 << (22 if smoke else 31))
+  probe = weight_matmul_probe(quantization, smoke)
   n, prompt_len, new = spec["num_prompts"], spec["prompt_len"], spec["max_tokens"]
+  # warmup=False: only the buckets these two workloads use compile (an unrolled 32-layer
+  # step compiles in tens of seconds on the GPU, and the lease is short); the first run of
+  # each workload compiles and is not timed.
   ec = EngineConfig(max_model_len=prompt_len + new, max_num_seqs=n,
                     max_num_batched_tokens=spec["max_num_batched_tokens"],
                     kv_cache_bytes=int(spec["kv_cache_gb"] * 2**30), attention_impl=spec["attention_impl"],
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, warmup=False, kv_cache_dtype=kv)
   t = time.perf_counter()
   engine = LLMEngine(cfg, params, None, ec)
-  warmup_s = time.perf_counter() - t
+  start_s = time.perf_counter() - t
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (n, prompt_len)).tolist()
   sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+  runs = iter(range(10**6))
 
   def run(batch):
+    r = next(runs)
     for i, p in enumerate(batch):
-      engine.add_request(f"r{len(batch)}-{i}", p, sp)
-    stamps = []
+      engine.add_request(f"run{r}-{i}", p, sp)
+    stamps, ids = [], {}
     t0 = time.perf_counter()
     generated = 0
     while engine.has_unfinished():
       outs = engine.step()
       stamps.append(time.perf_counter())
       generated += sum(len(o.new_token_ids) for o in outs)
-    return t0, stamps, generated
+      for o in outs:
+        ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return t0, stamps, generated, list(ids.values())
 
-  run(prompts[:1])  # the first real step of each shape touches lazily built state
-  t0, stamps, generated = run(prompts[:1])
+  t = time.perf_counter()
+  run(prompts[:1])  # compiles the prefill and decode buckets of batch 1
+  run(prompts)  # and those of the big batch
+  compile_s = time.perf_counter() - t
+  if spec.get("sync_dir"):
+    sync = Path(spec["sync_dir"])
+    (sync / f"ready-{spec['index']}").touch()
+    wait_for(sync / f"go-{spec['index']}", spec["timeout"])
+  bandwidth = copy_bandwidth(1 << (22 if smoke else 31))
+  matmul = probe()
+  t0, stamps, generated, ids1 = run(prompts[:1])
   # Step 1 is the prefill (it samples token 1); the other new - 1 steps decode one token each.
   decode_s = stamps[-1] - stamps[0]
   decode_tps = (new - 1) / decode_s
-  kv_bytes = cache_bytes_per_token(cfg, dtype) * (prompt_len + new / 2)  # mean KV read per token
+  kv_bytes = cache_bytes_per_token(cfg, engine.kv_cache_dtype) * (prompt_len + new / 2)  # mean KV read per token
   roofline_tps = bandwidth / (weight_bytes + kv_bytes)
-  t0, stamps, generated = run(prompts)
+  t0, stamps, generated, _ = run(prompts)
   wall = stamps[-1] - t0
-  return {"attention_impl": engine.runner.attention_impl, "device": jax.devices()[0].device_kind,
-          "jax": jax.__version__, "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9,
-          "warmup_s": warmup_s, "compiled_programs": engine.runner.compiled_programs(),
+  if spec.get("hlo_dir"):
+    for key, text in probe.hlo.items():
+      Path(spec["hlo_dir"], f"matmul-{quantization or 'bf16'}-{key}.hlo.txt").write_text(text)
+  return {"attention_impl": engine.runner.attention_impl, "quantization": quantization or "bf16",
+          "kv_cache_dtype": kv, "resolved_kv_cache_dtype": str(engine.kv_cache_dtype),
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "weight_bytes": weight_bytes,
+          "copy_bandwidth_gbs": bandwidth / 1e9, "init_s": init_s, "engine_start_s": start_s,
+          "compile_s": compile_s, "matmul_probe": matmul, "batch1_token_ids": ids1[0][:16],
           "batch1": {"prompt_len": prompt_len, "new_tokens": new, "decode_tokens_per_s": decode_tps,
                      "roofline_tokens_per_s": roofline_tps, "fraction_of_roofline": decode_tps / roofline_tps,
                      "target_fraction": 0.85},
@@ -226,6 +309,10 @@ def run_gpu_worker(spec: dict) -> dict:
 
 
 def run_gpu(args) -> int:
+  # This process only asks which backend there is: it must not take the GPU's memory that
+  # its workers need (jax preallocates 75% of it by default).
+  parent_env = dict(os.environ)
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
   if jax.default_backend() != "gpu" and not args.smoke:
     print("bench_offline.py --gpu: no GPU here (jax backend: "
@@ -233,46 +320,106 @@ def run_gpu(args) -> int:
     return 2
   impls = args.attention_impls.split(",") if args.attention_impls else (
       ["xla", "pallas_interpret"] if args.smoke else ["pallas", "xla"])
-  rows = []
-  for impl in impls:
-    spec = dict(smoke=args.smoke, attention_impl=impl, num_prompts=8 if args.smoke else 256,
-                prompt_len=16 if args.smoke else 128, max_tokens=8 if args.smoke else 128,
-                max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
-                kv_cache_gb=0.01 if args.smoke else 16)
-    print(f"== GPU mode, attention {impl}", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(spec)], capture_output=True,
-                          text=True, timeout=args.timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-      print(f"attention {impl}: worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-      return 1
-    rows.append(json.loads(lines[-1][len("RESULT "):]))
-  t0 = rows[0]["throughput"]
-  lines = [f"| attention | batch-1 decode tok/s | roofline tok/s | % of roofline | "
-           f"{t0['prompts']} x {t0['prompt_len']}/{t0['new_tokens']} tok/s |", "|---|---:|---:|---:|---:|"]
-  for r in rows:
-    b, t = r["batch1"], r["throughput"]
-    lines.append(f"| {r['attention_impl']} | {b['decode_tokens_per_s']:.1f} | {b['roofline_tokens_per_s']:.1f} | "
-                 f"{100 * b['fraction_of_roofline']:.0f}% | {t['tokens_per_s']:.0f} |")
-  device = rows[0]["device"]
-  result = {"benchmark": "offline-gpu", "smoke": args.smoke,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv), "device": device, "jax": rows[0]["jax"],
-            "model": "Llama-3-8B shape, random bfloat16 weights" if not args.smoke else "tiny llama (smoke)",
-            "rows": rows}
+  formats = [None if f in ("bf16", "bfloat16", "none") else f for f in (args.gpu_formats or "bf16").split(",")]
+  kvs = args.kv_cache_dtypes.split(",")
   if args.out:
     out = Path(args.out)
   elif args.smoke:
     import tempfile
     out = Path(tempfile.gettempdir()) / "offline-gpu-smoke.json"  # CPU numbers are not results
   else:
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower())
-    out = ROOT / "benchmarks" / "results" / f"offline-gpu-{slug}-{datetime.date.today().isoformat()}.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+    out = None  # named after the device, once the first row says which
+  rows, failures = [], []
+  result = {"benchmark": "offline-gpu", "smoke": args.smoke,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
+            "command": " ".join(sys.argv),
+            "model": "Llama-3-8B shape, random weights, bfloat16 activations" if not args.smoke else "tiny llama (smoke)",
+            "rows": rows, "failures": failures}
+  import tempfile
+  sync = Path(tempfile.mkdtemp(prefix="bench-offline-gpu-"))
+  specs = []
+  for impl in impls:
+    for quantization in formats:
+      for kv in kvs:
+        specs.append(dict(smoke=args.smoke, attention_impl=impl, quantization=quantization, kv_cache_dtype=kv,
+                          num_prompts=8 if args.smoke else args.num_prompts, prompt_len=16 if args.smoke else 128,
+                          max_tokens=8 if args.smoke else args.max_tokens,
+                          max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
+                          kv_cache_gb=0.01 if args.smoke else args.kv_cache_gb, timeout=args.timeout,
+                          hlo_dir=args.hlo_dir, index=len(specs),
+                          sync_dir=str(sync) if args.concurrent_compile else None))
+  env = parent_env
+  if args.concurrent_compile:  # every row's process holds its model at once: share the memory
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / len(specs):.3f}")
+  names = [f"attention {sp['attention_impl']}, weights {sp['quantization'] or 'bf16'}, KV {sp['kv_cache_dtype']}"
+           for sp in specs]
+
+  def start(spec):
+    return subprocess.Popen([sys.executable, __file__, "--gpu-worker", json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+  def finish(i, proc) -> None:
+    try:
+      stdout, stderr = proc.communicate(timeout=args.timeout)
+      lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+      if proc.returncode or not lines:
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{stderr[-3000:]}")
+      rows.append(json.loads(lines[-1][len("RESULT "):]))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+      proc.kill()
+      print(f"{names[i]}: {e}", file=sys.stderr, flush=True)
+      failures.append({"row": names[i], "error": str(e)[-3000:]})
+
+  def save() -> None:
+    nonlocal out
+    if not rows:
+      return
+    result.update(device=rows[0]["device"], jax=rows[0]["jax"])
+    if out is None:
+      slug = "".join(c if c.isalnum() else "-" for c in rows[0]["device"].lower())
+      out = ROOT / "benchmarks" / "results" / f"offline-gpu-{slug}-{datetime.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))  # after every row: a lease that ends mid-run keeps what finished
+
+  if args.concurrent_compile:
+    # All rows compile side by side (XLA's compile is CPU work), then run one at a time.
+    procs = [start(sp) for sp in specs]
+    print(f"== GPU mode: {len(specs)} rows compiling side by side", file=sys.stderr, flush=True)
+    end = time.monotonic() + args.timeout
+    while not all((sync / f"ready-{i}").exists() or p.poll() is not None for i, p in enumerate(procs)):
+      if time.monotonic() > end:
+        break
+      time.sleep(0.1)
+    for i, proc in enumerate(procs):
+      print(f"== GPU mode, {names[i]}", file=sys.stderr, flush=True)
+      (sync / f"go-{i}").touch()
+      finish(i, proc)
+      save()
+  else:
+    for i, sp in enumerate(specs):
+      print(f"== GPU mode, {names[i]}", file=sys.stderr, flush=True)
+      finish(i, start(sp))
+      save()
+  if not rows:
+    print("no row finished", file=sys.stderr)
+    return 1
+  t0 = rows[0]["throughput"]
+  lines = [f"| attention | weights | KV | batch-1 decode tok/s | roofline tok/s | % of roofline | "
+           f"{t0['prompts']} x {t0['prompt_len']}/{t0['new_tokens']} tok/s | vs first row | "
+           "matmul T=1 us (% of HBM) | T=256 us | weight copy |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+  for r in rows:
+    b, t, m = r["batch1"], r["throughput"], r["matmul_probe"]
+    floor_us = m["T1"]["weight_bytes"] / (r["copy_bandwidth_gbs"] * 1e9) * 1e6
+    copies = "yes" if any(m[k]["full_precision_weight_copies"] for k in m) else "no"
+    lines.append(f"| {r['attention_impl']} | {r['quantization']} | {r['kv_cache_dtype']} | "
+                 f"{b['decode_tokens_per_s']:.1f} | {b['roofline_tokens_per_s']:.1f} | "
+                 f"{100 * b['fraction_of_roofline']:.0f}% | {t['tokens_per_s']:.0f} | "
+                 f"{t['tokens_per_s'] / t0['tokens_per_s']:.2f}x | {m['T1']['us_per_call']:.1f} "
+                 f"({100 * floor_us / m['T1']['us_per_call']:.0f}%) | {m['Tbig']['us_per_call']:.1f} | {copies} |")
   print("\n".join(lines))
   print(f"wrote {out}")
-  return 0
+  return 1 if failures else 0
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -293,6 +440,14 @@ def main() -> int:
   ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
   ap.add_argument("--gpu", action="store_true", help="GPU mode: Llama-3-8B shape, random bf16 weights")
   ap.add_argument("--smoke", action="store_true", help="with --gpu: tiny shapes, runs on CPU")
+  ap.add_argument("--gpu-formats", default=None,
+                  help="with --gpu: comma list of weight formats, bf16 (unquantized), fp8, int8, int4 (default bf16)")
+  ap.add_argument("--kv-cache-dtypes", default="auto", help="with --gpu: comma list of KV cache dtypes (auto, fp8, int8)")
+  ap.add_argument("--kv-cache-gb", type=float, default=16, help="with --gpu: KV cache pool per row, GiB")
+  ap.add_argument("--concurrent-compile", action="store_true",
+                  help="with --gpu: start every row's process at once (they compile side by side, sharing "
+                       "the GPU's memory), then time them one at a time")
+  ap.add_argument("--hlo-dir", default=None, help="with --gpu: write the matmul probe's compiled HLO here")
   ap.add_argument("--attention-impls", default=None,
                   help="with --gpu: comma list of jaxinfer.ops impls (default pallas,xla; smoke: xla,pallas_interpret)")
   ap.add_argument("--dtypes", default="float32,bfloat16")

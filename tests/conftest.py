@@ -17,7 +17,14 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import jax  # noqa: E402
+
 DATA = Path(__file__).parent / "data"
+# The Pallas kernels' tests run them compiled where a GPU is (the device check in
+# scripts/gpu_check.sh), in interpret mode everywhere else (CI).
+ON_GPU = jax.default_backend() == "gpu"
+PALLAS_INTERPRET = not ON_GPU
+PALLAS_IMPL = "pallas" if ON_GPU else "pallas_interpret"  # jaxinfer.ops' name for the same choice
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
 
 

@@ -145,6 +145,44 @@ def test_xla_cpu_materializes_a_float_copy_of_fp8_and_int4_weights(quantization)
   assert len(dots) == 1 and copy in dots[0] and "= f32[1,1536]" in dots[0], dots
 
 
+def test_bfloat16_activations_dot_the_per_channel_values_in_bfloat16_with_a_float32_sum():
+  # fp8 traced for several devices (no CPU kernel): the path a GPU takes. A bf16 model's dot
+  # runs bf16 x bf16 -> f32 over the converted e4m3 values (exact), which XLA GPU can fuse
+  # into one GEMM, rather than upcasting both sides to a float32 dot.
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  rng = np.random.default_rng(0)
+  w = jax.tree.map(jnp.asarray, quantize(rng.standard_normal((576, 1536)).astype(np.float32), 1, "fp8"))
+  x = jnp.asarray(rng.standard_normal((3, 576)), jnp.bfloat16)
+  f = quant.tracing_on(mesh, lambda x, w: linear("TD,DF->TF", x, w, jnp.float32))
+  dots = [l for l in jax.jit(f).lower(x, w).as_text().splitlines() if "dot_general" in l]
+  assert len(dots) == 1 and "(tensor<3x576xbf16>, tensor<1536x576xbf16>) -> tensor<3x1536xf32>" in dots[0], dots
+  want = quantized_matmul_reference(np.asarray(x, np.float64), np.asarray(w.values, np.float64), w.scales)
+  np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_quantizing_a_jax_array_matches_numpy_to_the_rounding_of_a_division(quantization):
+  # init_params quantizes random weights where they live (an 8B model on the GPU); the
+  # checkpoint converter quantizes numpy arrays on the host. XLA CPU's float32 division is
+  # not correctly rounded (1 ulp off for ~4% of quotients), so scales may differ by an ulp
+  # and a value sitting on a rounding boundary by one step; nothing more.
+  rng = np.random.default_rng(1)
+  for shape, n_in in (((64, 96), 1), ((4, 16, 32), 2)):
+    w = (rng.standard_normal(shape) * rng.uniform(0.01, 3, shape[n_in:])).astype(np.float32)
+    w[..., 0] = 0  # an all-zero channel: scale 1
+    on_host, on_device = quantize(w, n_in, quantization), quantize(jnp.asarray(w), n_in, quantization)
+    assert isinstance(on_device.values, jax.Array)
+    assert jax.tree.structure(on_host) == jax.tree.structure(on_device)
+    for a, b in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_device)):
+      assert (a.dtype, a.shape) == (b.dtype, b.shape)
+    np.testing.assert_allclose(np.asarray(on_device.scales), on_host.scales, rtol=3e-7, atol=0)
+    host_v, dev_v = np.asarray(on_host.values, np.float32), np.asarray(on_device.values, np.float32)
+    assert np.mean(host_v != dev_v) < 0.005
+    # Where they differ, by one step of the format (int: 1; e4m3: its spacing at that value).
+    step = 1.0 if quantization != "fp8" else np.maximum(2.0 ** (np.floor(np.log2(np.abs(host_v) + 1e-30)) - 3), 2.0 ** -9)
+    assert np.all(np.abs(host_v - dev_v) <= step)
+
+
 def _widened_copies(lines):
   """Fusions whose result is a [576, 1536] (or [1536, 576]) array: a copy of the weight written per call."""
   return [l for l in lines if "fusion(" in l and any(s in l.split("=")[1].split("(")[0]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import PALLAS_INTERPRET
 from pallas_kernels import FlashBlockSizes as BlockSizes
 from pallas_kernels import flash_attention, flash_attention_reference
 
@@ -28,7 +29,7 @@ TOLERANCES = {
     jnp.float16: {"atol": 4e-3, "rtol": 4e-3},
 }
 
-kernel = functools.partial(flash_attention, interpret=True)
+kernel = functools.partial(flash_attention, interpret=PALLAS_INTERPRET)  # compiled on a GPU
 SMALL = BlockSizes(block_q=32, block_k=16)  # several tiles even at test sizes
 
 

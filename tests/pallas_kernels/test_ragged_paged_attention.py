@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from conftest import PALLAS_INTERPRET
 from pallas_kernels import RaggedBlockSizes as BlockSizes
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
 
@@ -35,7 +36,7 @@ TOLERANCES = {
     jnp.float16: {"atol": 4e-3, "rtol": 4e-3},
 }
 
-kernel = functools.partial(ragged_paged_attention, interpret=True)
+kernel = functools.partial(ragged_paged_attention, interpret=PALLAS_INTERPRET)  # compiled on a GPU
 
 
 def make_batch(rng, seqs, *, page_size, Hq, Hkv, D, dtype=jnp.float32, pad_seqs=2, pad_tokens=3,
@@ -86,7 +87,8 @@ def check(batch, dtype=jnp.float32, **options):
   real = int(batch["cu_q_lens"][int(batch["num_seqs"])])
   assert np.isfinite(got[:real]).all(), "a real row was not written (still NaN) or is not finite"
   np.testing.assert_allclose(got[:real], want[:real], **TOLERANCES[dtype])
-  assert np.isnan(got[real:]).all(), "the kernel wrote rows of padding tokens"
+  if PALLAS_INTERPRET:  # a compiled kernel's output starts as whatever the buffer held
+    assert np.isnan(got[real:]).all(), "the kernel wrote rows of padding tokens"
   return got
 
 
@@ -167,6 +169,7 @@ def test_attention_sinks(Hq, Hkv, sliding_window, block_sizes, dtype):
   np.testing.assert_array_equal(none[:real], plain[:real])
 
 
+@pytest.mark.skipif(not PALLAS_INTERPRET, reason="needs interpret mode's NaN-filled output buffer")
 def test_padding_sequences_and_blocks_write_nothing():
   """num_seqs = 0: every grid program is padding, the output stays untouched (NaN)."""
   rng = np.random.default_rng(3)

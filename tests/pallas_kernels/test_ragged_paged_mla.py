@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from conftest import PALLAS_INTERPRET
 from pallas_kernels.ragged_paged_mla import BlockSizes, ragged_paged_mla, ragged_paged_mla_reference
 
 TOLERANCES = {
     jnp.float32: {"atol": 2e-5, "rtol": 1e-4},
     jnp.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
 }
-kernel = functools.partial(ragged_paged_mla, interpret=True)
+kernel = functools.partial(ragged_paged_mla, interpret=PALLAS_INTERPRET)  # compiled on a GPU
 
 
 def make_batch(rng, seqs, *, page_size, H, R, E, dtype=jnp.float32, pad_seqs=2, pad_tokens=3):
@@ -60,7 +61,8 @@ def check(batch, dtype=jnp.float32, sm_scale=0.2, block_sizes=None):
   real = int(batch["cu_q_lens"][int(batch["num_seqs"])])
   assert np.isfinite(got[:real]).all(), "a real row was not written (still NaN) or is not finite"
   np.testing.assert_allclose(got[:real], want[:real], **TOLERANCES[dtype])
-  assert np.isnan(got[real:]).all(), "the kernel wrote rows of padding tokens"
+  if PALLAS_INTERPRET:  # a compiled kernel's output starts as whatever the buffer held
+    assert np.isnan(got[real:]).all(), "the kernel wrote rows of padding tokens"
 
 
 MIXED = [(1, 1), (2, 40), (1, 130), (4, 77), (37, 37), (1, 200), (70, 90), (16, 81)]

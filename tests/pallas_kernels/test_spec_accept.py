@@ -31,6 +31,7 @@ from jaxinfer.sampling import (
   sort_descending,
   truncation_threshold,
 )
+from conftest import PALLAS_INTERPRET
 from pallas_kernels.spec_accept import (
   BlockSizes,
   gumbel_noise,
@@ -40,7 +41,7 @@ from pallas_kernels.spec_accept import (
 
 from helpers import lower_for_cuda
 
-kernel = functools.partial(spec_accept, interpret=True)
+kernel = functools.partial(spec_accept, interpret=PALLAS_INTERPRET)  # compiled on a GPU
 
 
 @jax.jit

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The checks only a GPU can make, in one short run (a lent H100 / H200: see docs/ARCHITECTURE.md,
+# "GPU"). Each section has its own time limit, so one that hangs does not cost the others;
+# logs and JSON go to $OUT (default /tmp/gpu-check).
+#   1. bench_offline.py --gpu: a Llama-3-8B-shaped model, bf16 vs fp8 weights (and an fp8 KV
+#      cache), batch-1 decode against the bandwidth roofline and 256-prompt throughput, plus
+#      the compiled HLO of one fp8 / bf16 linear (is a full-precision weight copy written?);
+#   2. the Pallas kernels' tests, compiled (tests/conftest.py: PALLAS_INTERPRET is off on a GPU);
+#   3. bench_kernels.py: the attention kernels against the copy / matmul ceilings.
+# The GPU image has jax 0.11 and no network: wheels it lacks (llguidance, gguf) travel in .whl/:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1 gguf==0.19.0
+set -u
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+section() { echo; echo "=== $1 ($(date +%T))"; }
+
+section "device"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+
+section "bench_offline --gpu"
+mkdir -p "$OUT/hlo"
+timeout -k 5 "${OFFLINE_S:-220}" python3 scripts/bench_offline.py --gpu --concurrent-compile \
+  --attention-impls pallas --gpu-formats "${FORMATS:-bf16,fp8}" --kv-cache-dtypes "${KVS:-auto,fp8}" \
+  --num-prompts 256 --kv-cache-gb 9 --timeout "${OFFLINE_S:-220}" \
+  --hlo-dir "$OUT/hlo" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
+echo "rc=$?"; tail -n 12 "$OUT/offline.log"
+pkill -f -- "--gpu-worker" 2>/dev/null; sleep 1
+(cd "$OUT/hlo" && tar czf ../hlo.tgz . 2>/dev/null) && rm -rf "$OUT/hlo"
+
+section "Pallas kernel tests, compiled"
+timeout -k 5 "${OPS_TESTS_S:-40}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
+  tests/test_ops.py -k "pallas or quantized" > "$OUT/pytest-ops.log" 2>&1
+echo "rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest-ops.log" | tail -n 12
+timeout -k 5 "${TESTS_S:-80}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
+  tests/pallas_kernels/test_ragged_paged_attention.py tests/pallas_kernels/test_spec_accept.py \
+  tests/pallas_kernels/test_flash_attention.py tests/pallas_kernels/test_ragged_paged_mla.py \
+  > "$OUT/pytest-kernels.log" 2>&1
+echo "rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest-kernels.log" | tail -n 15
+
+section "bench_kernels"
+timeout -k 5 "${KERNELS_S:-80}" python3 scripts/bench_kernels.py --gpu --reps 5 --sections "${SECTIONS:-decode,prefill}" --out "$OUT/kernels.json" \
+  > "$OUT/kernels.log" 2>&1
+echo "rc=$?"; tail -n 25 "$OUT/kernels.log"
+section "done"
