@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -185,15 +186,20 @@ def weight_matmul_probe(quantization: str | None, smoke: bool):
   for key, T in (("T1", 1), ("Tbig", 64 if smoke else 256)):  # smoke: 256 would be the weight's own [F, D]
     x = jax.random.normal(jax.random.key(9), (T, D), jnp.bfloat16)
     hlo = f.lower(x, ws[0]).compile().as_text()
-    shapes = (f"[{F},{D}]", f"[{D},{F}]")
-    copies = [l.strip()[:160] for l in hlo.splitlines()
-              if "=" in l and any(s in l.split("=", 1)[1].split("(")[0] for s in shapes)
-              and "parameter(" not in l and not l.strip().startswith("ROOT %tuple")]
+    copies = materialized_weight_copies(hlo, (f"[{F},{D}]", f"[{D},{F}]"))
     gemm = sorted({k for k in ("__triton_gemm", "triton_gemm", "__cublas$gemm", "__cublas$lt$matmul", "__cudnn$")
                    if k in hlo})
     for w in ws:
       f(x, w).block_until_ready()
     cases[key] = (T, x, copies, gemm, hlo)
+  # One row as a multiply and a row reduction instead of a dot (a GEMV XLA GPU emits as a
+  # reduction reading each weight byte once), to set against the GEMM fusion at T = 1.
+  reduce_1 = jax.jit(lambda x, w: (jnp.sum(x.astype(jnp.float32)[:, None, :] * w.values.astype(jnp.float32), -1)
+                                   * w.scales[0]).astype(x.dtype) if quantization else
+                     jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32), 1).astype(x.dtype))
+  x1 = cases["T1"][1]
+  for w in ws:
+    reduce_1(x1, w).block_until_ready()
 
   def timed() -> dict:
     out = {}
@@ -207,9 +213,69 @@ def weight_matmul_probe(quantization: str | None, smoke: bool):
         best = min(best, (time.perf_counter() - t) / reps)
       out[key] = {"tokens": T, "us_per_call": best * 1e6, "weight_bytes": sum(a.nbytes for a in jax.tree.leaves(ws[0])),
                   "full_precision_weight_copies": copies, "gemm_markers": gemm, "flops": 2 * T * D * F}
+    best = float("inf")
+    for _ in range(10):
+      t = time.perf_counter()
+      for w in ws:
+        y = reduce_1(x1, w)
+      y.block_until_ready()
+      best = min(best, (time.perf_counter() - t) / reps)
+    out["T1"]["us_per_call_as_reduction"] = best * 1e6
     return out
   timed.hlo = {key: c[4] for key, c in cases.items()}
   return timed
+
+
+def materialized_weight_copies(hlo: str, shapes: tuple[str, ...]) -> list[str]:
+  """Instructions of the entry computation (not inside a fusion: those live in registers and
+  shared memory) whose result has one of `shapes` and that are neither parameters nor
+  bitcasts: a weight-sized array written to memory per call."""
+  out, entry = [], False
+  for line in hlo.splitlines():
+    if line.startswith("ENTRY "):
+      entry = True
+    elif entry and line.startswith("}"):
+      break
+    elif entry and "=" in line:
+      result = line.split("=", 1)[1].split("(")[0]
+      if any(s in result for s in shapes) and not re.search(r" (parameter|bitcast)\(", line):
+        out.append(line.strip()[:200])
+  return out
+
+
+def trace_device_time(run_once, steps: int) -> dict:
+  """jax.profiler trace of `run_once()` (`steps` engine steps): the GPU's busy time (union of
+  its kernels' intervals) per step against the wall time per step, and the kernels that take
+  it, by name without its numeric suffix."""
+  import collections
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    t = time.perf_counter()
+    run_once()
+    wall = time.perf_counter() - t
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
+  busy, end = 0.0, -1.0
+  for e in sorted(kernels, key=lambda e: e["ts"]):  # union of intervals, us
+    start, stop = e["ts"], e["ts"] + e["dur"]
+    busy += max(0.0, stop - max(start, end))
+    end = max(end, stop)
+  by = collections.Counter()
+  for e in kernels:
+    by[re.sub(r"[._]?\d+$", "", e["name"])[:80]] += e["dur"]
+  return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "gpu_busy_ms_per_step": busy / 1e3 / steps,
+          "gpu_processes": sorted(names[p] for p in gpu) or ["none among: " + "; ".join(sorted(names.values()))[:400]],
+          "top_kernels_ms_per_step": [(k, round(v / 1e3 / steps, 4)) for k, v in by.most_common(12)]}
 
 
 def wait_for(path: Path, timeout: float) -> None:
@@ -292,6 +358,13 @@ def run_gpu_worker(spec: dict) -> dict:
   roofline_tps = bandwidth / (weight_bytes + kv_bytes)
   t0, stamps, generated, _ = run(prompts)
   wall = stamps[-1] - t0
+  profile = {}
+  if spec.get("profile"):
+    try:  # batch 1: the prefill step and new - 1 decode steps
+      profile["batch1"] = trace_device_time(lambda: run(prompts[:1]), new)
+      profile["batch"] = trace_device_time(lambda: run(prompts), len(stamps))
+    except Exception as e:  # a profiler that cannot trace here costs the row nothing else
+      profile["error"] = f"{type(e).__name__}: {e}"[:500]
   if spec.get("hlo_dir"):
     for key, text in probe.hlo.items():
       Path(spec["hlo_dir"], f"matmul-{quantization or 'bf16'}-{key}.hlo.txt").write_text(text)
@@ -299,7 +372,7 @@ def run_gpu_worker(spec: dict) -> dict:
           "kv_cache_dtype": kv, "resolved_kv_cache_dtype": str(engine.kv_cache_dtype),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__, "weight_bytes": weight_bytes,
           "copy_bandwidth_gbs": bandwidth / 1e9, "init_s": init_s, "engine_start_s": start_s,
-          "compile_s": compile_s, "matmul_probe": matmul, "batch1_token_ids": ids1[0][:16],
+          "compile_s": compile_s, "matmul_probe": matmul, "profile": profile, "batch1_token_ids": ids1[0][:16],
           "batch1": {"prompt_len": prompt_len, "new_tokens": new, "decode_tokens_per_s": decode_tps,
                      "roofline_tokens_per_s": roofline_tps, "fraction_of_roofline": decode_tps / roofline_tps,
                      "target_fraction": 0.85},
@@ -346,7 +419,7 @@ def run_gpu(args) -> int:
                           max_tokens=8 if args.smoke else args.max_tokens,
                           max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
                           kv_cache_gb=0.01 if args.smoke else args.kv_cache_gb, timeout=args.timeout,
-                          hlo_dir=args.hlo_dir, index=len(specs),
+                          hlo_dir=args.hlo_dir, index=len(specs), profile=args.profile,
                           sync_dir=str(sync) if args.concurrent_compile else None))
   env = parent_env
   if args.concurrent_compile:  # every row's process holds its model at once: share the memory
@@ -447,6 +520,8 @@ def main() -> int:
   ap.add_argument("--concurrent-compile", action="store_true",
                   help="with --gpu: start every row's process at once (they compile side by side, sharing "
                        "the GPU's memory), then time them one at a time")
+  ap.add_argument("--profile", action="store_true",
+                  help="with --gpu: trace one more run of each workload (GPU busy vs wall time per step, top kernels)")
   ap.add_argument("--hlo-dir", default=None, help="with --gpu: write the matmul probe's compiled HLO here")
   ap.add_argument("--attention-impls", default=None,
                   help="with --gpu: comma list of jaxinfer.ops impls (default pallas,xla; smoke: xla,pallas_interpret)")
