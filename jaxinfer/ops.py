@@ -35,6 +35,11 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 # overhead is small on CPU, small enough that a decode batch's gathered chunk
 # [S, C, K, d] stays cache-sized. Queries per block of a longer sequence:
 # its pages are read once per block.
+# The XLA path's dots with float32 operands (a float32 model, a dequantized cache tile) run at
+# float32 precision: a GPU's default for them is TF32 (10-bit significands), which put the
+# quantized-cache tests ~1e-3 off the float64 reference on an H200 while the Pallas kernel
+# passed. No effect on bfloat16 operands, nor on the CPU.
+F32_DOTS = jax.lax.Precision.HIGHEST
 _DECODE_KEYS = 128
 _PREFILL_KEYS = 256
 _BLOCK_Q = 64
@@ -296,7 +301,8 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     # One gather when keys and values are the same pages (MLA's latent cache).
     v = k if v_pages is k_pages else take(v_pages, ids).reshape(B, C, K, v_pages.shape[-1])
     v = v[..., :dv].astype(qk.dtype)
-    s = jnp.einsum("BKQd,BCKd->BKQC", qk, k.astype(qk.dtype), preferred_element_type=jnp.float32)
+    s = jnp.einsum("BKQd,BCKd->BKQC", qk, k.astype(qk.dtype), preferred_element_type=jnp.float32,
+                   precision=F32_DOTS)
     if k_scale is not None and not grouped:  # [B, C, K] -> [B, K, 1, C]
       s = s * take(k_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     if soft_cap is not None:
@@ -314,7 +320,7 @@ def _attend(k_pages, v_pages, qb, q_pos, pages, lo, hi, keys_per_chunk, *, dv, s
     if v_scale is not None and not grouped:
       w = w * take(v_scale, ids).reshape(B, C, K).transpose(0, 2, 1)[:, :, None, :]
     acc = alpha[..., None] * acc + jnp.einsum("BKQC,BCKd->BKQd", w.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
+                                              preferred_element_type=jnp.float32, precision=F32_DOTS)
     return m_new, l, acc
 
   Q = R * G

@@ -80,7 +80,7 @@ def attention(*args, impl, **kwargs):
   return quant.tracing_on(two, ops.ragged_paged_attention)(*args, impl="xla", **kwargs)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-loop", "pallas_interpret"])  # all behind the one signature
+@pytest.mark.parametrize("impl", ["xla", "xla-loop", PALLAS_IMPL])  # all behind the one signature
 @pytest.mark.parametrize("page_size,H,K,d,window,soft_cap", CASES)
 def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window, soft_cap, impl):
   rng = np.random.default_rng(page_size + H + K)
