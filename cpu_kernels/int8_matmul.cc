@@ -249,6 +249,12 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // Rows ahead at which the int4 paths prefetch their [G, O] scales and mins (PrefetchScales).
 constexpr int64_t kScalePrefetch = 32;
 
+// How far ahead (bytes of q) a tile streams its weight rows (Int4Tile). One thread, one
+// token, weights from DRAM (scripts/bench_cpu_tiles.py, 2026-11-27): the old prefetch of
+// one line per row one tile on took 576 x 1536 59-62 us, 1536 x 576 77-78, 576 x 576 21-27;
+// 4 KiB ahead 43-51, 58-60, 15-19 (2 KiB: 49, 75, 15-20; 8 KiB: 44, 66-68, 15-21).
+constexpr int64_t kInt4Ahead = 4096;
+
 constexpr int64_t kMaxGroup = 4096;  // |S| <= 4096 * 32767 * 15 < 2^31: the cell sum fits int32
 
 // 32 int4 values (16 bytes) -> v + 8 in [0, 15] as int16: the even-indexed values (low
@@ -346,9 +352,6 @@ inline void GroupSums(const Int4Args& p, int64_t o0, int64_t r0, int64_t g, __m2
   for (int64_t i = g * gs; i < (g + 1) * gs; i += 32)
     for (int a = 0; a < RO; ++a) {
       const uint8_t* row = p.q + (o0 + a) * (p.I / 2) + i / 2;
-      // The same place in the row RO rows on: what the next tile reads (a tile reads RO rows
-      // side by side, so a fixed distance along one row would land inside this tile's rows).
-      if (i % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + RO * (p.I / 2)), _MM_HINT_T0);
       __m256i even, odd;
       Unpack32(row, even, odd);
       for (int b = 0; b < RR; ++b)
@@ -362,9 +365,16 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
   static_assert(RO * RR == 8);
   const __m256 minus8 = _mm256_set1_ps(-8.0f);
   __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  // The tile's RO rows are one contiguous block of q: each group prefetches its share of the
+  // lines kInt4Ahead bytes past the block's start, so the block streams ahead as int8's Row
+  // does (the cells' reads hop between RO rows 16 bytes at a time, which the hardware
+  // prefetcher does not follow).
+  const int64_t bytes = p.I / 2, per_group = (RO * bytes + 64 * p.G - 1) / (64 * p.G);
+  const char* ahead = reinterpret_cast<const char*>(p.q + o0 * bytes) + kInt4Ahead;
   for (int64_t g = 0; g < p.G; ++g) {
     __m256i v[8];
     for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < per_group; ++k) _mm_prefetch(ahead + (g * per_group + k) * 64, _MM_HINT_T0);
     GroupSums<RO, RR, kOneChunk>(p, o0, r0, g, v);
     const float* sg = p.scale + g * p.O + o0;
     const float* mg = p.mins ? p.mins + g * p.O + o0 : nullptr;
