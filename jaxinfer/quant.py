@@ -264,7 +264,9 @@ def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") 
 def _xp(w: Any):
   """The array namespace of `w`: jax.numpy for a jax array (quantized where it lives, e.g. an
   8B model's random weights on the GPU), numpy for anything else. Both round the same way
-  (round half to even, float32 -> e4m3 to nearest even), so the two give the same bits."""
+  (half to even, float32 -> e4m3 to nearest even), but XLA CPU's float32 division can be an
+  ulp off numpy's, so a scale may differ by an ulp and a value on a rounding boundary by a
+  step (tests/test_quant.py bounds it)."""
   return jnp if isinstance(w, jax.Array) else np
 
 

@@ -99,7 +99,7 @@ def test_matches_naive_on_mixed_decode_verify_prefill(page_size, H, K, d, window
   want = naive(q, k_pages, v_pages, kv_full, page_indices, cu, len(q_lens), window, soft_cap)
   real = int(cu[len(q_lens)])
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-4)
-  if impl == "xla":
+  if impl != PALLAS_IMPL:  # the kernel leaves padding rows as the buffer held them
     assert np.isfinite(got).all()  # padding rows are unspecified but never NaN
 
 
