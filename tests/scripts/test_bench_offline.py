@@ -29,6 +29,7 @@ def test_a_convert_inside_the_gemm_fusion_is_not_a_weight_copy():
   hlo = (DATA / "hlo" / "h200-fp8-linear-1-token.hlo.txt").read_text()
   assert "convert" in hlo.split("ENTRY")[0] and "[14336,4096]" in hlo.split("ENTRY")[0]
   assert bench_offline.materialized_weight_copies(hlo, ("[14336,4096]", "[4096,14336]")) == []
+  assert bench_offline.gemm_kinds(hlo) == ["__triton_nested_gemm_fusion"]
 
 
 def test_xla_cpus_dequantized_copy_is_a_weight_copy():
