@@ -52,6 +52,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,7 +260,6 @@ def trace_device_time(run_once, steps: int) -> dict:
   import collections
   import glob
   import gzip
-  import tempfile
 
   import jax
   with tempfile.TemporaryDirectory() as d:
@@ -406,7 +406,6 @@ def run_gpu(args) -> int:
   if args.out:
     out = Path(args.out)
   elif args.smoke:
-    import tempfile
     out = Path(tempfile.gettempdir()) / "offline-gpu-smoke.json"  # CPU numbers are not results
   else:
     out = None  # named after the device, once the first row says which
@@ -416,7 +415,6 @@ def run_gpu(args) -> int:
             "command": " ".join(sys.argv),
             "model": "Llama-3-8B shape, random weights, bfloat16 activations" if not args.smoke else "tiny llama (smoke)",
             "rows": rows, "failures": failures}
-  import tempfile
   sync = Path(tempfile.mkdtemp(prefix="bench-offline-gpu-"))
   specs = []
   for impl in impls:
