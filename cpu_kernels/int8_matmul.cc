@@ -660,12 +660,17 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 // Weight-only, like the XLA form it replaces (x @ float(q), then the per-channel scales): the
 // activations stay float32. XLA CPU converts e4m3 in software into a float32 copy of the
 // whole weight on every call (tests/test_quant.py), so fp8 ran below float32 at every batch.
-// Here each thread converts 8 weight rows at a time into a small float32 panel (exact: every
-// e4m3 value is a float32) that all R tokens then read.
+// Here each thread converts kFp8PanelRows weight rows at a time into a small float32 panel
+// (exact: every e4m3 value is a float32) that a block of tokens then reads.
 //
-// Batch invariance: each cell (r, o) sums in one fixed order whatever the tile: eight lanes,
-// lane k taking inputs i = k mod 8 in order by FMA, the lanes added in one fixed tree (HSumF),
-// then the inputs past the last multiple of 8 by scalar FMA, then the scale.
+// Batch invariance: each cell (r, o) sums in one fixed order whatever the tile: kFp8Lanes
+// lanes, lane k taking inputs i = k mod kFp8Lanes in order by FMA, the lanes added in one
+// fixed tree (Fp8Sum), then the inputs past the last multiple of kFp8Lanes by scalar FMA,
+// then the scale. The VNNI build (AVX-512) runs 16 lanes in zmm registers, 4 weight rows x
+// 6 tokens a tile (24 accumulators of its 32 registers); AVX2 8 lanes, 4 x 3 (12 of 16).
+// One library is one build, so a process sums every cell one way.
+// At 256 tokens, one core, the AVX2 tile took 1.10-1.14x XLA's float32 GEMM's time
+// (bench_quant_matmul.py under taskset -c 0, 2026-11-27).
 
 // The eight lanes of v added in a fixed tree: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then those.
 inline float HSumF(__m256 v) {
@@ -674,6 +679,26 @@ inline float HSumF(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#ifdef JAXINFER_VNNI
+using Fp8Vec = __m512;
+constexpr int kFp8Lanes = 16, kFp8TileTokens = 6;
+inline Fp8Vec Fp8Zero() { return _mm512_setzero_ps(); }
+inline Fp8Vec Fp8Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Fp8Vec Fp8Fma(Fp8Vec a, Fp8Vec b, Fp8Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// Lanes k and k + 8 first, then HSumF's tree.
+inline float Fp8Sum(Fp8Vec v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return HSumF(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+}
+#else
+using Fp8Vec = __m256;
+constexpr int kFp8Lanes = 8, kFp8TileTokens = 3;
+inline Fp8Vec Fp8Zero() { return _mm256_setzero_ps(); }
+inline Fp8Vec Fp8Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Fp8Vec Fp8Fma(Fp8Vec a, Fp8Vec b, Fp8Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Fp8Sum(Fp8Vec v) { return HSumF(v); }
+#endif
 
 struct Fp8Args {
   const float* x;      // [R, I]
@@ -686,50 +711,67 @@ struct Fp8Args {
 // Panel rows a (weight rows o0 + a, ld floats apart) x tokens r0 + b.
 template <int RO, int RR>
 void Fp8Tile(const Fp8Args& p, const float* panel, int64_t ld, int64_t o0, int64_t r0) {
-  const int64_t I8 = p.I / 8 * 8;
-  __m256 acc[RO][RR];
+  const int64_t IL = p.I / kFp8Lanes * kFp8Lanes;
+  Fp8Vec acc[RO][RR];
   for (int a = 0; a < RO; ++a)
-    for (int b = 0; b < RR; ++b) acc[a][b] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < I8; i += 8) {
-    __m256 xv[RR];
-    for (int b = 0; b < RR; ++b) xv[b] = _mm256_loadu_ps(p.x + (r0 + b) * p.I + i);
+    for (int b = 0; b < RR; ++b) acc[a][b] = Fp8Zero();
+  for (int64_t i = 0; i < IL; i += kFp8Lanes) {
+    Fp8Vec xv[RR];
+    for (int b = 0; b < RR; ++b) xv[b] = Fp8Load(p.x + (r0 + b) * p.I + i);
     for (int a = 0; a < RO; ++a) {
-      const __m256 w = _mm256_load_ps(panel + a * ld + i);
-      for (int b = 0; b < RR; ++b) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
+      const Fp8Vec w = Fp8Load(panel + a * ld + i);
+      for (int b = 0; b < RR; ++b) acc[a][b] = Fp8Fma(w, xv[b], acc[a][b]);
     }
   }
   for (int a = 0; a < RO; ++a)
     for (int b = 0; b < RR; ++b) {
-      float s = HSumF(acc[a][b]);
-      for (int64_t i = I8; i < p.I; ++i) s = std::fma(panel[a * ld + i], p.x[(r0 + b) * p.I + i], s);
+      float s = Fp8Sum(acc[a][b]);
+      for (int64_t i = IL; i < p.I; ++i) s = std::fma(panel[a * ld + i], p.x[(r0 + b) * p.I + i], s);
       p.y[(r0 + b) * p.O + o0 + a] = s * p.scale[o0 + a];
     }
 }
 
+// Weight rows converted at a time, and tokens per pass over them. The panel (kFp8PanelRows x I
+// floats, 74-196 KiB at the default model's I of 576-1536) and a block of kFp8Tokens
+// activation rows (up to 295 KiB) stay in L2 (1 MiB on Zen 4) while every tile of the block
+// reads them, where each 8-row panel used to meet all R tokens, streaming a prefill chunk's
+// activations from L3 again per 8 weight rows.
+constexpr int64_t kFp8PanelRows = 32;
+constexpr int64_t kFp8Tokens = 48;  // a multiple of the tiles' 3 and 6
+
 void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
   thread_local std::vector<float> panel_buf;
-  const int64_t ld = (p.I + 7) / 8 * 8;  // each panel row 32-byte aligned
-  float* panel = AlignedScratch(panel_buf, static_cast<size_t>(8 * ld));
-  for (int64_t o = ob; o < oe; o += 8) {
-    const int64_t n = std::min<int64_t>(8, oe - o);
-    for (int64_t a = 0; a < n; ++a) {
-      const uint8_t* row = p.q + (o + a) * p.I;
+  const int64_t ld = (p.I + 15) / 16 * 16;  // each panel row 64-byte aligned
+  float* panel = AlignedScratch(panel_buf, static_cast<size_t>(kFp8PanelRows * ld + 8));
+  panel += (16 - reinterpret_cast<uintptr_t>(panel) / 4 % 16) % 16;  // 32- to 64-byte aligned
+  for (int64_t o0 = ob; o0 < oe; o0 += kFp8PanelRows) {
+    const int64_t rows = std::min<int64_t>(kFp8PanelRows, oe - o0);
+    for (int64_t a = 0; a < rows; ++a) {
+      const uint8_t* row = p.q + (o0 + a) * p.I;
       float* out = panel + a * ld;
       int64_t i = 0;
       for (; i + 8 <= p.I; i += 8) _mm256_store_ps(out + i, Fp8x8(row + i));
       for (; i < p.I; ++i) out[i] = Fp8One(row[i]);
     }
-    if (n == 8 && p.R == 1) {
-      Fp8Tile<8, 1>(p, panel, ld, o, 0);
-    } else if (n == 8) {
-      for (int h = 0; h < 2; ++h) {
-        int64_t r = 0;
-        for (; r + 3 <= p.R; r += 3) Fp8Tile<4, 3>(p, panel + 4 * h * ld, ld, o + 4 * h, r);
-        for (; r < p.R; ++r) Fp8Tile<4, 1>(p, panel + 4 * h * ld, ld, o + 4 * h, r);
+    for (int64_t t0 = 0; t0 < p.R; t0 += kFp8Tokens) {
+      const int64_t t1 = std::min(p.R, t0 + kFp8Tokens);
+      for (int64_t a0 = 0; a0 < rows; a0 += 8) {
+        const int64_t n = std::min<int64_t>(8, rows - a0), o = o0 + a0;
+        const float* sub = panel + a0 * ld;
+        if (n == 8 && p.R == 1) {
+          Fp8Tile<8, 1>(p, sub, ld, o, 0);
+        } else if (n == 8) {
+          for (int h = 0; h < 2; ++h) {
+            int64_t r = t0;
+            for (; r + kFp8TileTokens <= t1; r += kFp8TileTokens)
+              Fp8Tile<4, kFp8TileTokens>(p, sub + 4 * h * ld, ld, o + 4 * h, r);
+            for (; r < t1; ++r) Fp8Tile<4, 1>(p, sub + 4 * h * ld, ld, o + 4 * h, r);
+          }
+        } else {  // the matrix's last rows
+          for (int64_t a = 0; a < n; ++a)
+            for (int64_t r = t0; r < t1; ++r) Fp8Tile<1, 1>(p, sub + a * ld, ld, o + a, r);
+        }
       }
-    } else {  // the matrix's last rows
-      for (int64_t a = 0; a < n; ++a)
-        for (int64_t r = 0; r < p.R; ++r) Fp8Tile<1, 1>(p, panel + a * ld, ld, o + a, r);
     }
   }
 }

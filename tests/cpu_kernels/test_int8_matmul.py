@@ -282,8 +282,9 @@ def _fp8(x, q, s):
 @needs_kernel
 @pytest.mark.parametrize("R,I,O", [
     (1, 576, 1536),   # one token: 8-row tiles
-    (6, 100, 13),     # 4 x 3 tiles, inputs past the last multiple of 8, 5 rows past the last 8
+    (6, 100, 13),     # 4 x 3 (AVX2) / 4 x 6 (AVX-512) tiles, inputs past the last multiple of 8 / 16, 5 rows past the last 8
     (64, 1536, 576),  # SmolLM2's down projection at 64 tokens
+    (100, 580, 43),   # token blocks of 48, 48 and 4; a 32-row panel, then 8 rows and 3
     (2, 3, 2),        # fewer inputs than one vector
 ])
 def test_fp8_equals_the_float64_reference(R, I, O):
@@ -313,10 +314,12 @@ def test_fp8_converts_every_e4m3_value_exactly(column):
 
 @needs_kernel
 def test_fp8_rows_are_the_same_numbers_at_any_row_count():
-  x, q, s = _fp8_case(np.random.default_rng(12), 13, 580, 43)
+  # 100 tokens: two token blocks of 48 and a rest; every tile shape (4 x 3 or 4 x 6, 4 x 1,
+  # 8 x 1 at one row, 1 x 1 past the last 8 weight rows) meets each row somewhere.
+  x, q, s = _fp8_case(np.random.default_rng(12), 100, 580, 43)
   together = _fp8(x, q, s)
-  for rows in (1, 2, 3, 4, 5):
-    parts = [_fp8(x[i:i + rows], q, s) for i in range(0, 13, rows)]
+  for rows in (1, 2, 5, 6, 7, 49):
+    parts = [_fp8(x[i:i + rows], q, s) for i in range(0, 100, rows)]
     np.testing.assert_array_equal(np.concatenate(parts), together)
 
 
