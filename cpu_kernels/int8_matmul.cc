@@ -221,7 +221,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 //   y[r, o] = ( sum_g ( scale[g, o] * S[r, g, o] + min'[g, o] * xsum[r, g] ) ) * a[r]
 //   S[r, g, o] = sum_{i in group g} x16[r, i] * (q[o, i] + 8)   (exact, int32)
 //
-// with min' = min - 8 scale (so y = x @ (q * scale + min)^T; min = 0 without mins). q int4
+// with min' = min (y = x @ ((q + 8) scale + min)^T, GGUF Q4_1's w = d q' + m with q' = q + 8), or
+// -8 scale without mins (y = x @ (q scale)^T, Q4_0's). scale and min are float16 [G, O], as
+// GGUF stores d and m: 0.625 bytes a weight, llama.cpp's Q4_1 bytes (float32 scales and mins
+// were 0.75; at one token the weight stream is the bound). Each converts exactly to float32. q int4
 // [O, I] as XLA CPU holds it: packed two per byte, the lower-indexed value in the low nibble;
 // x16 (Int4Activations) with the even entries of each 32-block first, then the odd ones;
 // xsum[g, r] = float(sum of x16 over group g) (exact up to 512 inputs a group), [G, R].
@@ -229,7 +232,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 //
 // Each (r, o) is one "cell" and runs the same float32 operations in every tile shape, so
 // the result does not depend on the batch:
-//   acc = fma(float(S[g]), scale[g], acc);  accm = fma(fma(-8, scale[g], min[g]), xsum[g], accm)
+//   acc = fma(float(S[g]), scale[g], acc);  accm = fma(min'[g], xsum[g], accm)
 // group after group, then y = (acc + accm) * a. S is an exact integer (|S| <= 32 * 32767 * 15 < 2^24
 // for a group of 32, so float(S) is exact there too). A tile computes eight cells at once
 // (8 weight rows x 1 token, or 2 x 4): each cell's eight int32 lanes are reduced to one
@@ -260,8 +263,8 @@ constexpr int64_t kMaxGroup = 4096;  // |S| <= 4096 * 32767 * 15 < 2^31: the cel
 // 32 int4 values (16 bytes) -> v + 8 in [0, 15] as int16: the even-indexed values (low
 // nibbles) and the odd-indexed ones (high nibbles). A two's-complement nibble with its top
 // bit flipped is v + 8, so four instructions; the activations come with each 32-block's
-// even entries first to match, and the + 8 is taken back through the group's activation
-// sum (min' = min - 8 scale).
+// even entries first to match: GGUF Q4_1's q' = v + 8 in [0, 15], whose min m is min'
+// (without mins, Q4_0's, the + 8 is taken back through the group's activation sum: min' = -8 scale).
 inline void Unpack32(const uint8_t* p, __m256i& even, __m256i& odd) {
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));  // both nibbles' top bits
   const __m256i v = _mm256_cvtepu8_epi16(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), flip));
@@ -328,12 +331,15 @@ struct Int4Args {
   const int16_t* x;     // [R, I]
   const float* a;       // [R]
   const uint8_t* q;     // [O, I / 2]
-  const float* scale;   // [G, O]
-  const float* mins;    // [G, O], or nullptr (Q4_0: min = 0)
+  const uint16_t* scale;  // float16 [G, O]
+  const uint16_t* mins;   // float16 [G, O], or nullptr (Q4_0: min' = -8 scale)
   const float* xsum_t;  // [G, R]
   float* y;             // [R, O]
   int64_t R, I, O, G;
 };
+
+// A float16 scale or min, exactly as float32 (F16C).
+inline float Half(uint16_t h) { return _cvtsh_ss(h); }
 
 // Fetches group g's scales and mins kScalePrefetch rows past row o. They are [G, O]: a tile
 // reads one line per group, G lines O floats apart, which the hardware prefetcher does not
@@ -376,21 +382,21 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
     for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
     for (int64_t k = 0; k < per_group; ++k) _mm_prefetch(ahead + (g * per_group + k) * 64, _MM_HINT_T0);
     GroupSums<RO, RR, kOneChunk>(p, o0, r0, g, v);
-    const float* sg = p.scale + g * p.O + o0;
-    const float* mg = p.mins ? p.mins + g * p.O + o0 : nullptr;
+    const uint16_t* sg = p.scale + g * p.O + o0;
+    const uint16_t* mg = p.mins ? p.mins + g * p.O + o0 : nullptr;
     PrefetchScales(p, g, o0);
     __m256 s, m, xs;
     if constexpr (RO == 8) {
-      s = _mm256_loadu_ps(sg);
-      m = mg ? _mm256_loadu_ps(mg) : _mm256_setzero_ps();
+      s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+      m = mg ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg))) : _mm256_mul_ps(minus8, s);
       xs = _mm256_broadcast_ss(p.xsum_t + g * p.R + r0);
     } else {  // 2 x 4
-      s = _mm256_set_m128(_mm_set1_ps(sg[1]), _mm_set1_ps(sg[0]));
-      m = mg ? _mm256_set_m128(_mm_set1_ps(mg[1]), _mm_set1_ps(mg[0])) : _mm256_setzero_ps();
+      s = _mm256_set_m128(_mm_set1_ps(Half(sg[1])), _mm_set1_ps(Half(sg[0])));
+      m = mg ? _mm256_set_m128(_mm_set1_ps(Half(mg[1])), _mm_set1_ps(Half(mg[0]))) : _mm256_mul_ps(minus8, s);
       xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p.xsum_t + g * p.R + r0));
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(v)), s, acc);
-    accm = _mm256_fmadd_ps(_mm256_fmadd_ps(minus8, s, m), xs, accm);
+    accm = _mm256_fmadd_ps(m, xs, accm);
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, _mm256_add_ps(acc, accm));
@@ -405,9 +411,9 @@ void Int4Cell(const Int4Args& p, int64_t o, int64_t r) {
   for (int64_t g = 0; g < p.G; ++g) {
     __m256i v = _mm256_setzero_si256();
     GroupSums<1, 1, kOneChunk>(p, o, r, g, &v);
-    const float s = p.scale[g * p.O + o], m = p.mins ? p.mins[g * p.O + o] : 0.0f;
+    const float s = Half(p.scale[g * p.O + o]), m = p.mins ? Half(p.mins[g * p.O + o]) : -8.0f * s;
     acc = std::fma(static_cast<float>(HSum32(v)), s, acc);
-    accm = std::fma(std::fma(-8.0f, s, m), p.xsum_t[g * p.R + r], accm);
+    accm = std::fma(m, p.xsum_t[g * p.R + r], accm);
   }
   p.y[r * p.O + o] = (acc + accm) * p.a[r];
 }
@@ -458,7 +464,7 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // and the activations' quantization take the rest.
 //
 // Same numbers as the cells: S[r, g, o] is the same exact int32, converted the same way,
-// then acc = fma(float(S), scale, acc) group after group, accm = fma(fma(-8, scale, min),
+// then acc = fma(float(S), scale, acc) group after group, accm = fma(min',
 // xsum, accm), y = (acc + accm) * a, lane for lane. So which path a call takes (by R) does
 // not change any element: batch invariance holds across it (tested).
 constexpr int64_t kPanelRows = 16;
@@ -524,8 +530,8 @@ void RepackPanel(const Int4Args& p, int64_t o0, int64_t n, int NV, __m256i* pane
   }
 }
 
-// One block of 8 NV output rows: the panel, and per group the rows' scales and min' = min -
-// 8 scale (zero past the matrix's last row), as the cells form them.
+// One block of 8 NV output rows: the panel, and per group the rows' scales and min' (min, or
+// -8 scale without mins; zero past the matrix's last row) in float32, as the cells form them.
 struct PanelBlock {
   const __m256i* panel;  // [I / 2 pairs][NV] vectors
   const float* scale;    // [G][16]
@@ -605,9 +611,9 @@ void Int4PanelBlock(const Int4Args& p, int64_t ob, int64_t oe) {
     for (int64_t g = 0; g < p.G; ++g) {
       PrefetchScales(p, g, o);
       for (int64_t k = 0; k < 16; ++k) {
-        const float sc = k < n ? p.scale[g * p.O + o + k] : 0.0f, m = k < n && p.mins ? p.mins[g * p.O + o + k] : 0.0f;
+        const float sc = k < n ? Half(p.scale[g * p.O + o + k]) : 0.0f;
         scale[g * 16 + k] = sc;
-        minp[g * 16 + k] = std::fma(-8.0f, sc, m);  // Int4Tile's fma(-8, s, m)
+        minp[g * 16 + k] = k < n && p.mins ? Half(p.mins[g * p.O + o + k]) : -8.0f * sc;  // as Int4Tile's m
       }
     }
     if (n > 8) {
@@ -622,7 +628,7 @@ void Int4PanelBlock(const Int4Args& p, int64_t ob, int64_t oe) {
 
 // mins: [G, O] like scale when has_mins, else ignored (pass scale): no zeros written per call.
 ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
+                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> mins,
                       ffi::ResultBuffer<ffi::F32> y, int32_t has_mins) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
              yd = y->dimensions();
@@ -631,7 +637,7 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       md[1] != sd[1] || yd[0] != xd[0] || yd[1] != qd[0] || sd[0] == 0 || xd[1] % (32 * sd[0]) != 0 ||
       xd[1] / sd[0] > kMaxGroup)
     return ffi::Error::InvalidArgument(
-        "int4_matmul: want x [R, I], q int4 [O, I], scale and mins [G, O] -> y [R, O], I / G a "
+        "int4_matmul: want x [R, I], q int4 [O, I], float16 scale and mins [G, O] -> y [R, O], I / G a "
         "multiple of 32 up to 4096");
   const int64_t R = xd[0], I = xd[1], G = sd[0];
   if (R == 0) return ffi::Error::Success();
@@ -642,8 +648,9 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const float* xf = x.typed_data();
   const bool panel = R >= kPanelRows;
   ParallelRows(pool, R, I * 4, 1, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, !panel, rb, re); });
-  Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-             has_mins ? mins.typed_data() : nullptr, sp, y->typed_data(), R, I, qd[0], G};
+  const auto half = [](auto& b) { return reinterpret_cast<const uint16_t*>(b.untyped_data()); };
+  Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), half(scale),
+             has_mins ? half(mins) : nullptr, sp, y->typed_data(), R, I, qd[0], G};
   if (!panel)
     ParallelRows(pool, p.O, p.I / 2 * R, 8, [p](int64_t ob, int64_t oe) { Int4Block(p, ob, oe); });
   else if (p.I / p.G == 32)
@@ -803,8 +810,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("has_mins"));
 

@@ -2,7 +2,7 @@
 weights on XLA CPU: XLA FFI custom calls (int8_matmul.cc), their build, and their references.
 
     int8_matmul(x float32 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x16 q) * a
-    int4_matmul(x, q int4 [O, I], scales, mins [G, O]) -> float32 [R, O], exact per group
+    int4_matmul(x, q int4 [O, I], scales, mins float16 [G, O]) -> float32 [R, O], exact per group
     fp8_matmul(x, q float8_e4m3fn [O, I], scale [O]) -> float32 [R, O], weight-only, fixed order
 
 x16 and a are x's rows as int16 (int16_rows_reference: a = max|x| / 32767 per row, x16 =
@@ -60,7 +60,7 @@ INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot 
 INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the weight into panels (kPanelRows)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
 # not others (int4's float32 terms); the kernel's own FMAs are written out.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 # Where the CPU has AVX512-VNNI (Zen 4, Ice Lake and later), the library is built a second way:
 # the int16 multiply-adds become vpdpwssd (DotAdd in the source), the same integer sums at
 # 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; scripts/bench_simd_peak.py). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
@@ -89,29 +89,31 @@ def int4_groups_fit(in_size: int, groups: int) -> bool:
 
 
 def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """x float32 [R, I], q int4 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
+  """x float32 [R, I], q int4 [O, I], scales (mins) float16 [G, O] -> float32 [R, O]:
 
-      y[r, o] = a[r] sum_g scales[g, o] S[r, g, o] + mins[g, o] xsum[r, g]
+      y[r, o] = a[r] sum_g scales[g, o] S[r, g, o] + mins'[g, o] xsum[r, g]
 
-  with x16, a = int16_rows_reference(x), S the exact integer sum of x16 q over group g's I / G
-  inputs (a multiple of 32, at most INT4_MAX_GROUP) and xsum[r, g] the sum of x16 over the
-  group: x @ (q * scale + min)^T group by group. Each element is the same fixed sequence of
-  float32 operations at any row count.
+  with x16, a = int16_rows_reference(x), S the exact integer sum of x16 (q + 8) over group g's
+  I / G inputs (a multiple of 32, at most INT4_MAX_GROUP), xsum[r, g] the sum of x16 over the
+  group and mins' = mins, or -8 scales without mins: x @ ((q + 8) scale + min)^T, or
+  x @ (q scale)^T, group by group (GGUF Q4_1's and Q4_0's blocks). Each element is the same
+  fixed sequence of float32 operations at any row count.
   Raises RuntimeError when the kernel is not available()."""
   G = scales.shape[0]
   if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int4
-      or scales.shape != (G, q.shape[0]) or (mins is not None and mins.shape != scales.shape)
+      or scales.shape != (G, q.shape[0]) or scales.dtype != jnp.float16
+      or (mins is not None and (mins.shape != scales.shape or mins.dtype != jnp.float16))
       or not int4_groups_fit(q.shape[1], G)):
-    raise ValueError(f"int4_matmul: want x float32 [R, I], q int4 [O, I], scales and mins [G, O] with I / G a "
-                     f"multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scales "
-                     f"{list(scales.shape)}, mins {None if mins is None else list(mins.shape)}")
+    raise ValueError(f"int4_matmul: want x float32 [R, I], q int4 [O, I], float16 scales and mins [G, O] with I / G "
+                     f"a multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, "
+                     f"scales {scales.dtype}{list(scales.shape)}, "
+                     f"mins {None if mins is None else f'{mins.dtype}{list(mins.shape)}'}")
   if not available():
     raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-  scales = scales.astype(jnp.float32)
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   # Without mins the scales stand in for them (not read): no zeros written per call.
   return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(
-      x, q, scales, scales if mins is None else mins.astype(jnp.float32), has_mins=np.int32(mins is not None))
+      x, q, scales, scales if mins is None else mins, has_mins=np.int32(mins is not None))
 
 
 def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -158,8 +160,8 @@ def int4_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
   G, (R, I) = scales.shape[0], x.shape
   S = np.einsum("rgi,ogi->rgo", x.reshape(R, G, I // G), q.reshape(-1, G, I // G))
   y = np.einsum("rgo,go->ro", S.astype(np.float64), np.asarray(scales, np.float64))
-  if mins is not None:
-    y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ np.asarray(mins, np.float64)
+  if mins is not None:  # w = (q + 8) scale + min
+    y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ (8 * np.asarray(scales, np.float64) + np.asarray(mins, np.float64))
   return y * a
 
 
@@ -224,8 +226,8 @@ def _why_not() -> str | None:
   if platform.machine().lower() not in ("x86_64", "amd64"):
     return f"it is written for x86-64 (AVX2), this machine is {platform.machine()}"
   flags = _cpu_flags()
-  if flags is not None and not {"avx2", "fma"} <= flags:
-    return "this CPU lacks AVX2 or FMA"
+  if flags is not None and not {"avx2", "fma", "f16c"} <= flags:
+    return "this CPU lacks AVX2, FMA or F16C"
   if _compiler() is None:
     return "no C++ compiler on PATH ($CXX, g++, c++, clang++)"
   return None

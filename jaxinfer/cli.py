@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype stored on disk")
   conv.add_argument("--quantize", default=None, choices=["int8", "fp8", "int4"],
                     help="store linear weights quantized: int8 or fp8 (e4m3) + per-channel float32 scales, "
-                         "int4 + float32 scales and mins per group of 32 (GGUF Q8_0 / Q4_0 / Q4_1 blocks "
+                         "int4 + float16 scales and mins per group of 32 (GGUF Q8_0 / Q4_0 / Q4_1 blocks "
                          "kept as stored); embeddings, norms and the LM head keep --dtype")
   conv.add_argument("--overwrite", action="store_true")
   conv.set_defaults(func=_convert)

@@ -146,7 +146,7 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
   """The parameter pytree of the decoder, with a WeightSpec at every leaf.
 
   quantization ('int8', 'fp8', 'int4'): each linear weight is a `QuantizedWeight` of
-  specs (values in the format's dtype, float32 scales, and int4's mins; jaxinfer/quant.py).
+  specs (values in the format's dtype, float32 scales (int4: float16), and int4's mins; jaxinfer/quant.py).
   The LM head, or the embedding tied to it, is int8 under int8 and int4 (quant.leaf_format).
   """
   if quantization is not None:

@@ -7,11 +7,12 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
                               format's dtype: int8 / float8_e4m3fn / int4
   scales  float32 [G, out...] G groups along the flattened input axes:
                               G = 1 per-output-channel (int8, fp8 as quantized here),
-                              G = in / 32 for GGUF Q8_0 blocks kept as they are, and for
-                              int4 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
-  mins    float32 [G, out...] int4 only (None otherwise): the group's offset
+                              G = in / 32 for GGUF Q8_0 blocks kept as they are; for
+                              int4 float16 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
+  mins    float16 [G, out...] int4 only, None for a symmetric group (Q4_0): the group's minimum
 
-so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o]) with g = i // (in / G). Output
+so w[i, o] = values[o, i] * scales[g, o], or with mins (values[o, i] + 8) * scales[g, o] +
+mins[g, o], with g = i // (in / G). Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
 minor one 1.2-1.7x faster than one stored [in, out] (one token, per matmul: 576 x 1536 92
 vs 124 us, 1536 x 576 100 vs 165 us; scripts/bench_quant_matmul.py,
@@ -25,11 +26,15 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
   finite value), values = w / scale rounded to e4m3 (to nearest even). Per channel rather
   than per tensor: same scales layout and cost as int8, and one outlier column does not
   flatten the rest of the tensor into e4m3's subnormals.
-- int4: asymmetric per group of 32 inputs (what GGUF Q4_1 stores): scale = (max - min) / 15,
-  values = round((w - min) / scale) - 8 in [-8, 7], mins = min + 8 * scale. A GGUF Q4_0
-  block is the same with mins = 0, and a Q4_1 block (d, m, q in [0, 15]) is
-  values = q - 8, scales = d, mins = m + 8 d. Signed int4 because orbax / tensorstore store
-  int4 but not uint4. The group size must divide the input size (ValueError naming it).
+- int4: asymmetric per group of 32 inputs (what GGUF Q4_1 stores): mins = float16(min),
+  scales = float16((max - min) / 15), values = round((w - mins) / scales) - 8 in [-8, 7]. A
+  GGUF Q4_1 block (d, m, q in [0, 15], w = d q + m) is values = q - 8, scales = d, mins = m,
+  and a Q4_0 block (w = d (q - 8)) values = q - 8, scales = d, no mins: both exactly as
+  stored. Scales and mins are float16, GGUF's own: 0.625 bytes a weight, Q4_1's, where
+  float32 ones made 0.75 and batch-1 decode reads every byte (float16 holds scales down to
+  ~6e-8, and a group of smaller weights loses precision, as in GGUF). Signed int4 because
+  orbax / tensorstore store int4 but not uint4. The group size must divide the input size
+  (ValueError naming it).
 The LM head is int8 under int8 and int4 (leaf_format: WeightSpec.head), not under fp8,
 whose CPU matmul would write a float32 copy of the largest weight per step. An untied
 lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales per vocab column). A
@@ -99,15 +104,18 @@ from jaxinfer.indexing import take
 QUANTIZATIONS = ("int8", "fp8", "int4")
 VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
                 "int4": np.dtype(ml_dtypes.int4)}
+# int4's scales and mins are float16 (GGUF's d and m); every other format's scales float32.
+SCALE_DTYPES = {"int4": np.dtype(np.float16)}
 Q8_0_GROUP = 32  # GGUF Q8_0: one fp16 scale per 32 consecutive input values
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 blocks, and our own int4 default
+F16_MAX = float(np.finfo(np.float16).max)  # 65504
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-  """Values in the weight's layout, float32 scales [G, out...], int4's mins (see the module doc)."""
+  """Values in the weight's layout, scales [G, out...] (float32; int4 float16), int4's mins (see the module doc)."""
 
   values: Any
   scales: Any
@@ -254,7 +262,8 @@ def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") 
                                axes=values_shape(spec.axes, moved, lead))
   scales = dataclasses.replace(spec, shape=spec.shape[:lead] + (groups,) + spec.shape[lead + n:],
                                axes=spec.axes[:lead] + (None,) + spec.axes[lead + n:],
-                               init="ones", dtype="float32", linear=False)
+                               init="ones", dtype=SCALE_DTYPES.get(quantization, np.dtype(np.float32)).name,
+                               linear=False)
   mins = dataclasses.replace(scales, init="zeros") if quantization == "int4" else None
   return QuantizedWeight(values, scales, mins)
 
@@ -304,11 +313,16 @@ def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: 
   G = in_size // group_size
   grouped = w.reshape(G, group_size, -1)
   lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
-  # A constant group gets scale 1: all its values land on the min, exactly.
-  scale = xp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
-  q = xp.clip(xp.rint((grouped - lo[:, None]) / scale[:, None]), 0, 15)
+  if not float(xp.maximum(hi.max(), -lo.min())) <= F16_MAX:  # (also NaN)
+    raise ValueError(f"{name} {tuple(w.shape)} has weights past float16's range (+-{F16_MAX:g}), or NaN: int4's "
+                     f"float16 scales and mins cannot hold them; use int8 or fp8")
+  # Rounded to float16 first, and the values placed against the rounded min and scale. A
+  # constant group gets scale 1: all its values land on the min.
+  mins = lo.astype(np.float16)
+  scale = xp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float16)
+  scale = xp.where(scale > 0, scale, np.float16(1))  # a range too small for float16 underflows to 0
+  q = xp.clip(xp.rint((grouped - mins.astype(np.float32)[:, None]) / scale.astype(np.float32)[:, None]), 0, 15)
   values = (q - 8).astype(np.int8).reshape(w.shape)
-  mins = (lo + 8.0 * scale).astype(np.float32)
   out = (G,) + w.shape[n_in:]
   return QuantizedWeight(to_values_layout(values, n_in).astype(ml_dtypes.int4), scale.reshape(out), mins.reshape(out))
 
@@ -355,9 +369,11 @@ def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
   scales = np.asarray(w.scales, np.float32)
   in_size = math.prod(values.shape[:n_in])
   G = scales.shape[0]
-  grouped = values.reshape(G, in_size // G, -1).astype(np.float32) * scales.reshape(G, 1, -1)
-  if w.mins is not None:
-    grouped = grouped + np.asarray(w.mins, np.float32).reshape(G, 1, -1)
+  grouped = values.reshape(G, in_size // G, -1).astype(np.float32)
+  if w.mins is None:
+    grouped = grouped * scales.reshape(G, 1, -1)
+  else:
+    grouped = (grouped + 8) * scales.reshape(G, 1, -1) + np.asarray(w.mins, np.float32).reshape(G, 1, -1)
   return grouped.reshape(values.shape)
 
 
@@ -394,7 +410,7 @@ def quantization_of(specs: Any, weights: Any) -> str | None:
 
 
 def cast_floats(tree: Any, dtype) -> Any:
-  """Casts the float leaves to `dtype`; quantized leaves keep their values and float32 scales."""
+  """Casts the float leaves to `dtype`; quantized leaves keep their values, scales and mins."""
   return jax.tree.map(lambda a: a if is_quantized(a) else a.astype(dtype), tree, is_leaf=is_quantized)
 
 
@@ -650,9 +666,11 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
   """q [O, I], scales (mins) [G, O] -> the float32 weight [O, I] (materialized by XLA CPU)."""
   G, (O, I) = scales.shape[0], q.shape
-  w = q.reshape(O, G, I // G).astype(jnp.float32) * scales.T[:, :, None]
-  if mins is not None:
-    w = w + mins.T[:, :, None]
+  w = q.reshape(O, G, I // G).astype(jnp.float32)
+  if mins is None:
+    w = w * scales.T[:, :, None].astype(jnp.float32)
+  else:
+    w = (w + 8) * scales.T[:, :, None].astype(jnp.float32) + mins.T[:, :, None].astype(jnp.float32)
   return w.reshape(O, I)
 
 
@@ -671,7 +689,10 @@ def quantized_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
   """What quantized_matmul computes, in float64 numpy: x @ the dequantized weight (q [O, I])."""
   G = scales.shape[0]
   O, I = q.shape
-  w = q.astype(np.float64).reshape(O, G, I // G) * np.asarray(scales, np.float64).T[:, :, None]
+  w = q.astype(np.float64).reshape(O, G, I // G)
+  if mins is not None:  # w = (q + 8) scale + min
+    w = w + 8
+  w = w * np.asarray(scales, np.float64).T[:, :, None]
   if mins is not None:
     w = w + np.asarray(mins, np.float64).T[:, :, None]
   return np.asarray(x, np.float64) @ w.reshape(O, I).T

@@ -54,11 +54,21 @@ def test_quantize_int4_is_asymmetric_per_group_of_32():
   w[32:, 4] = 0.25  # a constant group
   q = quantize_int4(w, 1)
   assert q.values.dtype == jnp.int4 and q.scales.shape == q.mins.shape == (2, 5)
+  assert q.scales.dtype == q.mins.dtype == np.float16  # GGUF Q4_1's d and m
+  np.testing.assert_array_equal(q.mins, w.reshape(2, 32, 5).min(axis=1).astype(np.float16))
   v = q.values.astype(np.int8)
   assert v.min() == -8 and v.max() == 7
   err = np.abs(dequantize(q, 1) - w).reshape(2, 32, 5)
-  assert np.all(err <= q.scales[:, None, :] / 2 + 1e-6)
+  # Half a step, plus what rounding the min and scale to float16 moves the grid (2^-11 of each).
+  assert np.all(err <= q.scales[:, None, :] / 2 + 2.0 ** -11 * (np.abs(w).max() + 15 * q.scales[:, None, :]))
   assert np.all(err[1, :, 4] == 0)
+
+
+def test_int4_refuses_weights_past_float16s_range_by_name():
+  w = np.ones((64, 3), np.float32)
+  w[5, 1] = -7e4
+  with pytest.raises(ValueError, match=r"wq \(64, 3\) has weights past float16's range .*use int8 or fp8"):
+    quantize(w, 1, "int4", name="wq")
 
 
 def test_int4_group_size_must_divide_the_inputs():

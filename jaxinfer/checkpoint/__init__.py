@@ -104,7 +104,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "float32", overwrite:
             quantize: str | None = None) -> Path:
   """Imports `src` (HF dir or GGUF) and writes an orbax checkpoint at `dst`.
 
-  quantize='int8' stores linear weights as int8 values + float32 scales
+  quantize='int8' stores linear weights as int8 values + float32 scales (fp8 likewise;
+  int4: values + float16 scales and mins per group of 32)
   (`dtype` then applies to the float weights left: norms, embeddings, LM head).
   """
   parse_dtype(dtype)

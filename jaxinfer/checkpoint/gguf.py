@@ -5,9 +5,8 @@ weights whose blocks match the quantization asked for, kept as they are as
 group-wise QuantizedWeights (no float32 copy, llama.cpp's numbers):
   int8: Q8_0 (one fp16 scale per 32 int8 values along the input axis)
   int4: Q4_0 (fp16 d, 32 nibbles q: w = d (q - 8)) and Q4_1 (fp16 d and m:
-        w = d q + m), as int4 values q - 8 with scales d and mins 0 / m + 8 d
-        (the float32 sum m + 8 d may round: within an ulp of the gguf package's
-        d q + m)
+        w = d q + m), as int4 values q - 8 with float16 scales d and mins -8 d
+        (exact in float16) / m: the blocks' own numbers, bit for bit
 Any other quantized type asked for as a quantization is dequantized and
 requantized (per channel for int8 / fp8, per group of 32 for int4; logged
 once per type); float tensors are quantized without a log line. llama.cpp's
@@ -99,14 +98,13 @@ def read_q4(data: np.ndarray, shape: tuple[int, int], qtype: Q) -> QuantizedWeig
   out, n_in = shape
   head = 2 if qtype == Q.Q4_0 else 4
   blocks = np.asarray(data).view(np.uint8).reshape(out, n_in // INT4_GROUP, head + INT4_GROUP // 2)
-  d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+  d = blocks[..., :2].copy().view(np.float16)[..., 0]
   qs = blocks[..., head:]
   q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8  # [out, G, 32]
   values = q.astype(ml_dtypes.int4).reshape(out, n_in)
-  if qtype == Q.Q4_0:
-    return QuantizedWeight(values, d, np.zeros_like(d))
-  m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-  return QuantizedWeight(values, d, m + 8.0 * d)
+  if qtype == Q.Q4_0:  # w = d (q - 8) = (values + 8) d - 8 d
+    return QuantizedWeight(values, d, d * np.float16(-8))
+  return QuantizedWeight(values, d, blocks[..., 2:4].copy().view(np.float16)[..., 0])
 
 
 # The GGUF block types each quantization keeps as they are.

@@ -6,7 +6,7 @@ Layout of a converted checkpoint:
     jaxinfer_checkpoint.json   format version, ModelConfig, source, stored dtype, quantization
     params/                    orbax (OCDBT) pytree, one array per WeightSpec; a quantized
                                weight is {'values': int8 | float8_e4m3fn | int4,
-                               'scales': float32 [G, out...]} (+ 'mins', same shape, for int4)
+                               'scales': float32 [G, out...] (int4: float16)} (+ 'mins', same shape, for int4)
     tokenizer/                 tokenizer.json or tokenizer.model + tokenizer_meta.json
 
 It is written to `DST.partial` and renamed at the end, so an interrupted
@@ -29,7 +29,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
 from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
 from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized,
-                            is_quantized, leaf_format, quantization_of, quantize_tree, with_mins)
+                            is_quantized, leaf_format, quantization_of, quantize_tree, with_mins, SCALE_DTYPES)
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
@@ -130,7 +130,12 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quant
     mins = meta.get("mins")
     check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype, tuple(meta["scales"].shape),
                     float_spec, fmt, None if mins is None else tuple(mins.shape))
-    scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), np.float32, sharding=sharding.scales)
+    scale_dtype = SCALE_DTYPES.get(fmt, np.dtype(np.float32))
+    if fmt == "int4" and np.dtype(meta["scales"].dtype) != scale_dtype:
+      raise CheckpointError(f"{name}: int4 scales are {np.dtype(meta['scales'].dtype)}: written by a jaxinfer "
+                            f"before 2026-11-27, whose int4 mins meant something else (min + 8 scale, now the "
+                            f"min itself, float16); re-run `jaxinfer convert ... --quantize int4`")
+    scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), scale_dtype, sharding=sharding.scales)
     return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sharding.values),
                            scales, None if mins is None else scales)
 

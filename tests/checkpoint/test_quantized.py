@@ -294,11 +294,10 @@ def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
       continue
     in_size = int(np.prod(spec.shape[:num_in_axes(spec)]))
     assert q.values.dtype == jax.numpy.int4 and q.scales.shape[0] == q.mins.shape[0] == in_size // 32
-    got = dequantize(q, num_in_axes(spec))
-    if qtype == Q.Q4_0:  # d (q - 8): both exact in float32
-      np.testing.assert_array_equal(got, f)
-    else:  # (q - 8) d + (m + 8 d) vs d q + m: the float32 sum m + 8 d may round (weights ~0.1)
-      np.testing.assert_allclose(got, f, atol=1e-7, rtol=0)
+    assert q.scales.dtype == q.mins.dtype == np.float16  # GGUF's d and m (Q4_0: -8 d) as stored
+    # (values + 8) d + m against the gguf package's d q + m (Q4_0: (values + 8) d - 8 d
+    # against d (q - 8)): the same float32 numbers, bit for bit.
+    np.testing.assert_array_equal(dequantize(q, num_in_axes(spec)), f)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
@@ -325,6 +324,18 @@ def test_an_int4_checkpoint_with_a_float_head_asks_for_a_reconversion(gguf_files
   model.weights["embed"] = import_model(gguf_files[Q.Q4_1]).weights["embed"]
   dst = orbax_io.save(model, tmp_path / "old")
   with pytest.raises(CheckpointError, match=r"(token_embd|embed_tokens).*keeps the LM head in floats.*--quantize int4"):
+    load_model(dst)
+
+
+def test_an_int4_checkpoint_with_float32_scales_asks_for_a_reconversion(gguf_files, tmp_path):
+  # What jaxinfer wrote before 2026-11-27: float32 scales, and mins that were min + 8 scale.
+  # Read as today's format those would be wrong weights, not an error: refused by name.
+  model = import_model(gguf_files[Q.Q4_1], "int4")
+  w = model.weights["layers"][0]["w_down"]
+  old = np.asarray(w.scales, np.float32)
+  model.weights["layers"][0]["w_down"] = QuantizedWeight(w.values, old, np.asarray(w.mins, np.float32) + 8 * old)
+  dst = orbax_io.save(model, tmp_path / "old")
+  with pytest.raises(CheckpointError, match=r"(ffn_down|down_proj).*int4 scales are float32.*--quantize int4"):
     load_model(dst)
 
 

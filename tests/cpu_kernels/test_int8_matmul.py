@@ -134,7 +134,7 @@ def test_each_row_is_quantized_on_its_own_scale(kernel):
     ref = int8_matmul_reference(x, q)
   else:
     q = rng.integers(-8, 8, (9, 64)).astype(np.int8)
-    s = rng.uniform(0.001, 0.02, (2, 9)).astype(np.float32)
+    s = rng.uniform(0.001, 0.02, (2, 9)).astype(np.float16)
     got = _int4(x, q, s, None)
     ref = cpu_kernels.int4_matmul_reference(x, q, s)
   assert np.all(got[1] == 0) and np.all(np.isnan(got[2]))
@@ -181,8 +181,8 @@ print("close", bool(np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()))  # x to 
 def _int4_case(rng, R, I, O, G, with_mins=True):
   x = (rng.standard_normal((R, I)) * rng.uniform(0.01, 30, (R, 1))).astype(np.float32)
   q = rng.integers(-8, 8, (O, I)).astype(np.int8)
-  s = rng.uniform(0.001, 0.02, (G, O)).astype(np.float32)
-  m = rng.uniform(-0.1, 0.1, (G, O)).astype(np.float32) if with_mins else None
+  s = rng.uniform(0.001, 0.02, (G, O)).astype(np.float16)  # as GGUF stores d and m
+  m = rng.uniform(-0.1, 0.1, (G, O)).astype(np.float16) if with_mins else None
   return x, q, s, m
 
 
@@ -202,7 +202,7 @@ def _int4(x, q, s, m):
 ])
 def test_int4_groups_equal_the_float64_reference(R, I, O, G, with_mins):
   # Exact integer group sums, scaled and summed in float32: within float32 rounding of the
-  # float64 value x @ (q * scale + min)^T.
+  # float64 value x @ ((q + 8) scale + min)^T (x @ (q scale)^T without mins).
   x, q, s, m = _int4_case(np.random.default_rng(R + I + O + G), R, I, O, G, with_mins)
   got = _int4(x, q, s, m)
   ref = cpu_kernels.int4_matmul_reference(x, q, s, m)
@@ -216,7 +216,7 @@ def test_int4_extreme_values_in_the_largest_group_do_not_overflow():
   x = np.full((2, 4096), 32767, np.float32)
   x[1] = -32767
   q = np.full((3, 4096), 7, np.int8)
-  s = np.full((1, 3), 1e-3, np.float32)
+  s = np.full((1, 3), 1e-3, np.float16)
   got = _int4(x, q, s, None)
   np.testing.assert_allclose(got, cpu_kernels.int4_matmul_reference(x, q, s), rtol=1e-6)
 
@@ -256,13 +256,18 @@ def test_int4_groups_the_kernel_cannot_take_are_value_errors():
   x = jnp.ones((2, 96), jnp.float32)
   q = jnp.ones((3, 96), jnp.int4)
   with pytest.raises(ValueError, match="I / G a multiple of 32"):
-    cpu_kernels.int4_matmul(x, q, jnp.ones((2, 3), jnp.float32))  # groups of 48
+    cpu_kernels.int4_matmul(x, q, jnp.ones((2, 3), jnp.float16))  # groups of 48
   with pytest.raises(ValueError, match="I / G a multiple of 32"):
-    cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32), jnp.ones((3, 4), jnp.float32))
+    cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float16), jnp.ones((3, 4), jnp.float16))
   with pytest.raises(ValueError, match="multiple of 32 up to 4096"):  # past it the int32 group sums could overflow
-    cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.float32), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float32))
+    cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.float32), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float16))
   with pytest.raises(ValueError, match="got x int16"):
-    cpu_kernels.int4_matmul(x.astype(jnp.int16), q, jnp.ones((3, 3), jnp.float32))
+    cpu_kernels.int4_matmul(x.astype(jnp.int16), q, jnp.ones((3, 3), jnp.float16))
+  # float32 scales (the format before 2026-11-27) would be read as float16 pairs: refused.
+  with pytest.raises(ValueError, match=r"float16 scales and mins .* scales float32\[3, 3\]"):
+    cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32))
+  with pytest.raises(ValueError, match=r"mins float32\[3, 3\]"):
+    cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float16), jnp.ones((3, 3), jnp.float32))
 
 
 # ---- fp8 (e4m3fn) -----------------------------------------------------------------------------
@@ -351,7 +356,7 @@ rng = np.random.default_rng(0)
 x = (rng.standard_normal((37, 576)) * rng.uniform(0.01, 30, (37, 1))).astype(np.float32)
 q8 = rng.integers(-127, 128, (43, 576)).astype(np.int8)
 q4 = jnp.asarray(rng.integers(-8, 8, (43, 576)).astype(np.int8)).astype(jnp.int4)
-s, m = rng.uniform(0.001, 0.02, (18, 43)).astype(np.float32), rng.uniform(-0.1, 0.1, (18, 43)).astype(np.float32)
+s, m = rng.uniform(0.001, 0.02, (18, 43)).astype(np.float16), rng.uniform(-0.1, 0.1, (18, 43)).astype(np.float16)
 outs = [cpu_kernels.int8_matmul(jnp.asarray(x[:r]), jnp.asarray(q8)) for r in (1, 37)]
 outs += [cpu_kernels.int4_matmul(jnp.asarray(x[:r]), q4, jnp.asarray(s), jnp.asarray(m)) for r in (1, 37)]
 np.savez(sys.argv[1], isa=cpu_kernels.isa(), *[np.asarray(o) for o in outs])
