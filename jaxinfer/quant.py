@@ -51,7 +51,7 @@ and stays in the model dtype.
   int16 in the kernel (x = a x16, a = max|x| / 32767), sum x16 q exactly in integers
   (per group for int4), and scale in float32 after; int4 below 16 tokens runs "cells",
   from 16 on repacked panels, the same numbers. Per-channel fp8 is weight-only: e4m3 rows
-  converted into a small float32 panel per call. Every element is computed the same way
+  converted into a small float32 panel (32 rows, L2-resident) per call. Every element is computed the same way
   whatever the batch, so greedy outputs do not depend on it (tests/cpu_kernels).
 - Without the kernels, or in a program split over several devices (`tracing_on`: XLA's
   partitioner cannot split a custom call): int8 runs `split_int8_matmul`, two int8 limbs
@@ -80,7 +80,7 @@ DRAM int4 was bound by how its tiles walked the weight rows (16 bytes of each of
 rows in turn, which the hardware prefetcher does not follow) rather than by its
 instructions: streaming each tile's row block 4 KiB ahead took its matmuls from 9-11 to
 11-19 GB/s (scripts/bench_cpu_tiles.py, one thread), 0.80-1.39x int8's time per matmul;
-a batch-1 step now takes int8's device time. On a GPU (H200, bench_offline.py --gpu)
+float16 scales and mins (0.625 bytes a weight, was 0.75) then took that to 0.76-0.99x. On a GPU (H200, bench_offline.py --gpu)
 fp8 weights decode an 8B-shaped model 1.30x faster than bf16 at batch 1.
 """
 

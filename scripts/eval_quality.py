@@ -16,8 +16,8 @@ All formats stay loaded and are run window by window, so only one window of floa
 is ever held ([window, 49152] float32, 100 MB at 512). The default model is the Q4_1 GGUF
 dequantized to float32 (jaxinfer.default_model): 'float32' here is those weights, and every
 quantized row requantizes them. --gguf adds 'int4 (Q4_1 gguf)': the Q4_1 file itself loaded
-with quantization='int4', its blocks kept as they are (the same numbers as float32 up to
-float32 rounding, at 4 bits).
+with quantization='int4', its blocks kept as they are (float16 d and m: the same weights as
+float32, bit for bit, at 4 bits).
 
   python scripts/eval_quality.py                    # the table, and benchmarks/results/quality-<date>.json
   python scripts/eval_quality.py --formats float32,int8
