@@ -9,9 +9,9 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
                               G = 1 per-output-channel (int8, fp8 as quantized here),
                               G = in / 32 for GGUF Q8_0 blocks kept as they are; for
                               int4 float16 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
-  mins    float16 [G, out...] int4 only, None for a symmetric group (Q4_0): the group's minimum
+  mins    float16 [G, out...] int4 only (None otherwise): the group's minimum
 
-so w[i, o] = values[o, i] * scales[g, o], or with mins (values[o, i] + 8) * scales[g, o] +
+so w[i, o] = values[o, i] * scales[g, o], and for int4 (values[o, i] + 8) * scales[g, o] +
 mins[g, o], with g = i // (in / G). Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
 minor one 1.2-1.7x faster than one stored [in, out] (one token, per matmul: 576 x 1536 92
@@ -29,8 +29,8 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
 - int4: asymmetric per group of 32 inputs (what GGUF Q4_1 stores): mins = float16(min),
   scales = float16((max - min) / 15), values = round((w - mins) / scales) - 8 in [-8, 7]. A
   GGUF Q4_1 block (d, m, q in [0, 15], w = d q + m) is values = q - 8, scales = d, mins = m,
-  and a Q4_0 block (w = d (q - 8)) values = q - 8, scales = d, no mins: both exactly as
-  stored. Scales and mins are float16, GGUF's own: 0.625 bytes a weight, Q4_1's, where
+  and a Q4_0 block (w = d (q - 8)) values = q - 8, scales = d, mins = -8 d (exact in
+  float16): both exactly as stored. Scales and mins are float16, GGUF's own: 0.625 bytes a weight, Q4_1's, where
   float32 ones made 0.75 and batch-1 decode reads every byte (float16 holds scales down to
   ~6e-8, and a group of smaller weights loses precision, as in GGUF). Signed int4 because
   orbax / tensorstore store int4 but not uint4. The group size must divide the input size
@@ -664,7 +664,8 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """q [O, I], scales (mins) [G, O] -> the float32 weight [O, I] (materialized by XLA CPU)."""
+  """q [O, I], scales (mins) [G, O] -> the float32 weight [O, I], q scale or (q + 8) scale + min
+  (materialized by XLA CPU)."""
   G, (O, I) = scales.shape[0], q.shape
   w = q.reshape(O, G, I // G).astype(jnp.float32)
   if mins is None:

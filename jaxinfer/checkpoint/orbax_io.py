@@ -28,8 +28,8 @@ from jaxinfer.checkpoint.common import ImportedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
 from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
-from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized,
-                            is_quantized, leaf_format, quantization_of, quantize_tree, with_mins, SCALE_DTYPES)
+from jaxinfer.quant import (QUANTIZATIONS, SCALE_DTYPES, VALUE_DTYPES, QuantizedWeight, cast_floats,
+                            check_quantized, is_quantized, leaf_format, quantization_of, quantize_tree, with_mins)
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
