@@ -342,6 +342,9 @@ def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization)
     w = tree["layers"][0]["w_gate"]
     assert is_quantized(w) and w.values.dtype == dtype
     assert (w.mins is not None) == (quantization == "int4")
+    # The abstract tree (a restore's target), random init and an import agree on the scales' dtype.
+    want = jnp.float16 if quantization == "int4" else jnp.float32
+    assert w.scales.dtype == want and (w.mins is None or w.mins.dtype == want)
     # int8 and int4 hold the LM head in int8 (per vocab column); fp8 keeps it float.
     head = tree["lm_head"]
     assert is_quantized(head) == (quantization != "fp8")
