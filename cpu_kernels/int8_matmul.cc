@@ -749,8 +749,7 @@ constexpr int64_t kFp8Tokens = 48;  // a multiple of the tiles' 3 and 6
 void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
   thread_local std::vector<float> panel_buf;
   const int64_t ld = (p.I + 15) / 16 * 16;  // each panel row 64-byte aligned
-  float* panel = AlignedScratch(panel_buf, static_cast<size_t>(kFp8PanelRows * ld + 8));
-  panel += (16 - reinterpret_cast<uintptr_t>(panel) / 4 % 16) % 16;  // 32- to 64-byte aligned
+  float* panel = AlignedScratch(panel_buf, static_cast<size_t>(kFp8PanelRows * ld), 16);
   for (int64_t o0 = ob; o0 < oe; o0 += kFp8PanelRows) {
     const int64_t rows = std::min<int64_t>(kFp8PanelRows, oe - o0);
     for (int64_t a = 0; a < rows; ++a) {

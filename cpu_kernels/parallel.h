@@ -32,10 +32,11 @@ inline T* Scratch(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-// The same for n floats starting on a 32-byte boundary (aligned vector loads and stores).
-inline float* AlignedScratch(std::vector<float>& v, size_t n) {
-  float* base = Scratch(v, n + 7);
-  return base + (8 - reinterpret_cast<uintptr_t>(base) / 4 % 8) % 8;
+// The same for n floats starting on a boundary of `align` floats (32 bytes by default:
+// aligned vector loads and stores; 16 floats for 64-byte zmm rows).
+inline float* AlignedScratch(std::vector<float>& v, size_t n, size_t align = 8) {
+  float* base = Scratch(v, n + align - 1);
+  return base + (align - reinterpret_cast<uintptr_t>(base) / 4 % align) % align;
 }
 
 

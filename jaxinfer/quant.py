@@ -106,6 +106,11 @@ VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3
                 "int4": np.dtype(ml_dtypes.int4)}
 # int4's scales and mins are float16 (GGUF's d and m); every other format's scales float32.
 SCALE_DTYPES = {"int4": np.dtype(np.float16)}
+
+
+def scale_dtype(quantization: str) -> np.dtype:
+  """The dtype of a format's scales (and int4's mins)."""
+  return SCALE_DTYPES.get(quantization, np.dtype(np.float32))
 Q8_0_GROUP = 32  # GGUF Q8_0: one fp16 scale per 32 consecutive input values
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 blocks, and our own int4 default
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -262,7 +267,7 @@ def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") 
                                axes=values_shape(spec.axes, moved, lead))
   scales = dataclasses.replace(spec, shape=spec.shape[:lead] + (groups,) + spec.shape[lead + n:],
                                axes=spec.axes[:lead] + (None,) + spec.axes[lead + n:],
-                               init="ones", dtype=SCALE_DTYPES.get(quantization, np.dtype(np.float32)).name,
+                               init="ones", dtype=scale_dtype(quantization).name,
                                linear=False)
   mins = dataclasses.replace(scales, init="zeros") if quantization == "int4" else None
   return QuantizedWeight(values, scales, mins)
@@ -317,10 +322,10 @@ def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: 
     raise ValueError(f"{name} {tuple(w.shape)} has weights past float16's range (+-{F16_MAX:g}), or NaN: int4's "
                      f"float16 scales and mins cannot hold them; use int8 or fp8")
   # Rounded to float16 first, and the values placed against the rounded min and scale. A
-  # constant group gets scale 1: all its values land on the min.
+  # constant group, or one whose range underflows float16, gets scale 1: its values land on the min.
   mins = lo.astype(np.float16)
-  scale = xp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float16)
-  scale = xp.where(scale > 0, scale, np.float16(1))  # a range too small for float16 underflows to 0
+  scale = ((hi - lo) / 15.0).astype(np.float16)
+  scale = xp.where(scale > 0, scale, np.float16(1))
   q = xp.clip(xp.rint((grouped - mins.astype(np.float32)[:, None]) / scale.astype(np.float32)[:, None]), 0, 15)
   values = (q - 8).astype(np.int8).reshape(w.shape)
   out = (G,) + w.shape[n_in:]
@@ -364,17 +369,10 @@ def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
 
 
 def dequantize(w: QuantizedWeight, n_in: int) -> np.ndarray:
-  """The float32 weight [in..., out...] a QuantizedWeight stands for (the tests' reference)."""
-  values = from_values_layout(np.asarray(w.values), n_in)
-  scales = np.asarray(w.scales, np.float32)
-  in_size = math.prod(values.shape[:n_in])
-  G = scales.shape[0]
-  grouped = values.reshape(G, in_size // G, -1).astype(np.float32)
-  if w.mins is None:
-    grouped = grouped * scales.reshape(G, 1, -1)
-  else:
-    grouped = (grouped + 8) * scales.reshape(G, 1, -1) + np.asarray(w.mins, np.float32).reshape(G, 1, -1)
-  return grouped.reshape(values.shape)
+  """The float32 weight [in..., out...] a QuantizedWeight stands for, on the host (the tests'
+  reference): dequantize_jnp over numpy copies of its leaves."""
+  host = QuantizedWeight(*(None if a is None else np.asarray(a) for a in (w.values, w.scales, w.mins)))
+  return dequantize_jnp(host, n_in)
 
 
 def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_size: int = INT4_GROUP) -> Any:
@@ -663,21 +661,23 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
   return y if scale is None else y * scale
 
 
-def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
-  """q [O, I], scales (mins) [G, O] -> the float32 weight [O, I], q scale or (q + 8) scale + min
-  (materialized by XLA CPU)."""
+def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None, dtype=np.float32) -> jax.Array:
+  """q [O, I], scales (mins) [G, O] -> the weight [O, I] in `dtype`: q scale, or (q + 8) scale +
+  min. jax arrays in the program (XLA CPU materializes the result), or numpy on the host."""
   G, (O, I) = scales.shape[0], q.shape
-  w = q.reshape(O, G, I // G).astype(jnp.float32)
-  if mins is None:
-    w = w * scales.T[:, :, None].astype(jnp.float32)
-  else:
-    w = (w + 8) * scales.T[:, :, None].astype(jnp.float32) + mins.T[:, :, None].astype(jnp.float32)
+  w = q.reshape(O, G, I // G).astype(dtype)
+  if mins is not None:
+    w = w + 8
+  w = w * scales.T[:, :, None].astype(dtype)
+  if mins is not None:
+    w = w + mins.T[:, :, None].astype(dtype)
   return w.reshape(O, I)
 
 
 def dequantize_jnp(w: QuantizedWeight, n_in: int) -> jax.Array:
   """The float32 weight [in..., out...] of a quantized linear weight, in the program (what a
-  reader that contracts its output axes, MLA's absorbed wkv_b, takes)."""
+  reader that contracts its output axes, MLA's absorbed wkv_b, takes); numpy leaves give
+  numpy (`dequantize`)."""
   v = w.values
   q = v.reshape(-1, math.prod(v.shape[v.ndim - n_in:]))
   G = w.scales.shape[0]
@@ -688,12 +688,5 @@ def dequantize_jnp(w: QuantizedWeight, n_in: int) -> jax.Array:
 def quantized_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
                                mins: np.ndarray | None = None) -> np.ndarray:
   """What quantized_matmul computes, in float64 numpy: x @ the dequantized weight (q [O, I])."""
-  G = scales.shape[0]
-  O, I = q.shape
-  w = q.astype(np.float64).reshape(O, G, I // G)
-  if mins is not None:  # w = (q + 8) scale + min
-    w = w + 8
-  w = w * np.asarray(scales, np.float64).T[:, :, None]
-  if mins is not None:
-    w = w + np.asarray(mins, np.float64).T[:, :, None]
-  return np.asarray(x, np.float64) @ w.reshape(O, I).T
+  w = dequantize_groups(np.asarray(q), np.asarray(scales), None if mins is None else np.asarray(mins), np.float64)
+  return np.asarray(x, np.float64) @ w.T

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import WeightSpec, is_spec, param_specs
-from jaxinfer.quant import SCALE_DTYPES, QuantizedWeight, format_of, num_in_axes, values_shape
+from jaxinfer.quant import QuantizedWeight, format_of, num_in_axes, scale_dtype, values_shape
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -77,10 +77,10 @@ def quantized_from_checkpoint(spec: WeightSpec, w: QuantizedWeight) -> Quantized
   n = num_in_axes(spec)
   values = np.asarray(w.values).reshape(values_shape(spec.shape, n))
 
-  scale_dtype = SCALE_DTYPES.get(format_of(w), np.dtype(np.float32))
+  dtype = scale_dtype(format_of(w))
 
   def groups(a):
-    a = np.asarray(a, scale_dtype).T
+    a = np.asarray(a, dtype).T
     return a.reshape((a.shape[0],) + spec.shape[n:])
 
   return QuantizedWeight(values, groups(w.scales), None if w.mins is None else groups(w.mins))

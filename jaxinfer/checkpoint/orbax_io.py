@@ -28,8 +28,8 @@ from jaxinfer.checkpoint.common import ImportedModel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, JaxinferError
 from jaxinfer.params import WeightSpec, abstract_params, is_spec, param_specs
-from jaxinfer.quant import (QUANTIZATIONS, SCALE_DTYPES, VALUE_DTYPES, QuantizedWeight, cast_floats,
-                            check_quantized, is_quantized, leaf_format, quantization_of, quantize_tree, with_mins)
+from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_floats, check_quantized,
+                            is_quantized, leaf_format, quantization_of, quantize_tree, scale_dtype, with_mins)
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
@@ -130,12 +130,12 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quant
     mins = meta.get("mins")
     check_quantized(name, tuple(meta["values"].shape), meta["values"].dtype, tuple(meta["scales"].shape),
                     float_spec, fmt, None if mins is None else tuple(mins.shape))
-    scale_dtype = SCALE_DTYPES.get(fmt, np.dtype(np.float32))
-    if fmt == "int4" and np.dtype(meta["scales"].dtype) != scale_dtype:
+    dtype_of_scales = scale_dtype(fmt)
+    if fmt == "int4" and np.dtype(meta["scales"].dtype) != dtype_of_scales:
       raise CheckpointError(f"{name}: int4 scales are {np.dtype(meta['scales'].dtype)}: written by a jaxinfer "
                             f"before 2026-11-27, whose int4 mins meant something else (min + 8 scale, now the "
                             f"min itself, float16); re-run `jaxinfer convert ... --quantize int4`")
-    scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), scale_dtype, sharding=sharding.scales)
+    scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), dtype_of_scales, sharding=sharding.scales)
     return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sharding.values),
                            scales, None if mins is None else scales)
 
