@@ -461,7 +461,11 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797; 1536 x 576 at 64
 // 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. The instructions allow more (vpmaddwd +
 // vpaddd 1.5x float32 FMA's rate, scripts/bench_simd_peak.py): the broadcasts, panel loads
-// and the activations' quantization take the rest.
+// and the activations' quantization take the rest. The VNNI build runs a 16-row block as
+// one zmm, 6 tokens a tile (8 and 12 measured 3-10% slower), where its two-ymm form had
+// run 38-41 multiply-adds per ns on one core (below). bench_quant_matmul, VNNI build,
+// 2026-11-27, us int4 / float32: 576 x 1536 at 64 tokens 715 / 857, at 512 3836 / 4935;
+// 1536 x 576 at 64 697 / 833, at 512 5501 / 5095.
 //
 // Same numbers as the cells: S[r, g, o] is the same exact int32, converted the same way,
 // then acc = fma(float(S), scale, acc) group after group, accm = fma(min',
@@ -544,6 +548,33 @@ struct PanelBlock {
 template <int RR, int NV, bool kOneChunk>
 void PanelGroups(const Int4Args& p, const PanelBlock& b, int64_t r0, int64_t g0, int64_t g1) {
   const int64_t pairs = kOneChunk ? 16 : p.I / p.G / 2;
+#ifdef JAXINFER_VNNI
+  // A 16-row block's two vectors of a pair are one zmm (lanes 0-15 = rows 0-15: the same
+  // cells, the same operations). GCC compiled the two-ymm form below with ~24 register copies
+  // per pair in this build; Int4PanelBlock alone on one core, 512 tokens x the default
+  // model's shapes: 38-41 -> 54-74 multiply-adds per ns (XLA's float32 GEMM there: 46-50).
+  if constexpr (NV == 2) {
+    __m512 acc[RR];
+    for (int t = 0; t < RR; ++t) acc[t] = _mm512_loadu_ps(b.acc + (r0 + t) * 16);
+    const int32_t* x[RR];
+    for (int t = 0; t < RR; ++t) x[t] = reinterpret_cast<const int32_t*>(p.x + (r0 + t) * p.I);
+    const int32_t* panel = reinterpret_cast<const int32_t*>(b.panel);
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512i S[RR];
+      for (int t = 0; t < RR; ++t) S[t] = _mm512_setzero_si512();
+      const int32_t* pg = panel + g * pairs * 16;
+      const int64_t xg = g * pairs;
+      for (int64_t j = 0; j < pairs; ++j) {
+        const __m512i w = _mm512_loadu_si512(pg + j * 16);
+        for (int t = 0; t < RR; ++t) S[t] = _mm512_dpwssd_epi32(S[t], w, _mm512_set1_epi32(x[t][xg + j]));
+      }
+      const __m512 sc = _mm512_loadu_ps(b.scale + g * 16);
+      for (int t = 0; t < RR; ++t) acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[t]), sc, acc[t]);
+    }
+    for (int t = 0; t < RR; ++t) _mm512_storeu_ps(b.acc + (r0 + t) * 16, acc[t]);
+    return;
+  }
+#endif
   __m256 acc[RR][NV];
   for (int t = 0; t < RR; ++t)
     for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_ps(b.acc + (r0 + t) * 16 + 8 * v);
