@@ -227,7 +227,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // were 0.75; at one token the weight stream is the bound). Each converts exactly to float32. q int4
 // [O, I] as XLA CPU holds it: packed two per byte, the lower-indexed value in the low nibble;
 // x16 (Int4Activations) with the even entries of each 32-block first, then the odd ones;
-// xsum[g, r] = float(sum of x16 over group g) (exact up to 512 inputs a group), [G, R].
+// xsum[r, g] = float(sum of x16 over group g) (exact up to 512 inputs a group), stored [G, R] or [R, G].
 // Groups of 32 to kMaxGroup inputs, a multiple of 32.
 //
 // Each (r, o) is one "cell" and runs the same float32 operations in every tile shape, so
@@ -306,10 +306,11 @@ inline void EvenOdd32(int16_t* p) {
                       _mm256_permute4x64_epi64(_mm256_packs_epi32(odd(v0), odd(v1)), 0xD8));
 }
 
-// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I] (with even_odd, in each 32-block's even-odd
-// order: the cells' unpacked nibbles; the panel takes them in order), xsum [G, R].
-void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum_t,
-                     bool even_odd, int64_t rb, int64_t re) {
+// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I], xsum. For the cells x16 in each 32-block's
+// even-odd order (their unpacked nibbles') and xsum [G, R] (a tile's tokens side by side); for
+// the panel (`panel`) x16 in order and xsum [R, G] (a token's groups in the order it sums them).
+void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum,
+                     bool panel, int64_t rb, int64_t re) {
   const int64_t gs = I / G;
   const __m256i ones = _mm256_set1_epi16(1);
   Int16Rows(x, I, a, x16, rb, re);
@@ -320,9 +321,9 @@ void Int4Activations(const float* x, int64_t R, int64_t I, int64_t G, float* a, 
       __m256i sum = _mm256_setzero_si256();
       for (int64_t i = g * gs; i < (g + 1) * gs; i += 16)
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)), ones));
-      xsum_t[g * R + r] = static_cast<float>(HSum32(sum));
+      xsum[panel ? r * G + g : g * R + r] = static_cast<float>(HSum32(sum));
     }
-    if (even_odd)
+    if (!panel)
       for (int64_t b = 0; b < I; b += 32) EvenOdd32(row + b);
   }
 }
@@ -333,7 +334,7 @@ struct Int4Args {
   const uint8_t* q;     // [O, I / 2]
   const uint16_t* scale;  // float16 [G, O]
   const uint16_t* mins;   // float16 [G, O], or nullptr (Q4_0: min' = -8 scale)
-  const float* xsum_t;  // [G, R]
+  const float* xsum;   // [G, R] for the cells, [R, G] for the panel (Int4Activations)
   float* y;             // [R, O]
   int64_t R, I, O, G;
 };
@@ -389,11 +390,11 @@ void Int4Tile(const Int4Args& p, int64_t o0, int64_t r0) {
     if constexpr (RO == 8) {
       s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
       m = mg ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg))) : _mm256_mul_ps(minus8, s);
-      xs = _mm256_broadcast_ss(p.xsum_t + g * p.R + r0);
+      xs = _mm256_broadcast_ss(p.xsum + g * p.R + r0);
     } else {  // 2 x 4
       s = _mm256_set_m128(_mm_set1_ps(Half(sg[1])), _mm_set1_ps(Half(sg[0])));
       m = mg ? _mm256_set_m128(_mm_set1_ps(Half(mg[1])), _mm_set1_ps(Half(mg[0]))) : _mm256_mul_ps(minus8, s);
-      xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p.xsum_t + g * p.R + r0));
+      xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p.xsum + g * p.R + r0));
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(v)), s, acc);
     accm = _mm256_fmadd_ps(m, xs, accm);
@@ -413,7 +414,7 @@ void Int4Cell(const Int4Args& p, int64_t o, int64_t r) {
     GroupSums<1, 1, kOneChunk>(p, o, r, g, &v);
     const float s = Half(p.scale[g * p.O + o]), m = p.mins ? Half(p.mins[g * p.O + o]) : -8.0f * s;
     acc = std::fma(static_cast<float>(HSum32(v)), s, acc);
-    accm = std::fma(m, p.xsum_t[g * p.R + r], accm);
+    accm = std::fma(m, p.xsum[g * p.R + r], accm);
   }
   p.y[r * p.O + o] = (acc + accm) * p.a[r];
 }
@@ -603,9 +604,36 @@ void PanelGroups(const Int4Args& p, const PanelBlock& b, int64_t r0, int64_t g0,
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(b.acc + (r0 + t) * 16 + 8 * v, acc[t][v]);
 }
 
+// Tokens r0 .. r0 + RT of the block's rows: accm = fma(min', xsum, accm) group after group,
+// then y = (acc + accm) * a. RT tokens at once: one token's accm is a chain of G dependent
+// FMAs, which alone (~4 cycles each, xsum then [G, R], read G floats R apart) took a fifth of
+// a 442-token int4 prefill step (perf, 2026-11-27, both threads) against the panel loop's two
+// fifths; RT chains hide the latency, and each token reads its own row of xsum [R, G] in order.
+// The same operations per cell, in the same order.
+template <int NV, int RT>
+void PanelMins(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n, int64_t r0) {
+  __m256 accm[RT][NV];
+  for (int t = 0; t < RT; ++t)
+    for (int v = 0; v < NV; ++v) accm[t][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    const float* xs = p.xsum + r0 * p.G + g;
+    for (int v = 0; v < NV; ++v) {
+      const __m256 m = _mm256_loadu_ps(b.minp + g * 16 + 8 * v);
+      for (int t = 0; t < RT; ++t) accm[t][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t * p.G), accm[t][v]);
+    }
+  }
+  for (int t = 0; t < RT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t r = r0 + t;
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(_mm256_loadu_ps(b.acc + r * 16 + 8 * v), accm[t][v]));
+      float* yr = p.y + r * p.O + o0 + 8 * v;
+      for (int k = 0; k < 8 && 8 * v + k < n; ++k) yr[k] = out[k] * p.a[r];
+    }
+}
+
 // Rows [o0, o0 + n), n <= 8 NV, for every token: groups in blocks whose panel slice stays in
-// L1 (~8 KiB) across all the tokens, then accm = fma(min', xsum, accm) group after group and
-// y = (acc + accm) * a.
+// L1 (~8 KiB) across all the tokens, then the min' terms and y (PanelMins).
 template <int NV, bool kOneChunk>
 void PanelRows(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n) {
   const int64_t gs = p.I / p.G, per_block = std::max<int64_t>(1, 256 / gs);
@@ -617,16 +645,9 @@ void PanelRows(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n) {
     for (; r + 3 <= p.R; r += 3) PanelGroups<3, NV, kOneChunk>(p, b, r, g0, g1);
     for (; r < p.R; ++r) PanelGroups<1, NV, kOneChunk>(p, b, r, g0, g1);
   }
-  for (int64_t r = 0; r < p.R; ++r)
-    for (int v = 0; v < NV; ++v) {
-      __m256 accm = _mm256_setzero_ps();
-      for (int64_t g = 0; g < p.G; ++g)
-        accm = _mm256_fmadd_ps(_mm256_loadu_ps(b.minp + g * 16 + 8 * v), _mm256_broadcast_ss(p.xsum_t + g * p.R + r), accm);
-      alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_add_ps(_mm256_loadu_ps(b.acc + r * 16 + 8 * v), accm));
-      float* yr = p.y + r * p.O + o0 + 8 * v;
-      for (int k = 0; k < 8 && 8 * v + k < n; ++k) yr[k] = out[k] * p.a[r];
-    }
+  int64_t r = 0;
+  for (; r + kPanelTokens <= p.R; r += kPanelTokens) PanelMins<NV, kPanelTokens>(p, b, o0, n, r);
+  for (; r < p.R; ++r) PanelMins<NV, 1>(p, b, o0, n, r);
 }
 
 template <bool kOneChunk>
@@ -678,7 +699,7 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   float *ap = Scratch(a_buf, R), *sp = Scratch(xsum_buf, G * R);
   const float* xf = x.typed_data();
   const bool panel = R >= kPanelRows;
-  ParallelRows(pool, R, I * 4, 1, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, !panel, rb, re); });
+  ParallelRows(pool, R, I * 4, 1, [=](int64_t rb, int64_t re) { Int4Activations(xf, R, I, G, ap, xp, sp, panel, rb, re); });
   const auto half = [](auto& b) { return reinterpret_cast<const uint16_t*>(b.untyped_data()); };
   Int4Args p{xp, ap, reinterpret_cast<const uint8_t*>(q.untyped_data()), half(scale),
              has_mins ? half(mins) : nullptr, sp, y->typed_data(), R, I, qd[0], G};
