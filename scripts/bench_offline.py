@@ -504,12 +504,16 @@ def run_gpu(args) -> int:
 # ---- the run ------------------------------------------------------------------------------------
 
 def table(rows: list[dict]) -> str:
-  lines = ["| workload | system | dtype (precision) | tokens/s | vs jaxinfer | TTFT s | peak RSS MB |",
-           "|---|---|---|---|---|---|---|"]
+  """Markdown: 'vs jaxinfer' is a row's speed over jaxinfer's at the same precision (a peer's
+  standing; 1.00x on jaxinfer's own rows), 'vs float32' over jaxinfer float32's in the same
+  workload (what a quantized format buys), '-' where the run has no such row."""
+  lines = ["| workload | system | dtype (precision) | tokens/s | vs jaxinfer | vs float32 | TTFT s | peak RSS MB |",
+           "|---|---|---|---|---|---|---|---|"]
+  ratio = lambda r, k: f"{r[k]:.2f}x" if r.get(k) else "-"
   for r in rows:
-    ratio = f"{r['ratio_to_jaxinfer']:.2f}x" if r.get("ratio_to_jaxinfer") else "-"
     lines.append(f"| {r['workload']} | {r['system']} | {r['dtype']} ({r['precision']}) | "
-                 f"{r['tokens_per_s']:.1f} | {ratio} | {r['ttft_s']:.2f} | {r['peak_rss_mb']:.0f} |")
+                 f"{r['tokens_per_s']:.1f} | {ratio(r, 'ratio_to_jaxinfer')} | {ratio(r, 'ratio_to_float32')} | "
+                 f"{r['ttft_s']:.2f} | {r['peak_rss_mb']:.0f} |")
   return "\n".join(lines)
 
 
@@ -571,6 +575,7 @@ def main() -> int:
            + [(f, "float32", f, [p for p in peers if p == "llama.cpp"]) for f in formats])
   for wl in args.workloads.split(","):
     label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
+    float32 = None  # jaxinfer's float32 row of this workload, when the run has one
     for precision, dtype, quantization, case_peers in cases:
       ours = None
       for sched in schedulings:
@@ -580,7 +585,11 @@ def main() -> int:
         if len(schedulings) > 1:
           r["system"] = f"jaxinfer ({sched})"
         ours = ours or r  # the first mode is what the peers' ratios are to
+        if precision == "float32" and quantization is None:
+          float32 = float32 or r
         r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
+        if float32:
+          r["ratio_to_float32"] = r["tokens_per_s"] / float32["tokens_per_s"]
         rows.append(r)
       for peer in case_peers:
         print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
@@ -593,6 +602,8 @@ def main() -> int:
           notes.append(f"{peer}: not installed, skipped")
           continue
         r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
+        if float32:
+          r["ratio_to_float32"] = r["tokens_per_s"] / float32["tokens_per_s"]
         rows.append(r)
       print(table(rows), file=sys.stderr, flush=True)
   result = {

@@ -61,3 +61,19 @@ def test_gpu_smoke_row_runs_the_quantized_model(tmp_path):
   assert len(row["batch1_token_ids"]) == 8  # --smoke: 8 new tokens
   assert row["matmul_probe"]["T1"]["full_precision_weight_copies"] == []  # the CPU kernel reads e4m3 as is
   assert "| xla | fp8 | auto |" in proc.stdout
+
+
+def test_table_puts_each_row_against_jaxinfer_at_its_precision_and_against_float32():
+  row = lambda system, precision, tps, **kw: dict(workload="64 prompts x 128", system=system, dtype="float32",
+                                                   precision=precision, tokens_per_s=tps, ttft_s=1.0,
+                                                   peak_rss_mb=100.0, **kw)
+  rows = [row("jaxinfer", "float32", 200.0, ratio_to_jaxinfer=1.0, ratio_to_float32=1.0),
+          row("jaxinfer", "int4", 250.0, ratio_to_jaxinfer=1.0, ratio_to_float32=1.25),
+          row("llama.cpp", "int4", 300.0, ratio_to_jaxinfer=1.2, ratio_to_float32=1.5),
+          row("jaxinfer", "int8", 150.0, ratio_to_jaxinfer=1.0)]  # a run without a float32 row
+  lines = bench_offline.table(rows).splitlines()
+  assert lines[0].split("|")[5:7] == [" vs jaxinfer ", " vs float32 "]
+  cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+  assert [(c[1], c[2], c[4], c[5]) for c in cells] == [
+      ("jaxinfer", "float32 (float32)", "1.00x", "1.00x"), ("jaxinfer", "float32 (int4)", "1.00x", "1.25x"),
+      ("llama.cpp", "float32 (int4)", "1.20x", "1.50x"), ("jaxinfer", "float32 (int8)", "1.00x", "-")]
