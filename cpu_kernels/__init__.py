@@ -18,15 +18,17 @@ All of them are one library; parallel.h splits their output rows over the callin
 helper threads, convert.h holds the float8 conversion they share.
 
 The library is built for AVX2, or where the CPU has AVX512-VNNI with its int16 multiply-adds as
-vpdpwssd (`isa()` says which runs; the same numbers either way).
+vpdpwssd (`isa()` says which runs; the same numbers either way); where the CPU also has
+AVX512-BF16, fp8 rounds its activations to bfloat16 (`fp8_activations()`) for vdpbf16ps.
 """
 
 from cpu_kernels.attention import (DECODE_ATTENTION_TARGET, decode_attention, decode_attention_reference,
                                    pages_as_float)
-from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, fp8_matmul, fp8_matmul_reference,
+from cpu_kernels.int8_matmul import (INT4_MAX_GROUP, INT4_PANEL_ROWS, available, fp8_activations, fp8_matmul,
+                                     fp8_matmul_reference,
                                      int4_groups_fit, int4_matmul, int4_matmul_reference, int8_matmul,
                                      int8_matmul_reference, int16_rows_reference, isa, unavailable_reason)
 
-__all__ = ["DECODE_ATTENTION_TARGET", "INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "decode_attention", "decode_attention_reference", "pages_as_float", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
+__all__ = ["DECODE_ATTENTION_TARGET", "INT4_MAX_GROUP", "INT4_PANEL_ROWS", "available", "decode_attention", "decode_attention_reference", "pages_as_float", "fp8_activations", "fp8_matmul", "fp8_matmul_reference", "int4_groups_fit",
            "int4_matmul", "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "int16_rows_reference",
            "isa", "unavailable_reason"]

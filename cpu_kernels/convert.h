@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace jaxinfer_cpu {
@@ -32,6 +33,31 @@ inline float Fp8One(uint8_t b) {
                        : std::ldexp(static_cast<float>(8 + (em & 7)), (em >> 3) - 10);
   return (b & 0x80) ? -f : f;
 }
+
+#ifdef JAXINFER_BF16
+// 32 e4m3fn bytes -> 32 bfloat16, exactly (three mantissa bits fit bfloat16's seven): sign |
+// (exponent + 120) | mantissa << 4 for normal values, m x 2^-9 (m = 1..7) from a table for
+// subnormals, a quiet NaN for S.1111.111. AVX512-BW.
+inline __m512i Fp8x32Bf16(const uint8_t* p) {
+  alignas(64) static const uint16_t kSubnormal[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+  __m512i b = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+  b = _mm512_mask_mov_epi16(b, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)),
+                            _mm512_permutexvar_epi16(em, _mm512_load_si512(kSubnormal)));
+  b = _mm512_mask_mov_epi16(b, _mm512_cmpeq_epi16_mask(em, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+  return _mm512_or_si512(b, sign);
+}
+
+// The same for one byte: Fp8One's float32 (exact) without its low 16 bits, all zero.
+inline uint16_t Fp8Bf16One(uint8_t b) {
+  const float f = Fp8One(b);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>(u >> 16);
+}
+#endif
 
 }  // namespace jaxinfer_cpu
 

@@ -33,6 +33,10 @@ namespace {
 
 using jaxinfer_cpu::Fp8One;
 using jaxinfer_cpu::Fp8x8;
+#ifdef JAXINFER_BF16
+using jaxinfer_cpu::Fp8Bf16One;
+using jaxinfer_cpu::Fp8x32Bf16;
+#endif
 
 using jaxinfer_cpu::AlignedScratch;
 using jaxinfer_cpu::ParallelRows;
@@ -834,6 +838,140 @@ void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
   }
 }
 
+#ifdef JAXINFER_BF16
+// ---- fp8 with bfloat16 activations (AVX512-BF16) ------------------------------------------------
+//
+//   y[r, o] = float32( sum_j dpbf16(bf16(x[r, 2j..2j+1]), w(q[o, 2j..2j+1])) ) * scale[o]
+//
+// Where the CPU has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids; int8_matmul.py adds
+// JAXINFER_BF16 to the VNNI build there) fp8 runs on vdpbf16ps, which multiplies bfloat16 pairs
+// into float32 lanes at twice float32 FMA's rate (1.87x measured, as vpdpwssd). Every e4m3
+// value is a bfloat16; the activations are rounded to bfloat16 once per call (round to nearest
+// even, vcvtneps2bf16): their ~2^-9 relative error is small beside e4m3's 2^-4 and leaves the
+// quality table's fp8 row as it was (README). The products are exact in float32.
+//
+// The panel's lanes are output rows, as int4's: each thread turns 64 weight rows at a time
+// into [I / 2 pairs][4 blocks of 16 rows] bfloat16 pairs (Fp8x32Bf16, then a 16 x 16
+// transpose of 32-bit pairs), and a tile of 3 tokens x 4 blocks broadcasts each token's pair
+// j against four vectors of pair j: 12 accumulators, no reduction. Each cell (r, o) is one lane
+// that takes pair after pair in order (vdpbf16ps: acc += x[2j+1] w[2j+1], then + x[2j] w[2j],
+// each rounded, per Intel's definition), then one multiply by the scale: the same operations
+// whatever the tile, the row count or the thread (odd I: a zero last pair half).
+// One core, a harness over this block against Fp8Block (2026-11-27): 64 and 512 tokens x
+// 576 x 1536 / 1536 x 576 2.05-2.27x as fast (94-105 multiply-adds per ns, float32 FMA's
+// peak 58), one token in cache 1.45x.
+constexpr int64_t kBf16Blocks = 4;  // 16-row blocks in a thread's panel
+constexpr int kBf16Tokens = 3;      // tokens a tile: 3 x 4 accumulators for vdpbf16ps's latency
+
+// Rows [rb, re) of x [R, I] -> xb [R, P] bfloat16 pairs (P = ceil(I / 2), a zero past I).
+void Bf16Rows(const float* x, int64_t I, int64_t P, uint32_t* xb, int64_t rb, int64_t re) {
+  for (int64_t r = rb; r < re; ++r) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(xb + r * P);
+    const float* xr = x + r * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + i)));
+    if (i < 2 * P) {  // the last < 16 inputs (zeros past I), through the same instruction
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (I - i)) - 1), xr + i));
+      _mm256_mask_storeu_epi16(out + i, static_cast<__mmask16>((1u << (2 * P - i)) - 1), v);
+    }
+  }
+}
+
+// 16 weight rows (nv of them real, the rest zero lanes) x 32 inputs from byte c -> pairs
+// c / 2 .. c / 2 + 15, out[j * stride] = pair j with lane k = row k.
+inline void Bf16Repack16x32(const uint8_t* const rows[16], int nv, int64_t c, __m512i* out, int64_t stride) {
+  __m512i r[16], t[16];
+  for (int k = 0; k < 16; ++k) r[k] = k < nv ? Fp8x32Bf16(rows[k] + c) : _mm512_setzero_si512();
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: rows 2k, 2k+1 interleaved
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {  // r[4b + c]: in 128-bit lane L, pair 4L + c of rows 4b .. 4b + 3
+    r[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    r[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int c4 = 0; c4 < 4; ++c4) {  // pair 4L + c4: lane L of r[c4], r[4 + c4], r[8 + c4], r[12 + c4]
+    const __m512i lo01 = _mm512_shuffle_i32x4(r[c4], r[4 + c4], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i hi01 = _mm512_shuffle_i32x4(r[8 + c4], r[12 + c4], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i lo23 = _mm512_shuffle_i32x4(r[c4], r[4 + c4], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i hi23 = _mm512_shuffle_i32x4(r[8 + c4], r[12 + c4], _MM_SHUFFLE(3, 2, 3, 2));
+    out[(0 + c4) * stride] = _mm512_shuffle_i32x4(lo01, hi01, _MM_SHUFFLE(2, 0, 2, 0));
+    out[(4 + c4) * stride] = _mm512_shuffle_i32x4(lo01, hi01, _MM_SHUFFLE(3, 1, 3, 1));
+    out[(8 + c4) * stride] = _mm512_shuffle_i32x4(lo23, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+    out[(12 + c4) * stride] = _mm512_shuffle_i32x4(lo23, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+struct Bf16Args {
+  const uint32_t* xb;  // [R, P] bfloat16 pairs
+  const uint8_t* q;    // [O, I]
+  const float* scale;  // [O]
+  float* y;            // [R, O]
+  int64_t R, I, O, P;
+};
+
+// Tokens r0 .. r0 + RR x NB blocks of the panel (rows o0 ..; n of them real).
+template <int NB, int RR>
+void Bf16Tile(const Bf16Args& p, const __m512i* panel, int64_t o0, int64_t n, int64_t r0) {
+  __m512 acc[NB][RR];
+  for (int b = 0; b < NB; ++b)
+    for (int t = 0; t < RR; ++t) acc[b][t] = _mm512_setzero_ps();
+  const uint32_t* x[RR];
+  for (int t = 0; t < RR; ++t) x[t] = p.xb + (r0 + t) * p.P;
+  for (int64_t j = 0; j < p.P; ++j) {
+    __m512i w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_load_si512(panel + j * NB + b);
+    for (int t = 0; t < RR; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[t][j]));
+      for (int b = 0; b < NB; ++b) acc[b][t] = _mm512_dpbf16_ps(acc[b][t], (__m512bh)w[b], xv);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t nb = std::min<int64_t>(16, n - 16 * b);
+    const __mmask16 m = static_cast<__mmask16>(nb >= 16 ? 0xFFFF : (1u << nb) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(m, p.scale + o0 + 16 * b);
+    for (int t = 0; t < RR; ++t) _mm512_mask_storeu_ps(p.y + (r0 + t) * p.O + o0 + 16 * b, m, _mm512_mul_ps(acc[b][t], s));
+  }
+}
+
+template <int NB>
+void Bf16PanelTokens(const Bf16Args& p, const __m512i* panel, int64_t o0, int64_t n) {
+  int64_t r = 0;
+  for (; r + kBf16Tokens <= p.R; r += kBf16Tokens) Bf16Tile<NB, kBf16Tokens>(p, panel, o0, n, r);
+  for (; r < p.R; ++r) Bf16Tile<NB, 1>(p, panel, o0, n, r);
+}
+
+void Fp8Bf16Block(const Bf16Args& p, int64_t ob, int64_t oe) {
+  thread_local std::vector<float> panel_buf;  // [P][kBf16Blocks] vectors, 64-byte aligned
+  __m512i* panel = reinterpret_cast<__m512i*>(AlignedScratch(panel_buf, static_cast<size_t>(p.P * kBf16Blocks * 16), 16));
+  for (int64_t o0 = ob; o0 < oe; o0 += 16 * kBf16Blocks) {
+    const int64_t n = std::min<int64_t>(16 * kBf16Blocks, oe - o0), nb = (n + 15) / 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int nv = static_cast<int>(std::min<int64_t>(16, n - 16 * b));
+      const uint8_t* rows[16];
+      for (int k = 0; k < 16; ++k) rows[k] = p.q + (o0 + 16 * b + std::min(k, nv - 1)) * p.I;
+      int64_t c = 0;
+      for (; c + 32 <= p.I; c += 32) Bf16Repack16x32(rows, nv, c, panel + (c / 2) * nb + b, nb);
+      for (; c < p.I; c += 2) {  // the inputs past the last multiple of 32, a pair at a time
+        alignas(64) uint32_t lanes[16] = {};
+        for (int k = 0; k < nv; ++k)
+          lanes[k] = Fp8Bf16One(rows[k][c]) | (c + 1 < p.I ? uint32_t{Fp8Bf16One(rows[k][c + 1])} << 16 : 0u);
+        panel[(c / 2) * nb + b] = _mm512_load_si512(lanes);
+      }
+    }
+    switch (nb) {
+      case 4: Bf16PanelTokens<4>(p, panel, o0, n); break;
+      case 3: Bf16PanelTokens<3>(p, panel, o0, n); break;
+      case 2: Bf16PanelTokens<2>(p, panel, o0, n); break;
+      default: Bf16PanelTokens<1>(p, panel, o0, n); break;
+    }
+  }
+}
+#endif  // JAXINFER_BF16
+
 ffi::Error Fp8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
@@ -843,7 +981,16 @@ ffi::Error Fp8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   Fp8Args p{x.typed_data(), reinterpret_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
             y->typed_data(), xd[0], xd[1], qd[0]};
   if (p.R == 0) return ffi::Error::Success();
+#ifdef JAXINFER_BF16
+  const int64_t P = (p.I + 1) / 2;
+  thread_local std::vector<uint32_t> xb_buf;
+  uint32_t* xb = Scratch(xb_buf, p.R * P);
+  ParallelRows(pool, p.R, p.I * 4, 1, [p, P, xb](int64_t rb, int64_t re) { Bf16Rows(p.x, p.I, P, xb, rb, re); });
+  const Bf16Args b{xb, p.q, p.scale, p.y, p.R, p.I, p.O, P};
+  ParallelRows(pool, p.O, p.I * p.R, 16, [b](int64_t ob, int64_t oe) { Fp8Bf16Block(b, ob, oe); });
+#else
   ParallelRows(pool, p.O, p.I * p.R, 8, [p](int64_t ob, int64_t oe) { Fp8Block(p, ob, oe); });
+#endif
   return ffi::Error::Success();
 }
 

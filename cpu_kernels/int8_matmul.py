@@ -3,7 +3,8 @@ weights on XLA CPU: XLA FFI custom calls (int8_matmul.cc), their build, and thei
 
     int8_matmul(x float32 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x16 q) * a
     int4_matmul(x, q int4 [O, I], scales, mins float16 [G, O]) -> float32 [R, O], exact per group
-    fp8_matmul(x, q float8_e4m3fn [O, I], scale [O]) -> float32 [R, O], weight-only, fixed order
+    fp8_matmul(x, q float8_e4m3fn [O, I], scale [O]) -> float32 [R, O], fixed order; x rounded to
+        bfloat16 where the CPU has AVX512-BF16 (fp8_activations())
 
 x16 and a are x's rows as int16 (int16_rows_reference: a = max|x| / 32767 per row, x16 =
 round(x / a)), which the kernel forms itself: in XLA those were ~6 small operations per
@@ -66,6 +67,11 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", 
 # 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; scripts/bench_simd_peak.py). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
 VNNI_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI")
 VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512vl", "avx512bw", "avx512_vnni"})  # /proc/cpuinfo names
+# And where it also has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids), fp8 runs on
+# vdpbf16ps with its activations rounded to bfloat16: 2.1-2.3x the float32-activation tile at
+# 64-512 tokens (int8_matmul.cc, "fp8 with bfloat16 activations").
+BF16_FLAGS = ("-mavx512bf16", "-DJAXINFER_BF16")
+BF16_CPU_FLAG = "avx512_bf16"
 
 
 def int8_matmul(x: jax.Array, q: jax.Array) -> jax.Array:
@@ -119,9 +125,10 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
 def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """x float32 [R, I], q float8_e4m3fn [O, I], scale float32 [O] -> float32 [R, O] = (x @ float(q)^T) * scale.
 
-  Weight-only: x stays float32, each e4m3 value converts exactly. Each element is summed in
-  one fixed order at any row count (eight lanes over i mod 8, a fixed tree, then the inputs
-  past the last multiple of 8), so rows do not depend on the batch.
+  Each e4m3 value converts exactly. x stays float32 (fp8_activations() == "float32": 8 or 16
+  lanes over i, a fixed tree) or, where the CPU has AVX512-BF16, is rounded to bfloat16 first
+  ("bfloat16": one float32 lane per element, bfloat16 pairs in order). Either way each element
+  is summed in one fixed order at any row count, so rows do not depend on the batch.
   Raises RuntimeError when the kernel is not available()."""
   if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32
       or q.dtype != jnp.float8_e4m3fn or scale.shape != (q.shape[0],)):
@@ -133,9 +140,21 @@ def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(FP8_TARGET, out, vmap_method="sequential")(x, q, scale.astype(jnp.float32))
 
 
-def fp8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-  """The same product in float64 (q's e4m3 values exactly): what fp8_matmul rounds."""
-  return (np.asarray(x, np.float64) @ np.asarray(q, np.float64).T) * np.asarray(scale, np.float64)
+def fp8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, activations: str = "float32") -> np.ndarray:
+  """The same product in float64 (q's e4m3 values exactly), x first rounded to bfloat16 with
+  activations="bfloat16" (as fp8_matmul does where fp8_activations() says so): what it rounds."""
+  if activations not in ("float32", "bfloat16"):
+    raise ValueError(f"activations must be float32 or bfloat16, got {activations!r}")
+  import ml_dtypes
+  x = np.asarray(x, np.float32)
+  if activations == "bfloat16":
+    x = x.astype(ml_dtypes.bfloat16)
+  return (x.astype(np.float64) @ np.asarray(q, np.float64).T) * np.asarray(scale, np.float64)
+
+
+def fp8_activations() -> str | None:
+  """What fp8_matmul rounds x to: "bfloat16" (AVX512-BF16 build) or "float32" (None when not available())."""
+  return ("bfloat16" if _bf16() else "float32") if available() else None
 
 
 def int16_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +204,11 @@ def _isa() -> str:
   if choice == "avx512vnni" and not has_vnni:
     raise ValueError("JAXINFER_CPU_KERNELS_ISA=avx512vnni, but this CPU lacks AVX512-VNNI")
   return "avx512vnni" if has_vnni and choice != "avx2" else "avx2"
+
+
+def _bf16() -> bool:
+  """Whether the build adds BF16_FLAGS: the VNNI build, on a CPU with AVX512-BF16."""
+  return _isa() == "avx512vnni" and BF16_CPU_FLAG in (_cpu_flags() or set())
 
 
 def has_avx512_vnni() -> bool:
@@ -257,7 +281,7 @@ def _build() -> Path:
   import jaxlib
   compiler = _compiler()
   variant = _isa()
-  flags = FLAGS + (VNNI_FLAGS if variant == "avx512vnni" else ())
+  flags = FLAGS + (VNNI_FLAGS if variant == "avx512vnni" else ()) + (BF16_FLAGS if _bf16() else ())
   key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), jaxlib.__version__.encode(),
                                    compiler.encode(), " ".join(flags).encode()])).hexdigest()[:16]
   out = _cache_dir() / f"int8_matmul-{variant}-{key}.so"

@@ -286,18 +286,33 @@ def _fp8(x, q, s):
 
 @needs_kernel
 @pytest.mark.parametrize("R,I,O", [
-    (1, 576, 1536),   # one token: 8-row tiles
-    (6, 100, 13),     # 4 x 3 (AVX2) / 4 x 6 (AVX-512) tiles, inputs past the last multiple of 8 / 16, 5 rows past the last 8
+    (1, 576, 1536),   # one token: 8-row tiles (float32 activations), 4 x 1 blocks of 16 rows (bfloat16)
+    (6, 100, 13),     # 4 x 3 / 4 x 6 tiles, inputs past the last multiple of 8 / 16 (32: bfloat16), 5 rows past the last 8
     (64, 1536, 576),  # SmolLM2's down projection at 64 tokens
-    (100, 580, 43),   # token blocks of 48, 48 and 4; a 32-row panel, then 8 rows and 3
-    (2, 3, 2),        # fewer inputs than one vector
+    (100, 580, 43),   # token blocks of 48, 48 and 4; a 32-row panel, then 8 rows and 3 (bfloat16: 64 rows, 3-token tiles)
+    (2, 3, 2),        # fewer inputs than one vector; an odd count (bfloat16: half a last pair)
 ])
 def test_fp8_equals_the_float64_reference(R, I, O):
   x, q, s = _fp8_case(np.random.default_rng(R + I + O), R, I, O)
   got = _fp8(x, q, s)
-  ref = cpu_kernels.fp8_matmul_reference(x, q, s)
+  ref = cpu_kernels.fp8_matmul_reference(x, q, s, cpu_kernels.fp8_activations())
   assert got.dtype == np.float32 and got.shape == (R, O)
   assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+@needs_kernel
+def test_fp8_rounds_activations_to_bfloat16_exactly_where_the_cpu_has_avx512_bf16():
+  # The build follows the CPU: vdpbf16ps where /proc/cpuinfo has avx512_bf16 (and VNNI), else
+  # float32 activations. The other reference misses by far more than the tolerance above.
+  flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+  want = "bfloat16" if {"avx512_bf16", "avx512_vnni"} <= set(flags) else "float32"
+  assert cpu_kernels.fp8_activations() == want
+  x, q, s = _fp8_case(np.random.default_rng(5), 7, 576, 40)
+  got = _fp8(x, q, s)
+  other = "float32" if want == "bfloat16" else "bfloat16"
+  ref, miss = (cpu_kernels.fp8_matmul_reference(x, q, s, a) for a in (want, other))
+  assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+  assert np.abs(got - miss).max() > 1e-4 * np.abs(ref).max()
 
 
 @needs_kernel
@@ -320,7 +335,8 @@ def test_fp8_converts_every_e4m3_value_exactly(column):
 @needs_kernel
 def test_fp8_rows_are_the_same_numbers_at_any_row_count():
   # 100 tokens: two token blocks of 48 and a rest; every tile shape (4 x 3 or 4 x 6, 4 x 1,
-  # 8 x 1 at one row, 1 x 1 past the last 8 weight rows) meets each row somewhere.
+  # 8 x 1 at one row, 1 x 1 past the last 8 weight rows; bfloat16: 3 or 1 tokens x 3 blocks
+  # of 16 rows, the last one partial) meets each row somewhere.
   x, q, s = _fp8_case(np.random.default_rng(12), 100, 580, 43)
   together = _fp8(x, q, s)
   for rows in (1, 2, 5, 6, 7, 49):
