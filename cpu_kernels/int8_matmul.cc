@@ -721,7 +721,8 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 //   y[r, o] = float32( sum_i x[r, i] * w(q[o, i]) ) * scale[o]     x float32 [R, I], q e4m3fn [O, I]
 //
 // Weight-only, like the XLA form it replaces (x @ float(q), then the per-channel scales): the
-// activations stay float32. XLA CPU converts e4m3 in software into a float32 copy of the
+// activations stay float32. (Where the CPU has AVX512-BF16 the build runs the next section's
+// kernel instead, over bfloat16 activations.) XLA CPU converts e4m3 in software into a float32 copy of the
 // whole weight on every call (tests/test_quant.py), so fp8 ran below float32 at every batch.
 // Here each thread converts kFp8PanelRows weight rows at a time into a small float32 panel
 // (exact: every e4m3 value is a float32) that a block of tokens then reads.
