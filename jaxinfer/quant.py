@@ -49,8 +49,8 @@ and stays in the model dtype.
   hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8 and
   group-wise int4 (groups of a multiple of 32, up to 4096) make each token's activations
   int16 in the kernel (x = a x16, a = max|x| / 32767), sum x16 q exactly in integers
-  (per group for int4), and scale in float32 after; int4 below 16 tokens runs "cells",
-  from 16 on repacked panels, the same numbers. Per-channel fp8: e4m3 rows converted per call
+  (per group for int4), and scale in float32 after; int4 (and int8 in the AVX512-VNNI build)
+  below 16 tokens runs "cells", from 16 on repacked panels, the same numbers. Per-channel fp8: e4m3 rows converted per call
   into a small panel, float32 activations (32 float32 rows, L2-resident), or where the CPU has
   AVX512-BF16 activations rounded to bfloat16 and 64 rows of bfloat16 pairs for vdpbf16ps
   (cpu_kernels.fp8_activations(); 2x the rate, +0.04 points of perplexity). Every element is computed the same way

@@ -47,7 +47,8 @@ def _ints(rng, R, I, O):
     (1, 576, 1536),   # one token (the one-stream path)
     (1, 100, 7),      # inputs past the last multiple of 64 and of 16
     (6, 584, 33),     # tiles of 2 x 4 plus leftover rows and columns
-    (64, 1536, 576),  # SmolLM2's down projection at 64 tokens
+    (64, 1536, 576),  # SmolLM2's down projection at 64 tokens (VNNI build: panels from 16 tokens on)
+    (37, 576, 43),    # panels: two 16-row blocks and 11 rows, 6-token tiles and one token at a time
     (3, 8, 3),        # fewer inputs than one vector
     (2, 0, 4),        # nothing to sum: zeros
 ])
@@ -59,10 +60,11 @@ def test_random_sums_equal_the_int64_reference_exactly(R, I, O):
 
 
 @needs_kernel
-@pytest.mark.parametrize("R", [1, 5])
+@pytest.mark.parametrize("R", [1, 5, 19])  # 19: the VNNI build's panels (groups of 256 inputs)
 def test_extreme_values_over_many_inputs_do_not_overflow(R):
   # Every product at 32767 * 127 (and -) over 20000 inputs: 8.3e10, far past int32; the
-  # kernel flushes its int32 lanes to int64 every 4096 inputs. (x = 32767: a = 1, x16 = x.)
+  # kernel flushes its int32 lanes to int64 every 4096 inputs (panels: every 256). (x = 32767:
+  # a = 1, x16 = x.)
   I = 20000
   x = np.full((R, I), 32767, np.float32)
   x[-1] = -32767
@@ -113,6 +115,21 @@ def test_each_row_is_the_same_number_at_any_row_count():
   for rows in (1, 2, 3, 4, 5, 8):
     parts = [np.asarray(f(x[i:i + rows], q)) for i in range(0, 13, rows)]
     np.testing.assert_array_equal(np.concatenate(parts), together)
+
+
+@needs_kernel
+def test_int8_panel_rows_are_the_same_numbers_as_the_cells():
+  # In the VNNI build int8 takes repacked panels from INT4_PANEL_ROWS tokens on (and inputs a
+  # multiple of 32), cells below: a row must come out the same number either way.
+  R = cpu_kernels.INT4_PANEL_ROWS * 2 + 9
+  x, q = _ints(np.random.default_rng(41), R, 1536, 43)
+  f = jax.jit(int8_matmul)
+  together = np.asarray(f(x, q))
+  np.testing.assert_array_equal(together, int8_matmul_reference(x, q))
+  one_at_a_time = np.concatenate([np.asarray(f(x[i:i + 1], q)) for i in range(R)])
+  np.testing.assert_array_equal(one_at_a_time, together)
+  below = cpu_kernels.INT4_PANEL_ROWS - 1
+  np.testing.assert_array_equal(np.asarray(f(x[:below], q)), together[:below])
 
 
 @needs_kernel
