@@ -576,6 +576,14 @@ def main() -> int:
   for wl in args.workloads.split(","):
     label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
     float32 = None  # jaxinfer's float32 row of this workload, when the run has one
+
+    def add(r: dict, ours: dict) -> None:
+      """r into the table, with its speed over ours (same precision) and over float32's."""
+      r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
+      if float32:
+        r["ratio_to_float32"] = r["tokens_per_s"] / float32["tokens_per_s"]
+      rows.append(r)
+
     for precision, dtype, quantization, case_peers in cases:
       ours = None
       for sched in schedulings:
@@ -587,10 +595,7 @@ def main() -> int:
         ours = ours or r  # the first mode is what the peers' ratios are to
         if precision == "float32" and quantization is None:
           float32 = float32 or r
-        r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
-        if float32:
-          r["ratio_to_float32"] = r["tokens_per_s"] / float32["tokens_per_s"]
-        rows.append(r)
+        add(r, ours)
       for peer in case_peers:
         print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
         try:
@@ -601,10 +606,7 @@ def main() -> int:
         if r is None:
           notes.append(f"{peer}: not installed, skipped")
           continue
-        r.update(workload=label, ratio_to_jaxinfer=r["tokens_per_s"] / ours["tokens_per_s"])
-        if float32:
-          r["ratio_to_float32"] = r["tokens_per_s"] / float32["tokens_per_s"]
-        rows.append(r)
+        add(r, ours)
       print(table(rows), file=sys.stderr, flush=True)
   result = {
       "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
