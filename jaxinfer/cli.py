@@ -189,8 +189,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None,
                  help="HF dir, .gguf file or jaxinfer checkpoint (default: embedded SmolLM2-135M-Instruct)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (max batch)")
-  p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+  p.add_argument("--max-num-seqs", type=int, default=None,
+                 help="sequences per step (max batch); default by backend: 64 on a CPU, 256 on a GPU")
+  p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                 help="tokens per step; default by backend: 512 on a CPU, 8192 on a GPU")
   p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model's, 4096))")
   p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
   p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-cache-gb)")

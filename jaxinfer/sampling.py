@@ -164,6 +164,58 @@ class SamplingBatch(NamedTuple):
     return sp
 
 
+class SamplerMode(NamedTuple):
+  """Which kinds of sampling work a batch needs, read off its rows on the host.
+
+  The sampler's program is specialised on it (a static argument): a flag that
+  is off leaves its work out, one that is on does it for every row, branch-free,
+  leaving rows without that need bit-exact (x / 1, x - 0 * n, an all-ones mask,
+  a greedy row's argmax). The device never branches on the batch: on XLA:GPU a
+  conditional copies its predicate to the host and waits for it, which stops
+  the host from launching the next step while this one runs.
+  """
+
+  draw: bool = False  # some row samples from its whole (untruncated) distribution
+  truncate: bool = False  # some row samples under top-k / top-p / min-p
+  process: bool = False  # some row has a penalty or an allowed-token mask
+  logprobs: bool = False  # some row wants its top-n logprobs
+  # False (XLA:CPU): loops over rows where that is cheaper there and costs no host round
+  # trip: truncated rows whose threshold lies beyond their candidates sort one at a time
+  # (a sort costs ~5 ms a row), whole-row draws go a few rows at a time (their noise stays
+  # in cache). True (GPU, where a loop with a data-dependent trip count makes the host
+  # wait): every row at once, every truncated row sorted.
+  rows_at_once: bool = False
+
+  @classmethod
+  def of(cls, sp: SamplingBatch, vocab_size: int, masked: bool = False, rows_at_once: bool = False
+         ) -> "SamplerMode":
+    """The mode of host (numpy) rows sp; `masked`: some row has an allowed-token mask."""
+    sampling = np.asarray(sp.temperature) > 0
+    top_k = np.asarray(sp.top_k)
+    truncated = sampling & (((top_k > 0) & (top_k < vocab_size)) | (np.asarray(sp.top_p) < 1)
+                            | (np.asarray(sp.min_p) > 0))
+    penalized = ((np.asarray(sp.repetition_penalty) != 1) | (np.asarray(sp.presence_penalty) != 0)
+                 | (np.asarray(sp.frequency_penalty) != 0))
+    return cls(draw=bool(np.any(sampling & ~truncated)), truncate=bool(np.any(truncated)),
+               process=bool(masked or np.any(penalized)), logprobs=bool(np.any(sp.want_logprobs)),
+               rows_at_once=rows_at_once and bool(np.any(sampling)))
+
+  def covers(self, other: "SamplerMode") -> bool:
+    """Whether this mode does all the work `other` does (and so draws the same tokens)."""
+    return (all(a or not b for a, b in zip(self[:4], other[:4]))
+            and (self.rows_at_once == other.rows_at_once or not (other.draw or other.truncate)))
+
+
+# Every kind of work on: right for any batch (what `sample` does when given no mode).
+ALL_WORK = SamplerMode(draw=True, truncate=True, process=True, logprobs=True)
+# The modes a runner compiles at warm-up (with rows_at_once set for its backend); a batch runs
+# the first that covers it. Fewer modes than flag sets: each costs a compile per row bucket
+# (the truncating ones ~2-3 s on a 2-core CPU), and work a batch does not need changes none
+# of its tokens.
+WARM_MODES = (SamplerMode(), SamplerMode(process=True, logprobs=True),
+              SamplerMode(draw=True, process=True, logprobs=True), ALL_WORK)
+
+
 def apply_penalties(logits: jax.Array, sp: SamplingBatch, output_counts: jax.Array,
                     prompt_mask: jax.Array) -> jax.Array:
   """logits [B, V] with the rows' penalties applied.
@@ -179,61 +231,51 @@ def apply_penalties(logits: jax.Array, sp: SamplingBatch, output_counts: jax.Arr
 
 
 def sample(logits: jax.Array, sp: SamplingBatch, counts_table: jax.Array, prompt_table: jax.Array,
-           rows: jax.Array, allowed: jax.Array | None = None, *, candidates: int = CANDIDATES
-           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+           rows: jax.Array, allowed: jax.Array | None = None, *, candidates: int = CANDIDATES,
+           mode: SamplerMode = ALL_WORK) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Picks one token per row of logits [B, V].
 
   Row b's history (for penalties) is row rows[b] of counts_table [R, V] and
-  prompt_table [R, V]; it is gathered only when some row has a penalty.
-  allowed [B, W] int32 (W = ceil(V / 32), bit i % 32 of word i // 32 allows
-  token i; structured output) restricts each row's choice; all-ones rows are
-  untouched.
+  prompt_table [R, V]; it is gathered only when mode.process. allowed [B, W]
+  int32 (W = ceil(V / 32), bit i % 32 of word i // 32 allows token i;
+  structured output) restricts each row's choice; all-ones rows are untouched.
 
   Returns (ids [B] int32, their logprobs [B], top-n ids [B, N], top-n
-  logprobs [B, N]). Logprobs are of the unmodified distribution.
+  logprobs [B, N]). Logprobs are of the unmodified distribution; the top n
+  are zeros unless mode.logprobs.
 
-  Each kind of work runs only for batches that need it (lax.cond): a greedy
-  batch costs an argmax and a logsumexp; top-k / top-p / min-p read their
-  threshold off the `candidates` best tokens (lax.top_k) and draw among those,
-  falling back to a full sort only for rows whose threshold lies beyond them;
-  rows that sample from the whole vocabulary draw V Gumbel values. Ids are
-  those of the straightforward full-sort sampler (tests/test_sampling.py
-  keeps one as the reference).
+  `mode` (static) says which kinds of work the batch needs (SamplerMode.of
+  reads it off the host rows; the default does all of them, right for any
+  batch): a greedy batch costs an argmax and a logsumexp; top-k / top-p /
+  min-p read their threshold off the `candidates` best tokens (lax.top_k) and
+  draw among those, sorting the whole row only for rows whose threshold lies
+  beyond them (or every truncated row, mode.rows_at_once); rows that sample from
+  the whole vocabulary draw V Gumbel values. Ids are those of the
+  straightforward full-sort sampler (tests/test_sampling.py keeps one as the
+  reference), whatever the mode, as long as it covers the batch.
   """
-  B, V = logits.shape
   logits = logits.astype(jnp.float32)
-  penalized = sp.penalized()
-
-  def pick(scores):
-    greedy = first_argmax(scores)
-    return jax.lax.cond(jnp.any(sp.temperature > 0), lambda s: _draw(s, sp, greedy, candidates),
-                        lambda s: greedy, scores)
-
-  # Penalties and grammar masks run only for batches that have some (masking
-  # every greedy [64, 49152] batch cost ~1 ms, about doubling sample();
-  # scripts/bench_structured.py), behind a cond whose result is ids [B]: a
-  # [B, V] result would be a fresh 12.6 MB buffer even when no row has either.
-  # One branch applies both, since each leaves a row without it bit-exact
-  # (x / 1, x - 0 * n, an all-ones mask): separate conds traced `pick` four
-  # times, doubling the sampler's compiled program and the step's compile time.
-  def processed(x):
-    x = apply_penalties(x, sp, counts_table[rows], prompt_table[rows])
-    return pick(x if allowed is None else apply_token_bitmask(x, allowed))
-
-  special = jnp.any(penalized) if allowed is None else jnp.any(penalized) | jnp.any(allowed != -1)
-  ids = jax.lax.cond(special, processed, pick, logits)
-  return (ids, *chosen_logprobs(logits, ids, sp.want_logprobs))
+  scores = logits
+  if mode.process:
+    # Both at once: each leaves a row without it bit-exact (x / 1, x - 0 * n, an all-ones mask).
+    scores = apply_penalties(scores, sp, counts_table[rows], prompt_table[rows])
+    if allowed is not None:
+      scores = apply_token_bitmask(scores, allowed)
+  ids = first_argmax(scores)
+  if mode.draw or mode.truncate:
+    ids = _draw(scores, sp, ids, candidates, mode)
+  return (ids, *chosen_logprobs(logits, ids, mode.logprobs))
 
 
-def chosen_logprobs(logits: jax.Array, ids: jax.Array, want: jax.Array
+def chosen_logprobs(logits: jax.Array, ids: jax.Array, top_n: bool
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(logprob of ids [B], top-n ids [B, N], top-n logprobs [B, N]) under the raw logits [B, V]
-  (float32); the top n only for rows that want them (see top_logprobs)."""
+  (float32); the top n only when top_n (static), else zeros."""
   # log_softmax = (x - top) - log_z; only the picked entries are ever formed.
   top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
   log_z = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # [B, 1]
   lp = (jnp.take_along_axis(logits, ids[:, None], axis=-1) - top) - log_z
-  top_lp, top_ids = top_logprobs(logits, top, log_z, want)
+  top_lp, top_ids = top_logprobs(logits, top, log_z, top_n)
   return lp[:, 0], top_ids, top_lp
 
 
@@ -250,7 +292,8 @@ def apply_token_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
   return jnp.where(ok, logits, -jnp.inf)
 
 
-def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: int) -> jax.Array:
+def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: int,
+          mode: SamplerMode) -> jax.Array:
   """Token ids [B] of a batch where some row samples: greedy rows keep `greedy`.
 
   A sampled row draws jax.random.categorical(fold_in(key(seed), position),
@@ -262,56 +305,76 @@ def _draw(scores: jax.Array, sp: SamplingBatch, greedy: jax.Array, candidates: i
   t = jnp.where(sampling, sp.temperature, 1.0)[:, None]  # [B, 1]
   top_k = jnp.where(sp.top_k < V, sp.top_k, 0)  # keeping >= V tokens is keeping all
   truncated = sp.truncated(V)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
-
-  def with_candidates(scores):
-    cand, idx, z, thr, decided = candidate_thresholds(scores, t, top_k, sp.top_p, sp.min_p, candidates)
-    if _bits_are_per_index():
-      # All tokens a decided row can draw are candidates, and the Gumbel noise
-      # of token i depends on (key, i) only: the argmax over the candidates is
-      # the argmax over the row, for W noise values instead of V.
-      picked = jnp.where(cand >= thr[:, None], cand, -jnp.inf) + _gumbel_at(keys, idx)  # [B, W]
-      best = jnp.max(picked, axis=-1, keepdims=True)
-      # Ties go to the lowest token id, as in argmax over the row.
-      ids = jnp.where(decided, jnp.min(jnp.where(picked == best, idx, V), axis=-1), greedy)
-    else:
-      decided, ids = jnp.zeros_like(decided), greedy
-
-    # A row whose threshold lies beyond its candidates sorts its whole row and
-    # draws over it, one row at a time (~5 ms per 49152-token row on CPU): the
-    # cost follows the number of such rows, and a row's draw never depends on
-    # its neighbours.
-    undecided = truncated & ~decided
-    order = jnp.argsort(~undecided)  # [B], undecided rows first
-
-    def exact(i, ids):
-      b = order[i]
-      scaled = scores[b] / t[b]  # [V]
-      at = lambda a: a[b][None]
-      thr = truncation_threshold(sort_descending(scaled)[None], at(top_k), at(sp.top_p), at(sp.min_p),
-                                 at(z))
-      masked = jnp.where(scaled >= thr, scaled, -jnp.inf)
-      return ids.at[b].set(jax.random.categorical(keys[b], masked).astype(jnp.int32))
-
-    return jax.lax.fori_loop(0, jnp.sum(undecided), exact, ids)
-
-  ids = jax.lax.cond(jnp.any(truncated), with_candidates, lambda _: greedy, scores)
   whole_row = sampling & ~truncated
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
+  ids = greedy
+  if mode.truncate:
+    ids = jnp.where(truncated, _draw_truncated(scores, t, top_k, sp, keys, greedy, truncated, candidates,
+                                               mode.rows_at_once), ids)
+  if mode.draw:
+    ids = jnp.where(whole_row, _draw_rows(scores, t, keys, mode.rows_at_once), ids)
+  return ids
 
-  def draw_rows(args):
+
+def _draw_rows(scores: jax.Array, t: jax.Array, keys: jax.Array, at_once: bool) -> jax.Array:
+  """jax.random.categorical(keys[b], scores[b] / t[b]) for every row b of scores [B, V]."""
+  B, V = scores.shape
+
+  def draw(args):
     scores, t, keys = args  # [G, V], [G, 1], [G]
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [G, V]
     return first_argmax(noise + scores / t)  # = jax.random.categorical(key, scaled), row by row
 
-  # G rows at a time, so the noise and its temporaries stay in cache (and
-  # under malloc's mmap threshold, so no fresh pages per call): 3x faster
-  # than all B rows at once on [64, 49152].
+  if at_once:
+    return draw((scores, t, keys))
+  # G rows at a time (a loop of known trip count), so the noise and its temporaries stay in
+  # cache (and under malloc's mmap threshold, so no fresh pages per call): 3x faster than all
+  # B rows at once on [64, 49152] on a 2-core CPU.
   G = next(g for g in (4, 2, 1) if B % g == 0)
   groups = lambda a: a.reshape(B // G, G, *a.shape[1:])
-  drawn = jax.lax.cond(jnp.any(whole_row),
-                       lambda s: jax.lax.map(draw_rows, (groups(s), groups(t), groups(keys))).reshape(B),
-                       lambda _: ids, scores)
-  return jnp.where(whole_row, drawn, jnp.where(truncated, ids, greedy))
+  return jax.lax.map(draw, (groups(scores), groups(t), groups(keys))).reshape(B)
+
+
+def _draw_truncated(scores, t, top_k, sp, keys, greedy, truncated, candidates, at_once):
+  """The draws [B] of the truncated rows (other rows: whatever; the caller keeps theirs)."""
+  B, V = scores.shape
+
+  def exact(b_scores, b_t, b_top_k, b_top_p, b_min_p, b_z, b_key):  # one row, by a full sort
+    scaled = b_scores / b_t
+    thr = truncation_threshold(sort_descending(scaled)[None], b_top_k[None], b_top_p[None],
+                               b_min_p[None], b_z[None])
+    return jax.random.categorical(b_key, jnp.where(scaled >= thr, scaled, -jnp.inf)).astype(jnp.int32)
+
+  if at_once:
+    # Every row sorts (no loop: a GPU sorts [B, V] in well under a step).
+    scaled = scores / t
+    z = jnp.sum(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), axis=-1)
+    return jax.vmap(exact)(scores, t[:, 0], top_k, sp.top_p, sp.min_p, z, keys)
+
+  cand, idx, z, thr, decided = candidate_thresholds(scores, t, top_k, sp.top_p, sp.min_p, candidates)
+  if _bits_are_per_index():
+    # All tokens a decided row can draw are candidates, and the Gumbel noise
+    # of token i depends on (key, i) only: the argmax over the candidates is
+    # the argmax over the row, for W noise values instead of V.
+    picked = jnp.where(cand >= thr[:, None], cand, -jnp.inf) + _gumbel_at(keys, idx)  # [B, W]
+    best = jnp.max(picked, axis=-1, keepdims=True)
+    # Ties go to the lowest token id, as in argmax over the row.
+    ids = jnp.where(decided, jnp.min(jnp.where(picked == best, idx, V), axis=-1), greedy)
+  else:
+    decided, ids = jnp.zeros_like(decided), greedy
+
+  # A row whose threshold lies beyond its candidates sorts its whole row and
+  # draws over it, one row at a time (~5 ms per 49152-token row on CPU): the
+  # cost follows the number of such rows, and a row's draw never depends on
+  # its neighbours. (A loop with a data-dependent trip count: the CPU's way only.)
+  undecided = truncated & ~decided
+  order = jnp.argsort(~undecided)  # [B], undecided rows first
+
+  def one(i, ids):
+    b = order[i]
+    return ids.at[b].set(exact(scores[b], t[b, 0], top_k[b], sp.top_p[b], sp.min_p[b], z[b], keys[b]))
+
+  return jax.lax.fori_loop(0, jnp.sum(undecided), one, ids)
 
 
 def candidate_thresholds(scores: jax.Array, t: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -430,18 +493,15 @@ def _gumbel_at(keys: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def top_logprobs(logits: jax.Array, top: jax.Array, log_z: jax.Array,
-                 want: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 top_n: bool) -> tuple[jax.Array, jax.Array]:
   """The MAX_LOGPROBS best (logprobs, ids) per row of logits [B, V] (fewer if V is smaller),
-  or zeros when no row wants them. top, log_z [B, 1]: the rows' max and log-normalizer."""
+  or zeros unless top_n (static). top, log_z [B, 1]: the rows' max and log-normalizer."""
   B, V = logits.shape
   n = min(MAX_LOGPROBS, V)
-
-  def best(x):
-    vals, ids = jax.lax.top_k(x, n)
-    return (vals - top) - log_z, ids
-
-  none = (jnp.zeros((B, n), jnp.float32), jnp.zeros((B, n), jnp.int32))
-  return jax.lax.cond(jnp.any(want), best, lambda x: none, logits)
+  if not top_n:
+    return jnp.zeros((B, n), jnp.float32), jnp.zeros((B, n), jnp.int32)
+  vals, ids = jax.lax.top_k(logits, n)
+  return (vals - top) - log_z, ids
 
 
 def validate_per_request(params: Sequence[SamplingParams] | SamplingParams | None,

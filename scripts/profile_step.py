@@ -45,7 +45,7 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int, quanti
   if variant == "no-attention":
     ops.ragged_paged_attention = lambda q, *a, **k: q
   if variant == "no-sampling":
-    def reduce_only(logits, sp, counts, prompt, rows, allowed=None):
+    def reduce_only(logits, sp, counts, prompt, rows, allowed=None, **_):
       # One cheap pass over the logits, so the LM head stays in the program (XLA would
       # drop it if nothing read the logits); it undercounts sampling by that pass.
       B = logits.shape[0]
@@ -112,16 +112,17 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool,
             num_pages=batch * (-(-(32 + steps + 50) // 16)) + 1, async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   device = []
-  step = runner._step
 
-  def timed(*a, **k):  # the device call: dispatch and run to completion (pack() stays host time)
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(step(*a, **k))
-    device.append(time.perf_counter() - t0)
-    return out
+  def timed(program):
+    def device_call(*a, **k):  # a device call: dispatch and run to completion (pack() stays host time)
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(program(*a, **k))
+      device.append(time.perf_counter() - t0)
+      return out
+    return device_call
 
-  if time_device:
-    runner._step = timed
+  if time_device:  # the step's programs: the forward and the sampler
+    runner._step, runner._sample = timed(runner._step), timed(runner._sample)
   rng = np.random.default_rng(0)
   sp = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True)
   for i in range(batch):
@@ -150,7 +151,7 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool,
     cumulative = {}
     for (_, _, name), (_, _, _, ct, _) in pstats.Stats(profiler).stats.items():
       cumulative[name] = cumulative.get(name, 0.0) + ct
-    host = cumulative["step"] - cumulative["timed"]
+    host = cumulative["step"] - cumulative["device_call"]
     missing = sorted(fn for fn in HOST_PHASES.values() if fn not in cumulative)
     if missing:  # a renamed engine method would otherwise count as a 0% phase
       raise RuntimeError(f"profile_step: no calls to {missing} in the profile; update HOST_PHASES")
@@ -158,7 +159,8 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool,
     return dict(phases=phases | {"other": 1.0 - sum(phases.values())})
   if not time_device:
     return dict(wall_ms=wall_ms)
-  return dict(host=np.array(totals) - np.array(device), device_ms=float(np.median(device) * 1000), wall_ms=wall_ms)
+  per_step = np.array(device).reshape(steps, -1).sum(axis=1)  # the step's programs together
+  return dict(host=np.array(totals) - per_step, device_ms=float(np.median(per_step) * 1000), wall_ms=wall_ms)
 
 
 def _spawn(spec: dict) -> dict:

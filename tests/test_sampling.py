@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import (MAX_LOGPROBS, SamplingBatch, SamplingParams, _bits_are_per_index,
+from jaxinfer.sampling import (ALL_WORK, MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
+                               _bits_are_per_index,
                                _gumbel_at, apply_penalties, candidate_thresholds, first_argmax, sample,
                                sort_descending, validate_per_request)
 
@@ -58,7 +59,9 @@ def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, posi
   args = (jnp.asarray(logits), sp, counts, prompt_mask, jnp.arange(B))
   if mesh is not None:  # every input replicated over the mesh, as in a sharded engine's step
     args = jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  out = jax.jit(sample)(*args)
+  # The mode the engine would pick: read off the host rows.
+  mode = SamplerMode.of(jax.device_get(sp), V)
+  out = jax.jit(functools.partial(sample, mode=mode))(*args)
   out = tuple(np.asarray(o) for o in out)
   return out if full_output else out[:2]
 
@@ -195,8 +198,8 @@ reference = jax.jit(reference_sample)
 
 
 @functools.cache
-def sampler(width):
-  return jax.jit(functools.partial(sample, candidates=width))
+def sampler(width, mode=ALL_WORK):
+  return jax.jit(functools.partial(sample, candidates=width, mode=mode))
 
 
 def random_batch(rng, B, V, W):
@@ -224,14 +227,17 @@ def random_batch(rng, B, V, W):
   return jnp.asarray(logits), sp, counts, prompt, rows
 
 
-@pytest.mark.parametrize("width", [8, 64, 256])
-def test_matches_the_full_sort_reference(width):
+@pytest.mark.parametrize("width,rows_at_once", [(8, False), (64, False), (256, False), (64, True)])
+def test_matches_the_full_sort_reference(width, rows_at_once):
+  """In the mode the host reads off each batch (the engine's), with the candidates' fallback
+  loop (CPU) or every truncated row sorted (rows_at_once: GPU)."""
   B, V = 16, 512
   rng = np.random.default_rng(width)
   paths = np.zeros(2, int)  # truncated sampled rows settled by the candidates, rows that sorted
   for _ in range(25):
     args = random_batch(rng, B, V, width)
-    got = [np.asarray(o) for o in sampler(width)(*args)]
+    mode = SamplerMode.of(jax.device_get(args[1]), V, rows_at_once=rows_at_once)
+    got = [np.asarray(o) for o in sampler(width, mode)(*args)]
     want = [np.asarray(o) for o in reference(*args)]
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
@@ -324,3 +330,67 @@ def test_first_argmax_matches_jnp(V):
   np.testing.assert_array_equal(jax.jit(first_argmax)(x), jnp.argmax(jnp.asarray(x), axis=-1))
   x[3, [7, 9]] = np.nan
   assert 0 <= int(jax.jit(first_argmax)(x)[3]) < V  # NaN rows: some token
+
+
+def test_a_mode_with_more_work_on_draws_the_same_tokens():
+  """Work a batch does not need leaves its rows bit-exact: the host may pick any mode that
+  covers the batch (ALL_WORK covers every batch)."""
+  rng = np.random.default_rng(5)
+  B, V, W = 16, 512, 64
+  for _ in range(5):
+    args = random_batch(rng, B, V, W)
+    least = SamplerMode.of(jax.device_get(args[1]), V)
+    got = [np.asarray(o) for o in sampler(W, least)(*args)]
+    want = [np.asarray(o) for o in sampler(W, ALL_WORK)(*args)]
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("controls,at_once,mode", [
+    (dict(temperature=0.0), True, SamplerMode()),
+    (dict(temperature=0.8), True, SamplerMode(draw=True, rows_at_once=True)),
+    (dict(temperature=0.8), False, SamplerMode(draw=True)),
+    (dict(temperature=0.0, repetition_penalty=1.2), True, SamplerMode(process=True)),
+    (dict(temperature=0.0, want_logprobs=True), True, SamplerMode(logprobs=True)),
+    (dict(temperature=0.8, top_p=0.9), True, SamplerMode(truncate=True, rows_at_once=True)),
+])
+def test_the_host_picks_the_mode_and_the_program_never_branches(controls, at_once, mode):
+  """SamplerMode.of reads the batch's needs on the host, and the program compiled for that
+  mode has no conditional and no loop with a data-dependent trip count (on XLA:GPU either
+  would make the host wait for the step)."""
+  sp = batch_of(LOGITS, **controls)
+  assert SamplerMode.of(jax.device_get(sp), LOGITS.shape[1], rows_at_once=at_once) == mode
+  history = jnp.zeros((4, 50), jnp.int32), jnp.zeros((4, 50), bool), jnp.arange(4)
+  hlo = sampler(CANDIDATES_FOR_TEST, mode).lower(jnp.asarray(LOGITS), sp, *history).compile().as_text()
+  assert data_dependent_control_flow(hlo) == []
+
+
+def test_warm_modes_cover_every_batch():
+  """Each flag set has a warm mode that covers it, on both backends (runner.sampler_mode)."""
+  import itertools
+  for flags in itertools.product([False, True], repeat=4):
+    for at_once in (False, True):
+      need = SamplerMode(*flags, rows_at_once=at_once and (flags[0] or flags[1]))
+      warm = [m._replace(rows_at_once=at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+      assert any(m.covers(need) for m in warm), need
+  assert not SamplerMode(process=True).covers(SamplerMode(draw=True))
+
+
+CANDIDATES_FOR_TEST = 16
+
+
+def data_dependent_control_flow(hlo: str) -> list[str]:
+  """The conditionals and the loops without a known trip count in optimized HLO text.
+  (XLA:CPU rolls threefry's 5 rounds into a loop of known trip count: no predicate is read.)"""
+  return [line.strip()[:160] for line in hlo.splitlines()
+          if " conditional(" in line or (" while(" in line and '"known_trip_count"' not in line)]
+
+
+def test_the_candidates_fallback_loop_is_the_only_loop_and_only_without_rows_at_once():
+  """The CPU's truncation keeps a loop over the rows whose threshold lies past the candidates
+  (a sort costs ~5 ms a row there); this test would fail if another loop crept in."""
+  sp = batch_of(LOGITS, temperature=0.8, top_p=0.9)
+  history = jnp.zeros((4, 50), jnp.int32), jnp.zeros((4, 50), bool), jnp.arange(4)
+  hlo = sampler(CANDIDATES_FOR_TEST, SamplerMode(truncate=True)).lower(
+      jnp.asarray(LOGITS), sp, *history).compile().as_text()
+  assert len(data_dependent_control_flow(hlo)) == 1 and " conditional(" not in hlo

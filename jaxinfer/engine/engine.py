@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """Capacity and batching knobs; every field has a default that suits a CPU.
+  """Capacity and batching knobs; the batch sizes default by backend (`for_backend`), the rest suit any.
 
   The KV pool holds `num_pages` pages of `page_size` tokens; when
   `num_pages` is None it is sized from `kv_cache_bytes` (but never more
@@ -65,8 +65,12 @@ class EngineConfig:
   """
 
   max_model_len: int | None = None  # None: min(the model's context, 4096)
-  max_num_seqs: int = 64
-  max_num_batched_tokens: int = 512  # per-step token budget (= largest step bucket)
+  # Sequences per step and the per-step token budget (= the largest step bucket). None: sized
+  # for the backend (BACKEND_DEFAULTS): a CPU is compute-bound at a few hundred tokens a step,
+  # while a GPU reads its weights once per step whatever the batch, so fewer, larger steps
+  # (the 256 x 128/128 workload: ~216 steps at 512 tokens, ~132 at 8192).
+  max_num_seqs: int | None = None
+  max_num_batched_tokens: int | None = None
   page_size: int = 16
   num_pages: int | None = None
   kv_cache_bytes: int = 1 << 30
@@ -93,8 +97,11 @@ class EngineConfig:
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
+      if v is None and name.startswith("max_num"):
+        continue
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise InvalidRequestError(f"{name} must be a positive int, got {v!r}")
+        raise InvalidRequestError(f"{name} must be a positive int{' or None' if name.startswith('max_num') else ''}, "
+                                  f"got {v!r}")
     if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
       raise InvalidRequestError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
     if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
@@ -104,6 +111,17 @@ class EngineConfig:
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
     if not isinstance(self.async_scheduling, bool):
       raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+
+
+  def for_backend(self, platform: str) -> "EngineConfig":
+    """This config with the sizes it leaves to the backend filled in (BACKEND_DEFAULTS)."""
+    seqs, tokens = BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["gpu"])
+    return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+
+
+# (max_num_seqs, max_num_batched_tokens) by device platform; any other accelerator takes 'gpu''s.
+BACKEND_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192)}
 
 
 @dataclasses.dataclass
@@ -187,7 +205,7 @@ class LLMEngine:
     """`mtp_params`: the MTP head (jaxinfer.models.mtp) for speculative method 'mtp'; without
     it the head is looked for beside `model_path` and among the shipped heads
     (jaxinfer.checkpoint.mtp_head), and a model with none is an InvalidRequestError."""
-    ec = engine_config
+    ec = engine_config.for_backend((mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform)
     if ec.speculative is not None and ec.speculative.method == "mtp" and mtp_params is None:
       mtp_params = _find_mtp_head(cfg, params, model_path, mesh)
     self.config = cfg

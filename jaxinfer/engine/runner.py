@@ -1,6 +1,8 @@
-"""The device side of the engine: one jitted, bucketed ragged step.
+"""The device side of the engine: one ragged step, as a few bucketed programs the host picks.
 
-    step(params, cache, history, batch: StepBatch) -> (cache, history, ids, counts, logprobs, top-n)
+    forward(params, cache, history, batch) -> (cache, logits, expert counts[, MTP inputs, prompt logprobs])
+    sample(history, logits, sampler inputs)  -> (history, results)        (per row bucket and SamplerMode)
+    propose(params, cache, history, ...)     -> (cache, history, drafts)  (with an MTP module)
 
 Every scheduled request contributes its new tokens (a prefill chunk, one
 decode token, or 1 + k to verify k drafts) to one packed batch of T tokens
@@ -10,11 +12,16 @@ k + 1 logits rows (`logits_indices`; k = the engine's speculative tokens,
 1 + k rows of a verified sequence; the step samples every row, accepts the
 drafts that match (engine/spec_decode.py) and returns [S, k + 1] ids and how
 many of them each sequence commits. T is rounded up to a power-of-two bucket
-and S to min(T, max_num_seqs), so the number of compiled programs is the
-number of token buckets (twice that if some request asks for prompt
-logprobs), and `warmup()` compiles all of them up front. The KV cache and
-the sampling history are donated: updated in place. Only token ids and
-logprobs come back.
+and S to min(T, max_num_seqs). No program branches on the batch (on XLA:GPU a
+conditional copies its predicate to the host and blocks, so the host could not
+prepare step n + 1 while step n runs): the host reads what the batch needs off
+its rows (`sampling.SamplerMode`) and picks the sampler program that does that
+work and no branch. `warmup()` compiles every program a step can run: the
+forward (and MTP pass) per token bucket, the sampler per row bucket in each of
+its variants (`_sampler_variants`). A step's inputs cross to the device as
+two flat buffers (int32 and float32, `to_buffers`) and its results come back
+as one (`_pack_results`). The KV cache and the sampling history are donated:
+updated in place. Only token ids and logprobs come back.
 
 Structured output: each logits row carries an allowed-token bitmask
 (`StepBatch.allowed`, [L, W] int32, llguidance's layout; all ones for free
@@ -42,7 +49,8 @@ through `export_pages` / `export_tokens` (a gather of a power-of-two bucket of
 pages, at most MAX_TRANSFER_PAGES per program) and `import_pages` /
 `import_tokens` (a token-granular scatter of a power-of-two bucket of tokens,
 at most MAX_TRANSFER_PAGES pages' worth per program; more are split), so they
-add a bounded set of programs, compiled on first use. Imports write tokens,
+add a bounded set of programs, compiled on first use (as are prompt logprobs and
+full-sequence logits). Imports write tokens,
 not pages, so pages exported at another worker's page size land in ours.
 
 Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
@@ -54,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -72,7 +81,8 @@ from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
 from jaxinfer import quant
 from jaxinfer.params import model_dtype
 from jaxinfer.engine.spec_decode import accept, relax
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, chosen_logprobs, sample
+from jaxinfer.sampling import (MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
+                               chosen_logprobs, sample)
 from pallas_kernels.spec_accept import spec_accept
 
 log = logging.getLogger(__name__)
@@ -141,13 +151,30 @@ class StepBatch(NamedTuple):
   draft_ids: Any  # [S, k]
   num_drafts: Any  # [S]
   targets: Any  # [T] next known token of each row (prompt logprobs, the MTP module's input)
-  allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token)
+  allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token); None: no row has one
   # Async scheduling. feed [T]: row * (k + 1) + j for the j-th token of a sequence fed from
   # history row `row` (j = 0 its last committed token, j >= 1 its MTP draft j); -1: tokens[t].
   # shift [S]: the history row whose last step's accepted drafts shift this sequence's
   # positions, KV slots and lengths (the host packed it without them); -1: none.
   feed: Any
   shift: Any
+
+
+class SamplerInputs(NamedTuple):
+  """The part of a StepBatch the sampler reads: no [T] array, so its program is keyed by the
+  step's sequence rows, not its tokens."""
+
+  sampling: SamplingBatch  # [L]
+  rows: Any  # [L]
+  samples: Any  # [S]
+  draft_ids: Any  # [S, k]
+  num_drafts: Any  # [S]
+  allowed: Any  # [L, W] or None
+  shift: Any  # [S]
+
+  @classmethod
+  def of(cls, b: StepBatch) -> "SamplerInputs":
+    return cls(b.sampling, b.rows, b.samples, b.draft_ids, b.num_drafts, b.allowed, b.shift)
 
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
@@ -228,9 +255,11 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   params: list[SamplingParams | None] = [None] * L
   for r, i in zip(li.tolist(), row_seq.tolist()):
     params[r] = seqs[i].params
-  allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
   sampling = SamplingBatch.from_params(params, seeds, sample_pos)
-  fill_bitmasks(constrained, allowed)
+  allowed = None  # no [L, W] mask crosses to the device unless some row has a grammar
+  if constrained:
+    allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
+    fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
                    logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed, shift)
 
@@ -265,9 +294,69 @@ class StepResult:
 class LaunchedStep(NamedTuple):
   """A dispatched step: its device outputs (futures until `ModelRunner.collect`)."""
 
-  out: tuple
-  prompt_lp: bool
+  results: jax.Array  # one float32 buffer (`_sample_step`)
+  shapes: tuple  # (shape, dtype) of each array in it
+  prompt: tuple | None  # prompt logprobs (target, top-n ids, top-n logprobs), if asked
+  drafts: jax.Array | None  # MTP drafts [S, k]
   order: tuple[np.ndarray, np.ndarray] | None  # attention DP: (seq rows, token rows) of `pack_shards`
+
+
+class BufferLayout(NamedTuple):
+  """Where each leaf of a host pytree lies in its two flat buffers (hashable: a static argument)."""
+
+  treedef: Any
+  leaves: tuple[tuple[str, int, tuple[int, ...], str], ...]  # (buffer 'i' / 'f', offset, shape, dtype)
+
+
+def to_buffers(tree: Any) -> tuple[np.ndarray, np.ndarray, BufferLayout]:
+  """A host pytree as one int32 and one float32 buffer (bools and uint32 ride in the int32 one):
+  two host->device copies per step, however many arrays the step reads."""
+  leaves, treedef = jax.tree.flatten(tree)
+  parts = {"i": [], "f": []}
+  size = {"i": 0, "f": 0}
+  spec = []
+  for x in leaves:
+    x = np.asarray(x)
+    kind = "f" if x.dtype.kind == "f" else "i"
+    flat = x.astype(np.float32) if kind == "f" else x.view(np.int32) if x.dtype == np.uint32 else x.astype(np.int32)
+    parts[kind].append(flat.reshape(-1))
+    spec.append((kind, size[kind], x.shape, x.dtype.str))
+    size[kind] += x.size
+  cat = lambda kind, dt: np.concatenate(parts[kind]) if parts[kind] else np.zeros(0, dt)
+  return cat("i", np.int32), cat("f", np.float32), BufferLayout(treedef, tuple(spec))
+
+
+def from_buffers(layout: BufferLayout, ints: jax.Array, floats: jax.Array) -> Any:
+  """The pytree of `to_buffers`, on device (static slices: no gather)."""
+  out = []
+  for kind, off, shape, dtype in layout.leaves:
+    n = math.prod(shape)
+    x = (ints if kind == "i" else floats)[off:off + n].reshape(shape)
+    dtype = np.dtype(dtype)
+    if dtype == np.uint32:
+      x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif dtype == np.bool_:
+      x = x != 0
+    out.append(x)
+  return jax.tree.unflatten(layout.treedef, out)
+
+
+def _pack_results(*arrays: jax.Array) -> jax.Array:
+  """One float32 buffer [n] of every array (int32 bitcast): one device->host copy per step."""
+  flat = [a.reshape(-1) if a.dtype == jnp.float32 else
+          jax.lax.bitcast_convert_type(a.astype(jnp.int32), jnp.float32).reshape(-1) for a in arrays]
+  return jnp.concatenate(flat)
+
+
+def _unpack_results(buf: np.ndarray, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
+  """The host arrays of `_pack_results` from their (shape, dtype)s."""
+  out, off = [], 0
+  for shape, dtype in shapes:
+    n = math.prod(shape)
+    part = buf[off:off + n]
+    out.append((part if dtype == np.float32 else part.view(np.int32)).reshape(shape))
+    off += n
+  return out
 
 
 class ModelRunner:
@@ -330,10 +419,24 @@ class ModelRunner:
     self.reset_state()
     # Programs over several devices trace int8 / int4 matmuls as XLA dots the partitioner can split.
     traced = lambda fn: quant.tracing_on(mesh, tracing_with(self.expert_parallelism, fn))
+    # A step is two programs (three with an MTP module), each picked by the host from what it
+    # knows of the batch, none branching on it (see `SamplerMode`): the forward per token
+    # bucket, the sampler per token bucket and mode, and the MTP module's pass.
+    mtp_page_size = page_size if self.mtp else 0
     self._step = jax.jit(traced(functools.partial(
-                             _step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
-                             page_size if self.mtp else 0, relaxed_acceptance)),
-                         static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
+                             _forward_step, cfg, self.attention_impl, 1 + num_speculative_tokens, dp,
+                             mtp_page_size)),
+                         static_argnums=(0,), static_argnames=("prompt_logprobs",), donate_argnums=(2,))
+    self._sample = jax.jit(functools.partial(_sample_step, self.attention_impl, mtp_page_size, relaxed_acceptance),
+                           static_argnums=(0, 1, 2), donate_argnums=(3,))
+    self._propose = jax.jit(traced(functools.partial(_propose_step, cfg, self.attention_impl, mtp_page_size)),
+                            static_argnums=(0,), donate_argnums=(2, 3))
+    # Speculative batches of plain rows verify in the fused Pallas kernel (GPU attention only).
+    self._can_fuse = (num_speculative_tokens > 0 and relaxed_acceptance is None
+                      and self.attention_impl in ("pallas", "pallas_interpret"))
+    # Loops over rows where XLA:CPU runs them in place, every row at once where a loop would
+    # make the host wait (GPU): SamplerMode.rows_at_once.
+    self.rows_at_once = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform != "cpu"
     self._set_row = jax.jit(_set_history_row, donate_argnums=(0,))
     self._logits = jax.jit(traced(functools.partial(
         _all_logits, cfg, self.attention_impl, page_size, self.cache_spec,
@@ -405,15 +508,31 @@ class ModelRunner:
     return len(self._programs)
 
   def max_programs(self) -> int:
-    """Every program a request can ever trigger: steps with and without prompt
-    logprobs, full-sequence logits per length bucket, the history-row setter."""
-    return (2 * len(self.token_buckets) + len(self.len_buckets) + 1 + len(self.transfer_buckets)
-            + len(self.import_buckets))
+    """Every program a request can ever trigger: per token bucket, the forward with and
+    without prompt logprobs and the MTP module's pass; per row bucket, the sampler's
+    variants; full-sequence logits per length bucket, the history-row setter, the KV
+    transfer programs."""
+    row_buckets = {self.num_seqs_bucket(T) for T in self.token_buckets}
+    return (len(self.token_buckets) * (2 + int(self.mtp)) + len(row_buckets) * len(self._sampler_variants())
+            + len(self.len_buckets) + 1 + len(self.transfer_buckets) + len(self.import_buckets))
 
   def warmup(self, progress=None) -> None:
-    """Compiles the step for every token bucket (all-padding batches touch no real page)."""
+    """Compiles every program a step can run, by running it on all-padding batches (which touch
+    no real page): per token bucket the forward (and the MTP pass), per row bucket the
+    sampler in every variant (`_sampler_variants`)."""
+    warm_rows = set()
     for T in self.token_buckets:
-      self.run_batch(*self.pack_step([], T))
+      T, lp, batch = self.pack_step([], T)
+      launched, logits, expert_tokens = self._launch(T, lp, batch)
+      S = batch.draft_ids.shape[0]
+      if S not in warm_rows:
+        warm_rows.add(S)
+        inputs = SamplerInputs.of(batch)
+        L = inputs.rows.shape[0]
+        for mode, fused, masked in self._sampler_variants():
+          allowed = np.full((L, mask_words(self.cfg.vocab_size)), -1, np.int32) if masked else None
+          self._run_sampler(inputs._replace(allowed=allowed), mode, fused, logits, expert_tokens)
+      self.collect(launched)
       if progress is not None:
         progress.update(1)
     self.history = self._set_row(self.history, self.scratch_row, np.zeros(self.max_model_len, np.int32), 0, 0)
@@ -458,24 +577,105 @@ class ModelRunner:
     followers call this with the leader's batch; see jaxinfer.distributed)."""
     return self.collect(self.launch_packed(T, prompt_lp, batch))
 
+  def sampler_mode(self, batch: StepBatch | SamplerInputs, rows_at_once: bool | None = None
+                   ) -> tuple[SamplerMode, bool]:
+    """(the sampler's mode, whether to verify in the fused kernel) for a packed batch: the
+    first warm mode that covers what its rows need (`SamplerMode`, sampling.WARM_MODES).
+    rows_at_once: as on a GPU (True) or XLA:CPU (False); None: this backend's."""
+    at_once = self.rows_at_once if rows_at_once is None else rows_at_once
+    warm = [m._replace(rows_at_once=at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+    need = SamplerMode.of(batch.sampling, self.cfg.vocab_size, masked=batch.allowed is not None,
+                          rows_at_once=at_once)
+    if self._can_fuse and not (need.truncate or need.process):
+      return SamplerMode(logprobs=need.logprobs), True
+    if batch.allowed is not None:
+      return warm[-1], False
+    return next(m for m in warm if m.covers(need)), False
+
+  def _sampler_variants(self) -> list[tuple[SamplerMode, bool, bool]]:
+    """Every (mode, fused, masked) a step's sampler can run: what warm-up compiles per row bucket."""
+    # A grammar's mask comes with every kind of work (structured output is rarer than sampling,
+    # and each variant costs a compile per row bucket).
+    warm = [m._replace(rows_at_once=self.rows_at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+    out = [(m, False, False) for m in warm] + [(warm[-1], False, True)]
+    if self._can_fuse:
+      out += [(SamplerMode(logprobs=lp), True, False) for lp in (False, True)]
+    return out
+
   def launch_packed(self, T: int, prompt_lp: bool, batch: StepBatch) -> "LaunchedStep":
-    """Enqueues one step packed by `pack_step`; the cache and history become its (future) outputs."""
+    """Enqueues one step packed by `pack_step`; the cache and history become its (future)
+    outputs. Nothing here waits for the device: the host picked every program."""
+    return self._launch(T, prompt_lp, batch)[0]
+
+  def _launch(self, T: int, prompt_lp: bool, batch: StepBatch):
+    """launch_packed, also returning the step's logits and expert counts (device arrays)."""
     order, self._result_order = self._result_order, None
-    self._programs.add(("step", T, prompt_lp))
-    self.cache, self.history, out = self._step(self.params, self.cache, self.history, batch,
-                                               prompt_logprobs=prompt_lp)
-    return LaunchedStep(out, prompt_lp, order)
+    mode, fused = self.sampler_mode(batch)
+    ints, floats, layout = to_buffers(batch)
+    self._programs.add(("forward", T, prompt_lp))
+    self.cache, logits, expert_tokens, extras = self._step(layout, self.params, self.cache, self.history,
+                                                           ints, floats, prompt_logprobs=prompt_lp)
+    results, ids, committed = self._run_sampler(SamplerInputs.of(batch), mode, fused, logits, expert_tokens)
+    drafts = None
+    if self.mtp:
+      self._programs.add(("propose", T))
+      self.cache, self.history, drafts = self._propose(layout, self.params, self.cache, self.history,
+                                                       *extras["mtp"], ids, committed, ints, floats)
+    S, k1 = ids.shape
+    N = min(MAX_LOGPROBS, self.cfg.vocab_size)
+    shapes = [((S, k1), np.int32), ((S,), np.int32), ((S, k1), np.float32)]
+    if mode.logprobs:
+      shapes += [((S, k1, N), np.int32), ((S, k1, N), np.float32)]
+    shapes.append((tuple(expert_tokens.shape), np.int32))
+    return LaunchedStep(results, tuple(shapes), extras.get("prompt"), drafts, order), logits, expert_tokens
+
+  def trace_step(self, seqs: list[ScheduledSeq], rows_at_once: bool | None = None) -> dict[str, Any]:
+    """The jaxprs of the programs `launch(seqs)` would run ({'forward', 'sample'[, 'propose']}),
+    traced without running them: what a reader (or a test) checks for control flow.
+    rows_at_once: the sampler as on a GPU (True) or on XLA:CPU (False); None: this backend's."""
+    T, lp, batch = self.pack_step(seqs)
+    self._result_order = None
+    mode, fused = self.sampler_mode(batch, rows_at_once)
+    ints, floats, layout = to_buffers(batch)
+    fwd = self._step.trace(layout, self.params, self.cache, self.history, ints, floats, prompt_logprobs=lp)
+    cache, logits, expert_tokens, extras = fwd.out_info
+    s_ints, s_floats, s_layout = to_buffers(SamplerInputs.of(batch))
+    smp = self._sample.trace(s_layout, mode, fused, self.history, logits, expert_tokens, s_ints, s_floats)
+    out = {"forward": fwd.jaxpr, "sample": smp.jaxpr}
+    if self.mtp:
+      _, _, ids, committed = smp.out_info
+      out["propose"] = self._propose.trace(layout, self.params, self.cache, self.history, *extras["mtp"], ids,
+                                           committed, ints, floats).jaxpr
+    return out
+
+  def _run_sampler(self, inputs: SamplerInputs, mode: SamplerMode, fused: bool, logits, expert_tokens):
+    """Enqueues the sampler program; the history becomes its output. (results, ids, committed)."""
+    s_ints, s_floats, s_layout = to_buffers(inputs)
+    self._programs.add(("sample", inputs.samples.shape[0], mode, fused, inputs.allowed is not None))
+    self.history, results, ids, committed = self._sample(s_layout, mode, fused, self.history, logits,
+                                                         expert_tokens, s_ints, s_floats)
+    return results, ids, committed
 
   def collect(self, launched: "LaunchedStep") -> StepResult:
     """Waits for a dispatched step and returns its host results, in scheduled order."""
-    out = jax.device_get(launched.out)
-    prompt_lp = launched.prompt_lp
+    parts = _unpack_results(np.asarray(jax.device_get(launched.results)), launched.shapes)
+    ids, committed, lp = parts[:3]
+    S, k1 = ids.shape
+    if len(parts) == 6:
+      top_ids, top_lp = parts[3:5]
+    else:
+      N = min(MAX_LOGPROBS, self.cfg.vocab_size)
+      top_ids, top_lp = np.zeros((S, k1, N), np.int32), np.zeros((S, k1, N), np.float32)
+    expert_tokens = parts[-1]
+    prompt = None if launched.prompt is None else tuple(np.asarray(a) for a in jax.device_get(launched.prompt))
+    drafts = np.zeros((S, 0), np.int32) if launched.drafts is None else np.asarray(launched.drafts)
+    out = (ids, committed, lp, top_ids, top_lp)
     if launched.order is None:
-      return StepResult(*out[:5], prompt=out[7] if prompt_lp else None, expert_tokens=out[5], drafts=out[6])
+      return StepResult(*out, prompt=prompt, expert_tokens=expert_tokens, drafts=drafts)
     seq_rows, token_rows = launched.order  # attention DP: back from shard blocks to scheduled order
-    return StepResult(*(a[seq_rows] for a in out[:5]),
-                      prompt=tuple(a[token_rows] for a in out[7]) if prompt_lp else None,
-                      expert_tokens=out[5], drafts=out[6][seq_rows])
+    return StepResult(*(a[seq_rows] for a in out),
+                      prompt=tuple(a[token_rows] for a in prompt) if prompt is not None else None,
+                      expert_tokens=expert_tokens, drafts=drafts[seq_rows])
 
   def set_history(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
     """Loads a request's prompt and output so far into its sampler row (for penalties)."""
@@ -685,98 +885,127 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
   return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
 
 
-def _sample_and_accept(logits, batch: StepBatch, history, attention_impl, relaxed=None):
+def _sample_and_accept(logits, batch: SamplerInputs, history, attention_impl, relaxed, mode: SamplerMode,
+                       fused: bool):
   """(ids [S, k + 1], accepted drafts [S], logprobs [L], top-n ids and logprobs [L, N]).
 
   Every verify row draws its token with fold_in(seed, position) and drafts are accepted
-  while they match (spec_decode.accept). With the Pallas attention (GPU), a speculative
-  batch of plain rows (no penalty, grammar mask or truncation) runs the fused kernel
-  pallas_kernels.spec_accept instead, which draws the same tokens from the same keys and
-  reads each logit row once; other batches, and every batch elsewhere, run sample() then
-  accept(). relaxed = (top_n, delta): greedy rows also take near-top drafts
-  (spec_decode.relax); the committed tokens' logprobs are then those of the drafts.
+  while they match (spec_decode.accept). `fused` (the host's choice: the Pallas attention
+  (GPU) and a speculative batch of plain rows, no penalty, grammar mask or truncation) runs
+  the fused kernel pallas_kernels.spec_accept instead, which draws the same tokens from the
+  same keys and reads each logit row once; other batches run sample() then accept().
+  relaxed = (top_n, delta): greedy rows also take near-top drafts (spec_decode.relax); the
+  committed tokens' logprobs are then those of the drafts.
   """
   sp = batch.sampling
   S, k = batch.draft_ids.shape
   L, V = logits.shape
-
-  def general(x):
-    ids, lp, top_ids, top_lp = sample(x, sp, history["counts"], history["prompt"], batch.rows, batch.allowed)
-    ids = ids.reshape(S, k + 1)
-    if relaxed is not None:
-      xf = x.astype(jnp.float32)
-      greedy = (sp.temperature == 0).reshape(S, k + 1)[:, :k]
-      taken = relax(xf.reshape(S, k + 1, V)[:, :k], ids, batch.draft_ids, batch.num_drafts, greedy, *relaxed)
-      taken_lp = chosen_logprobs(xf, taken.reshape(L), jnp.zeros_like(sp.want_logprobs))[0]  # (no top-n)
-      lp = jnp.where((taken != ids).reshape(L), taken_lp, lp)
-      ids = taken
-    return ids, accept(ids, batch.draft_ids, batch.num_drafts), lp, top_ids, top_lp
-
-  if k == 0 or relaxed is not None or attention_impl not in ("pallas", "pallas_interpret"):
-    return general(logits)
-
-  def fused(x):
+  if fused:
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
-    accepted, ids = spec_accept(x.reshape(S, k + 1, V), batch.draft_ids, batch.num_drafts,
+    accepted, ids = spec_accept(logits.reshape(S, k + 1, V), batch.draft_ids, batch.num_drafts,
                                 sp.temperature.reshape(S, k + 1), keys.reshape(S, k + 1),
                                 interpret=attention_impl == "pallas_interpret")
-    return (ids, accepted, *chosen_logprobs(x.astype(jnp.float32), ids.reshape(L), sp.want_logprobs))
+    return (ids, accepted, *chosen_logprobs(logits.astype(jnp.float32), ids.reshape(L), mode.logprobs))
+  ids, lp, top_ids, top_lp = sample(logits, sp, history["counts"], history["prompt"], batch.rows, batch.allowed,
+                                    mode=mode)
+  ids = ids.reshape(S, k + 1)
+  if relaxed is not None:
+    xf = logits.astype(jnp.float32)
+    greedy = (sp.temperature == 0).reshape(S, k + 1)[:, :k]
+    taken = relax(xf.reshape(S, k + 1, V)[:, :k], ids, batch.draft_ids, batch.num_drafts, greedy, *relaxed)
+    taken_lp = chosen_logprobs(xf, taken.reshape(L), False)[0]  # (no top-n)
+    lp = jnp.where((taken != ids).reshape(L), taken_lp, lp)
+    ids = taken
+  return ids, accept(ids, batch.draft_ids, batch.num_drafts), lp, top_ids, top_lp
 
-  plain = ~jnp.any(sp.truncated(V) | sp.penalized() | jnp.any(batch.allowed != -1, axis=-1))
-  return jax.lax.cond(plain, fused, general, logits)
 
+def _forward_step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, layout, params, cache, history,
+                  ints, floats, *, prompt_logprobs: bool):
+  """The model's part of a step: (cache, logits [L, V], expert_tokens, extras).
 
-def _step(cfg, attention_impl, decode_q_len, dp, mtp_page_size, relaxed, params, cache, history,
-          batch: StepBatch, *, prompt_logprobs: bool):
-  """mtp_page_size > 0: the params carry an MTP module ('mtp') whose K/V is the cache's last
-  layer; the step then also returns its drafts for the next step (else [S, 0])."""
+  extras: with an MTP module (mtp_page_size > 0) the hidden states [T, D] and the fed
+  positions and paged batch its pass reads; with prompt_logprobs, (target logprob [T],
+  top-n ids [T, N], top-n logprobs [T, N]). The MTP module's cache layer passes through."""
+  if dp is not None:
+    # The buffers replicated, as the numpy arrays they replace were: left to propagation, the
+    # shard_map's per-shard slices of them crashed XLA:CPU's SPMD partitioner (a gather).
+    replicated = jax.sharding.NamedSharding(dp[0], jax.sharding.PartitionSpec())
+    ints, floats = (jax.lax.with_sharding_constraint(b, replicated) for b in (ints, floats))
+  batch = from_buffers(layout, ints, floats)
   n = cfg.num_layers
   tokens, batch = _feed(batch, history, mtp_page_size)
   hidden, model_cache, expert_tokens = _forward(dp, cfg, attention_impl, decode_q_len, params, tokens,
                                                 batch.positions, cache[:n], batch.paged)
   # hidden [T, D] (under attention DP: [shards * T, D]); expert_tokens [MoE layers, E]
   logits = compute_logits(params, cfg, hidden[batch.logits_indices])  # [L, V]
+  extras = {}
+  if mtp_page_size:
+    extras["mtp"] = (hidden, batch.positions, batch.paged)
+  if prompt_logprobs:
+    all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
+    target_lp = jnp.take_along_axis(all_lp, batch.targets[:, None], axis=-1)[:, 0]
+    p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
+    extras["prompt"] = (target_lp, p_top_ids, p_top_lp)
+  return list(model_cache) + list(cache[n:]), logits, expert_tokens, extras
+
+
+def _sample_step(attention_impl, mtp_page_size, relaxed, layout, mode: SamplerMode, fused: bool, history,
+                 logits, expert_tokens, ints, floats):
+  """The sampler's part of a step (its inputs: SamplerInputs in two buffers): draws, accepts
+  drafts, records the committed tokens in the history. Returns (history, results, ids
+  [S, k + 1], committed [S]); results is one float32 buffer (`_pack_results`) of ids,
+  committed, logprobs [S, k + 1], the top-n ids and logprobs [S, k + 1, N] when
+  mode.logprobs, and expert_tokens."""
+  batch = from_buffers(layout, ints, floats)
+  if mtp_page_size:
+    batch = _feed_drafts(batch, history)  # the same history the forward read
   S, k = batch.draft_ids.shape
-  ids, accepted, lp, top_ids, top_lp = _sample_and_accept(logits, batch, history, attention_impl, relaxed)
+  ids, accepted, lp, top_ids, top_lp = _sample_and_accept(logits, batch, history, attention_impl, relaxed,
+                                                          mode, fused)
   committed = jnp.where(batch.samples, accepted + 1, 0)  # [S]
   # The committed tokens join the output: later steps penalize them.
   keep = (jnp.arange(k + 1) < committed[:, None]).reshape(-1)
   counts = history["counts"].at[batch.rows, ids.reshape(-1)].add(keep.astype(jnp.int32))
   # Each sequence's last committed token, for a next step packed before this one's ids reach
   # the host (padding sequences write the scratch row).
-  seq_rows = batch.rows.reshape(S, k + 1)[:, 0]
   last_tok = jnp.take_along_axis(ids, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
-
-  def keep_committed(table, new):  # rows that committed take `new`, the others keep theirs
-    done = (committed > 0).reshape((S,) + (1,) * (new.ndim - 1))
-    return table.at[seq_rows].set(jnp.where(done, new, table[seq_rows]))
-
+  keep_committed = functools.partial(_keep_committed, batch, committed)
   history = {**history, "counts": counts, "last": keep_committed(history["last"], last_tok),
              "accepted": keep_committed(history["accepted"], accepted)}
-  if mtp_page_size:
-    drafts, mtp_cache = mtp.propose(params["mtp"], params, cfg, hidden, batch.targets, batch.positions,
-                                    batch.paged, batch.logits_indices, batch.samples, batch.num_drafts,
-                                    ids, committed, cache[n], k, mtp_page_size, attention_impl=attention_impl)
-    cache = model_cache + [mtp_cache]
-    history["drafts"] = keep_committed(history["drafts"], drafts)
-  else:
-    drafts, cache = jnp.zeros((S, 0), jnp.int32), model_cache
-  out = (ids, committed, lp.reshape(S, k + 1), top_ids.reshape(S, k + 1, -1),
-         top_lp.reshape(S, k + 1, -1), expert_tokens, drafts)
-  if prompt_logprobs:
-    all_lp = jax.nn.log_softmax(compute_logits(params, cfg, hidden), axis=-1)  # [T, V]
-    target_lp = jnp.take_along_axis(all_lp, batch.targets[:, None], axis=-1)[:, 0]
-    p_top_lp, p_top_ids = jax.lax.top_k(all_lp, min(MAX_LOGPROBS, all_lp.shape[-1]))
-    out = out + ((target_lp, p_top_ids, p_top_lp),)
-  return cache, history, out
+  out = [ids, committed, lp.reshape(S, k + 1)]
+  if mode.logprobs:
+    out += [top_ids.reshape(S, k + 1, -1), top_lp.reshape(S, k + 1, -1)]
+  return history, _pack_results(*out, expert_tokens), ids, committed
+
+
+def _propose_step(cfg, attention_impl, mtp_page_size, layout, params, cache, history, hidden, positions,
+                  paged, ids, committed, ints, floats):
+  """The MTP module's pass (its K/V is the cache's last layer): (cache, history, drafts [S, k])."""
+  batch = from_buffers(layout, ints, floats)
+  S, k = batch.draft_ids.shape
+  n = cfg.num_layers
+  drafts, mtp_cache = mtp.propose(params["mtp"], params, cfg, hidden, batch.targets, positions, paged,
+                                  batch.logits_indices, batch.samples, batch.num_drafts, ids, committed,
+                                  cache[n], k, mtp_page_size, attention_impl=attention_impl)
+  history = {**history, "drafts": _keep_committed(batch, committed, history["drafts"], drafts)}
+  return list(cache[:n]) + [mtp_cache], history, drafts
+
+
+def _keep_committed(batch: StepBatch | SamplerInputs, committed, table, new):
+  """table [R, ...] with the step's sequences that committed tokens set to new [S, ...]."""
+  S, k = batch.draft_ids.shape
+  seq_rows = batch.rows.reshape(S, k + 1)[:, 0]
+  done = (committed > 0).reshape((S,) + (1,) * (new.ndim - 1))
+  return table.at[seq_rows].set(jnp.where(done, new, table[seq_rows]))
 
 
 def _feed(batch: StepBatch, history, page_size: int) -> tuple[jax.Array, StepBatch]:
   """Async scheduling: the step's tokens with the fed rows read from the device (the last
   committed token of their sequence, then its MTP drafts), and, with an MTP module
-  (page_size > 0), the fed sequences' positions, KV slots, lengths, draft ids and sampling
-  positions moved on by the drafts their in-flight step accepted, which the host did not
-  know when it packed them. Returns (tokens [T], batch)."""
+  (page_size > 0), the fed sequences' positions, KV slots and lengths moved on by the
+  drafts their in-flight step accepted, which the host did not know when it packed them
+  (`_feed_drafts` does the same for their draft ids and sampling positions). Returns
+  (tokens [T], batch)."""
   S, k = batch.draft_ids.shape
   K1 = k + 1
   nxt = jnp.concatenate([history["last"][:, None], history["drafts"]], axis=1).reshape(-1)  # [rows * K1]
@@ -798,9 +1027,19 @@ def _feed(batch: StepBatch, history, page_size: int) -> tuple[jax.Array, StepBat
   slot = jnp.where(positions < P * page_size, page * page_size + positions % page_size, NULL_PAGE * page_size)
   paged = paged._replace(slot_mapping=jnp.where(dt > 0, slot, paged.slot_mapping),
                          kv_lens=jnp.minimum(paged.kv_lens + d, P * page_size))
-  sampling = batch.sampling._replace(position=batch.sampling.position + jnp.repeat(d, K1))
-  draft_ids = jnp.where(fed[:, None], history["drafts"][row], batch.draft_ids)
-  return tokens, batch._replace(positions=positions, paged=paged, sampling=sampling, draft_ids=draft_ids)
+  return tokens, batch._replace(positions=positions, paged=paged)
+
+
+def _feed_drafts(batch: SamplerInputs, history) -> SamplerInputs:
+  """The sampler's side of `_feed` with an MTP module: a fed sequence verifies the drafts its
+  in-flight step made, at positions moved on by the drafts that step accepted."""
+  S, k = batch.draft_ids.shape
+  fed = batch.shift >= 0
+  row = jnp.maximum(batch.shift, 0)
+  d = jnp.where(fed, history["accepted"][row], 0)  # [S]
+  sampling = batch.sampling._replace(position=batch.sampling.position + jnp.repeat(d, k + 1))
+  return batch._replace(sampling=sampling, draft_ids=jnp.where(fed[:, None], history["drafts"][row],
+                                                               batch.draft_ids))
 
 
 def _run_length(runs: Sequence[dict[str, np.ndarray]]) -> int:

@@ -212,7 +212,9 @@ def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
   runner = llm.runner
   assert runner.token_buckets == (1, 2, 4, 8, 16)
   after_warmup = runner.compiled_programs()
-  assert after_warmup == len(runner.token_buckets) + 1  # + the penalty-history loader
+  # A forward per token bucket; per row bucket (1, 2, 4, 8) the sampler's 4 warm modes and the
+  # one that reads a grammar mask; the penalty-history loader.
+  assert after_warmup == len(runner.token_buckets) + 4 * 5 + 1
   before = len(compiles)
   rng = np.random.default_rng(1)
   for n in (1, 2, 3, 5, 9, 16):  # random shapes, sampling and penalties

@@ -50,3 +50,54 @@ def test_pack_refuses_what_does_not_fit():
     pack([s], T=4, S=1, k=1, pages_per_seq=1, page_size=4, scratch_row=1, vocab_size=64)
   with pytest.raises(ValueError, match="2 sequences do not fit the 4-token bucket"):
     pack([s, s], T=4, S=1, k=2, pages_per_seq=1, page_size=4, scratch_row=1, vocab_size=64)
+
+
+def control_flow(jaxpr) -> list[str]:
+  """The cond / while primitives of a closed jaxpr and every sub-jaxpr outside a kernel
+  (pallas_call): what would make XLA:GPU copy a predicate to the host and wait."""
+  import jax.extend as jex
+  found = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name in ("cond", "while"):
+        found.append(eqn.primitive.name)
+      if eqn.primitive.name == "pallas_call":
+        continue
+      for v in eqn.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          if isinstance(sub, jex.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jex.core.Jaxpr):
+            walk(sub)
+
+  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+  return found
+
+
+@pytest.fixture(scope="module")
+def kernel_runner():
+  from conftest import tiny_dir
+  from jaxinfer import LLM
+  return LLM(tiny_dir("llama3"), attention_impl="pallas_interpret", max_num_seqs=4, max_num_batched_tokens=16,
+             warmup=False).runner
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=5),
+    SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
+], ids=["greedy", "sampled", "truncated", "penalized"])
+def test_a_gpu_step_has_no_data_dependent_control_flow(kernel_runner, params):
+  """A mixed step (a prefill chunk and a decode) as a GPU runs it (the Pallas attention, the
+  sampler with rows_at_once) traces to programs with no cond and no while outside the kernel:
+  the host picked every program from the batch, so launching never waits for the device.
+  (Break it: a lax.cond back in sample() or an any()-guarded branch fails this.)"""
+  seqs = [ScheduledSeq(row=0, token_ids=list(range(1, 12)), start=0, num_new=8, pages=[1, 2, 3], params=params,
+                       seed=1),
+          ScheduledSeq(row=1, token_ids=[5, 6, 7], start=2, num_new=1, pages=[4], params=params, seed=2)]
+  programs = kernel_runner.trace_step(seqs, rows_at_once=True)
+  assert set(programs) == {"forward", "sample"}
+  for name, jaxpr in programs.items():
+    assert control_flow(jaxpr) == [], name

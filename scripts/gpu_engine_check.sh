@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The engine core's GPU rows (issue 37) in one short run on a lent H100 / H200; logs and JSON go
+# to $OUT (default /tmp/gpu-engine-check):
+#   bench_offline.py --gpu: a Llama-3-8B-shaped model (random bf16 weights), the Pallas (Triton)
+#   attention, batch-1 decode against the bandwidth roofline (weights + the KV a token reads,
+#   over a copy bandwidth measured in the same run) and 256 prompts x 128/128, at the GPU's
+#   backend-sized step budget (8192 tokens), with a traced batch-1 run (GPU busy vs wall time
+#   per step: the host time the device waits for).
+# Expected (written before the run; the 2026-11-27 H200 baseline at dfb2996, 512-token budget:
+# 70 tok/s = 38% of roofline at batch 1, 4,765 tok/s at 256 prompts): the step no longer waits
+# on lax.cond predicates (4 per step before) and launches n + 1 while n runs, so batch 1 should
+# approach the device time per token (weights ~16 GB over ~3 TB/s: 5.4 ms, plus launch gaps):
+# 55-75% of roofline; 256 prompts: fewer, larger steps (~132 instead of ~216) and host work
+# overlapped: 7,000-11,000 tok/s (the host's per-request Python, ~46 us per request per step,
+# is still there: ~12 ms a step at 256 running).
+#   OUT=$OUT bash scripts/gpu_engine_check.sh          # on the GPU machine (wheels in .whl/, see gpu_check.sh)
+#   SMOKE=1 bash scripts/gpu_engine_check.sh           # CPU, tiny shapes
+set -u
+OUT=${OUT:-/tmp/gpu-engine-check}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null && [ -z "${SMOKE:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+echo "=== bench_offline --gpu ($(date +%T))"
+if [ -n "${SMOKE:-}" ]; then
+  timeout -k 5 "${OFFLINE_S:-600}" "$PY" scripts/bench_offline.py --gpu --smoke --attention-impls xla \
+    --max-num-batched-tokens 64 --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
+else
+  timeout -k 5 "${OFFLINE_S:-300}" "$PY" scripts/bench_offline.py --gpu --profile --attention-impls pallas \
+    --gpu-formats bf16 --kv-cache-dtypes auto --num-prompts 256 --max-num-batched-tokens 8192 --kv-cache-gb 16 \
+    --timeout "${OFFLINE_S:-300}" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
+fi
+echo "rc=$?"; tail -n 12 "$OUT/offline.log"
+pkill -f -- "--gpu-worker" 2>/dev/null
