@@ -183,6 +183,9 @@ def section(run: Run, older: list[Run]) -> list[str]:
     out.append("- older runs on this machine class: "
                + ", ".join(f"[`{o.path.name}`]({LINK_PREFIX}{o.path.name})" for o in older))
   out.append("")
+  # A plot the benchmark drew beside its JSON (same name, .png) is shown with it.
+  if run.path.with_suffix(".png").is_file():
+    out += [f"![{run.benchmark}]({LINK_PREFIX}{run.path.with_suffix('.png').name})", ""]
   blocks = []
   for key, value in run.data.items():
     if (key in NOT_TABLES and isinstance(value, list)) or key in MACHINE_KEYS:
