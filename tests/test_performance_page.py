@@ -58,14 +58,30 @@ def test_latest_run_per_machine_class_with_its_commit_command_link_and_ratios(tm
   _write(tmp_path, "list-2026-11-28.json", [1, 2])
   page = render_performance.render(tmp_path)
 
-  cpu = page.split("### AMD EPYC, 2 cores, AVX-512 VNNI BF16\n", 1)[1].split("###", 1)[0]
+  cpu = page.split("### AMD EPYC, 2 cores, AVX-512 VNNI BF16: jaxinfer\n", 1)[1].split("###", 1)[0]
   assert "[`offline-quant-2026-11-27-0.json`](results/offline-quant-2026-11-27-0.json)" in cpu
   assert "commit `bbbbbbb`, 2026-11-27" in cpu and "command: `bench b`" in cpu
   assert "| system | tokens_per_s | ratio_to_float32 |" in cpu and "| jaxinfer | 2.5 | 1.3 |" in cpu
-  assert "older runs on this machine class: [`offline-quant-2026-11-27-a.json`]" in cpu
+  assert "older runs of it on this machine class: [`offline-quant-2026-11-27-a.json`]" in cpu
   assert "| jaxinfer | 1.5 | 1.1 |" not in page  # an older run is linked, not tabled
-  gpu = page.split("### NVIDIA H200\n", 1)[1]
+  gpu = page.split("### NVIDIA H200: jaxinfer\n", 1)[1]
   assert "commit `ccccccc`, 2026-11-28" in gpu and "command: `not recorded in the JSON`" in gpu
   skipped = page.split("## Skipped files", 1)[1]
   assert "`broken-2026-11-28.json`: not readable JSON" in skipped
   assert "`list-2026-11-28.json`: a JSON list, not an object" in skipped
+
+
+def test_runs_of_other_workloads_or_systems_are_not_hidden_as_older(tmp_path):
+  # bench_offline's batch-1 run against llama.cpp, then a later 64-prompt run of jaxinfer alone:
+  # both are the latest of their kind, so both get a table.
+  cpu = {"cpu_model": "AMD EPYC", "cpus": 2, "avx2": True}
+  peer_row = lambda system: {"workload": "1 prompts x 128", "system": system, "tokens_per_s": 90.0}
+  _write(tmp_path, "offline-quant-2026-11-27-b1.json", {"date": "2026-11-27T10:00:00", "machine": cpu,
+                                                        "rows": [peer_row("jaxinfer"), peer_row("llama.cpp")]})
+  _write(tmp_path, "offline-quant-2026-11-27-b64.json", {"date": "2026-11-27T12:00:00", "machine": cpu, "rows": [
+      {"workload": "64 prompts x 128", "system": "jaxinfer", "tokens_per_s": 300.0}]})
+  page = render_performance.render(tmp_path)
+  assert "### AMD EPYC, 2 cores, AVX2: 1 prompts x 128 | jaxinfer, llama.cpp\n" in page
+  assert "### AMD EPYC, 2 cores, AVX2: 64 prompts x 128 | jaxinfer\n" in page
+  assert "| 1 prompts x 128 | llama.cpp | 90 |" in page and "| 64 prompts x 128 | jaxinfer | 300 |" in page
+  assert "older runs of it" not in page
