@@ -85,3 +85,16 @@ def test_runs_of_other_workloads_or_systems_are_not_hidden_as_older(tmp_path):
   assert "### AMD EPYC, 2 cores, AVX2: 64 prompts x 128 | jaxinfer\n" in page
   assert "| 1 prompts x 128 | llama.cpp | 90 |" in page and "| 64 prompts x 128 | jaxinfer | 300 |" in page
   assert "older runs of it" not in page
+
+
+def test_runs_that_recorded_only_their_day_are_each_shown_for_the_last_day(tmp_path):
+  # spec-...-23.json and spec-...-23-seq-buckets.json: no time of day, so neither can be called
+  # the later one; the 22nd's run is older than both.
+  cpu = {"cpu_model": "AMD EPYC", "cpus": 2, "avx2": True}
+  for name, tps in (("spec-2026-11-22.json", 1.0), ("spec-2026-11-23.json", 2.0),
+                    ("spec-2026-11-23-seq-buckets.json", 3.0)):
+    _write(tmp_path, name, {"cpu": cpu, "rows": [{"method": "ngram", "tokens_per_s": tps}]})
+  page = render_performance.render(tmp_path)
+  assert "| ngram | 2 |" in page and "| ngram | 3 |" in page and "| ngram | 1 |" not in page
+  assert page.count("### AMD EPYC, 2 cores, AVX2\n") == 2
+  assert "older runs of it on this machine class: [`spec-2026-11-22.json`]" in page
