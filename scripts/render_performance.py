@@ -253,9 +253,11 @@ def render(results: Path = RESULTS) -> str:
          "across machines or days (the 2-core CPU hosts drift by 10% or more between runs).", "",
          "How to add a result: run the benchmark script with `--out benchmarks/results/NAME-DATE.json`,",
          "then `python scripts/render_performance.py`.", ""]
-  out += ["| benchmark | machine classes | runs kept |", "|---|---|---:|"]
+  out += ["| benchmark | machine classes | latest runs shown | runs kept |", "|---|---:|---:|---:|"]
   for bench in sorted(groups):
-    out.append(f"| [{bench}](#{_anchor(bench)}) | {len(groups[bench])} | "
+    machines = {machine for machine, _ in groups[bench]}
+    shown = sum(len(latest(runs)) for runs in groups[bench].values())
+    out.append(f"| [{bench}](#{_anchor(bench)}) | {len(machines)} | {shown} | "
                f"{sum(map(len, groups[bench].values()))} |")
   out.append("")
   for bench in sorted(groups):
