@@ -180,7 +180,7 @@ def test_ngram_drafts_are_looked_up_after_the_step_that_makes_their_tokens():
   prompts = [r["prompt_ids"] for r in g["records"]]
   options = dict(max_num_seqs=16, max_num_batched_tokens=64, warmup=False,  # test_spec_decode's programs
                  speculative={"method": "ngram", "num_speculative_tokens": 3})
-  sync = LLM(tiny_dir("llama3"), **options)
+  sync = LLM(tiny_dir("llama3"), async_scheduling=False, **options)
   want = sync.generate(prompts, greedy(g["max_new_tokens"]))
   llm = LLM(tiny_dir("llama3"), async_scheduling=True, **options)
   got = llm.generate(prompts, greedy(g["max_new_tokens"]))
