@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
-from helpers import run_engine
+from helpers import FailingTokenizer, run_engine
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import InvalidRequestError
 
@@ -230,21 +230,23 @@ def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
 
 
 def test_a_request_that_fails_in_postprocessing_ends_alone():
+  """r1's detokenizer raises at its third token: r1 ends with 'error' and its three tokens,
+  r0 and r2 (added before and after it) get their greedy ids, and every page is free."""
   llm = make_llm("llama3")
   engine = llm.engine
   want = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(12))
-  real = engine._append
-
-  def append(req, *args):
-    if req.request_id == "r1" and len(req.output_token_ids) == 3:
-      raise RuntimeError("boom")
-    real(req, *args)
-
-  engine._append = append
-  outs, _ = run_engine(engine, [[1, 2, 3], [9, 9], [4, 5, 6]], [greedy(12)] * 3)
-  assert outs[1].finish_reason == "error" and outs[1].error == "RuntimeError: boom"
-  assert len(outs[1].token_ids) == 3
-  assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[1].token_ids]
+  tok = engine.tokenizer = FailingTokenizer(engine.tokenizer, fail_at=3)
+  engine.add_request("r0", [1, 2, 3], greedy(12))
+  tok.armed = True
+  engine.add_request("r1", [9, 9], greedy(12))
+  tok.armed = False
+  engine.add_request("r2", [4, 5, 6], greedy(12))
+  final = {}
+  while engine.has_unfinished():
+    final.update((o.request_id, o) for o in engine.step() if o.finished)
+  assert final["r1"].finish_reason == "error" and final["r1"].error == "RuntimeError: boom"
+  assert len(final["r1"].token_ids) == 3
+  assert [final["r0"].token_ids, final["r2"].token_ids] == [want[0].token_ids, want[1].token_ids]
   assert engine.kv.num_free_pages == engine.kv.num_pages - 1
 
 

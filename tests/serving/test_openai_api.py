@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import FailingTokenizer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import InferenceServer, ServerConfig
 from jaxinfer.structured import StructuredOutput
@@ -255,28 +256,27 @@ def test_bad_requests_are_openai_errors_naming_the_field(url, client, reference)
 
 
 def test_a_failure_inside_one_request_is_500_for_it_only(client, server, reference):
+  """The poisoned requests' detokenizers raise (helpers.FailingTokenizer, armed only once
+  the healthy stream's first chunk came): a 500, or an error event once streaming."""
   engine = server.llm.engine
-  real_append = engine._append
-
-  def append(req, *args):
-    if req.prompt_token_ids[0] == 13:  # the poisoned requests
-      raise RuntimeError("boom")
-    real_append(req, *args)
-
+  tok = FailingTokenizer(engine.tokenizer)
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-  engine._append = append
+  engine.tokenizer = tok
   try:
-    healthy = client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
-                                        temperature=0, extra_body=dict(ignore_eos=True))
+    healthy = iter(client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
+                                             temperature=0, extra_body=dict(ignore_eos=True)))
+    text = next(healthy).choices[0].text  # its detokenizer is made: arming reaches only the next ones
+    tok.armed = True
     with pytest.raises(openai.InternalServerError) as e:
       client.completions.create(model="llama3", prompt=[13, 14], max_tokens=5)
     assert "failed in the engine: RuntimeError: boom" in e.value.message
     with pytest.raises(openai.APIError) as e:  # streamed: headers were sent, so an error event
       list(client.completions.create(model="llama3", prompt=[13, 15], max_tokens=5, stream=True))
     assert "failed in the engine: RuntimeError: boom" in e.value.message
-    text = "".join(c.choices[0].text for c in healthy)
+    tok.armed = False
+    text += "".join(c.choices[0].text for c in healthy)
   finally:
-    engine._append = real_append
+    engine.tokenizer = tok.tokenizer
   assert text == want.text
   assert pool_is_full(server)
 
