@@ -401,6 +401,8 @@ def test_int8_logits_close_to_float32(int8_llms, family):
 
 
 def test_int8_greedy_batch_invariance(int8_llms):
+  """Slow (over 30 s on two cores): each of the eight prompts also runs alone, in its own
+  step bucket, compiled for the int8 model."""
   llm = int8_llms["qwen3"]
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, 320, n).tolist() for n in (3, 40, 9, 1, 70, 16, 5, 33)]

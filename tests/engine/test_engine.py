@@ -28,6 +28,8 @@ def make_llm(family, **kw):
 
 @pytest.mark.parametrize("family", ["llama3", "mistral"])  # mistral: sliding window 8 over pages
 def test_sixteen_concurrent_requests_match_transformers_greedy(family):
+  """Slow (over 30 s on two cores with a cold compilation cache): the mixed batch reaches
+  every step bucket, and reaching them all is the point; each compiles once."""
   g = batch_golden(family)
   llm = make_llm(family)
   prompts = [r["prompt_ids"] for r in g["records"]]
@@ -45,7 +47,9 @@ def test_sixteen_concurrent_requests_match_transformers_greedy(family):
 @pytest.mark.parametrize("family", ["llama3", "mistral"])
 def test_golden_batch_through_the_pallas_kernel_in_interpret_mode(family):
   """The same 16 mixed prefill/decode requests, attention forced to the Pallas
-  kernel (interpret mode on CPU): still transformers' greedy ids."""
+  kernel (interpret mode on CPU): still transformers' greedy ids. Slow (over 30 s on two
+  cores): interpret mode unrolls the kernel's grid into XLA ops, and every step bucket the
+  batch reaches compiles that way."""
   g = batch_golden(family)
   llm = make_llm(family, attention_impl="pallas_interpret")
   assert llm.runner.attention_impl == "pallas_interpret"
@@ -64,6 +68,8 @@ def test_attention_impl_is_checked():
 
 
 def test_preemption_when_pages_run_out_changes_nothing():
+  """Slow (over 30 s on two cores): the small pool is another cache shape, so its step
+  buckets compile anew, and the 16 requests are recomputed after each preemption."""
   g = batch_golden("llama3")
   # 17 usable pages of 16 tokens: one full-length sequence fits, 16 requests do not.
   llm = make_llm("llama3", num_pages=18, page_size=16)
@@ -165,6 +171,8 @@ def test_pool_smaller_than_one_sequence_is_refused():
 
 
 def test_seeded_sampling_is_batch_invariant():
+  """Slow (over 30 s on two cores): a request alone and in a ragged batch of ten run in
+  different step buckets (the invariance is across them); each compiles."""
   llm = make_llm("llama2")
   sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77, max_tokens=12, ignore_eos=True)
   alone = llm.generate([[3, 1, 4, 1, 5]], sp)[0].token_ids
@@ -203,6 +211,8 @@ def test_leaving_a_stream_early_aborts_its_requests():
 
 
 def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
+  """Slow by design: warm-up compiles every bucket of the SmolLM2-shaped model with the
+  persistent compilation cache off, so that each compile is seen and counted."""
   import jax
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(

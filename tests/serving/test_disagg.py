@@ -84,7 +84,9 @@ def reference(model_dir):
 def pair(model_dir):
   """A prefill worker (16-token pages; no Ack within 3 s frees its pages) and a decode
   worker on it with 8-token pages: every transfer here is re-chunked on the way in. Both
-  keep an int8 KV cache (values and their per-token, per-head scales cross together)."""
+  keep an int8 KV cache (values and their per-token, per-head scales cross together). The
+  first test's setup carries their start (over 30 s on two cores): each process loads the
+  model and warms up, compiling every step bucket."""
   port = free_port()  # both start at once: the decode worker only dials it per request
   prefill = start_worker(model_dir, "--role", "prefill", "--kv-transfer-timeout", "3", "--kv-cache-dtype", "int8",
                          port=port)
@@ -321,7 +323,8 @@ def victim(model_dir):
 def fake_and_decode(model_dir, victim):
   """An in-process decode worker (2 s transfer timeout) over three prefill workers: an
   in-process fake, an address nobody listens on, and the kill test's victim. Each test names
-  the one its request takes the KV from (`generate_from`)."""
+  the one its request takes the KV from (`generate_from`). Its first test's setup carries the
+  victim's start and the decode worker's model load (over 30 s on two cores)."""
   llm = LLM(model_dir, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
   loop = asyncio.new_event_loop()
   threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -38,7 +38,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def processes(model_dir):
   """The module's workers, started at once: two alike, and one whose admission limit
-  (--max-waiting-tokens 1) refuses every prompt of more than one token."""
+  (--max-waiting-tokens 1) refuses every prompt of more than one token. The first test's
+  setup carries their start (over 30 s on two cores): each process loads the model and warms
+  up, compiling every step bucket; starting them at once overlaps that."""
   procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
   procs.append(JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS,
                                "--max-waiting-tokens", "1"))

@@ -34,7 +34,8 @@ def processes(model_dir):
   beforehand, so the decode workers can name them): two prefill workers and a decode
   worker taking KV from both; a prefill worker whose admission limit
   (--max-waiting-tokens 1) refuses every prompt, and a decode worker taking KV from it
-  and the first."""
+  and the first. The first test's setup carries their start (over 30 s on two cores): each
+  process loads the model and warms up, compiling every step bucket."""
   ports = [free_port() for _ in range(3)]
   p0, p1, pbusy = (f"127.0.0.1:{port}" for port in ports)
   procs = [serve(model_dir, "prefill", port=ports[0]), serve(model_dir, "prefill", port=ports[1]),
