@@ -177,12 +177,14 @@ def test_invalid_input_gets_invalid_argument_while_other_streams_go_on(server, c
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
     assert message in e.value.details()
   # No prompt at all, and an empty chat: built by hand (the client would not send them).
-  stub = client._stub
-  for request, message in [(pb.GenerateRequest(), "prompt: set one of text, token_ids, chat"),
-                           (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty")]:
-    with pytest.raises(grpc.RpcError) as e:
-      list(stub.Generate(request))
-    assert (e.value.code(), message in e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+  from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    stub = pb_grpc.InferenceStub(channel)
+    for request, message in [(pb.GenerateRequest(), "prompt: set one of text, token_ids, chat"),
+                             (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty")]:
+      with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request))
+      assert (e.value.code(), message in e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, True)
   rest = list(background)
   assert list(first.token_ids) + [t for d in rest for t in d.token_ids] == want.token_ids
   assert pool_is_full(server)
