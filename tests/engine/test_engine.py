@@ -267,10 +267,10 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_stat
   llm = make_llm("llama3", async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   want = llm.generate([[1, 2, 3]], greedy(10))[0]
-  real = runner._step
+  real = runner.launch
   calls = []
 
-  def step(*args, **kw):
+  def launch(*args, **kw):  # the runner's public entry for a step: its third launch fails
     calls.append(1)
     if len(calls) == 3:
       if lose_state:  # as if the donated cache had been consumed by a failed launch
@@ -279,11 +279,11 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_stat
       raise RuntimeError("device fault")
     return real(*args, **kw)
 
-  runner._step = step
+  runner.launch = launch
   outs, _ = run_engine(engine, [[1, 2, 3], [4, 5]], [greedy(10)] * 2)
   assert [o.finish_reason for o in outs] == ["error", "error"]
   assert outs[0].error == "RuntimeError: device fault" and len(outs[0].token_ids) == 2
   assert runner.state_lost() is False
   assert engine.kv.num_free_pages == engine.kv.num_pages - 1
-  runner._step = real
+  runner.launch = real
   assert llm.generate([[1, 2, 3]], greedy(10))[0].token_ids == want.token_ids
