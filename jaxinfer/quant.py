@@ -66,7 +66,8 @@ and stays in the model dtype.
 
 Why kernels: XLA CPU does not fuse a convert into its dot. It writes a float32 [in, out]
 copy of an int8 / fp8 / int4 weight per call, and widens an int8 weight read by a one-row
-s8 x s8 dot to s32 (tests/test_quant.py asserts each on the HLO), which made every
+s8 x s8 dot to s32 (seen in the optimized HLO; tests/test_quant.py checks by the compiled
+program's temporary bytes that jaxinfer's one-token linears write no such copy), which made every
 quantized form 6-18x slower than float32 per matmul at one token. Why int16 activations
 and not int8 (what llama.cpp's Q8 blocks and `vpdpbusd` would allow): the default model
 with per-token int8 activations agreed with float32 on the top-1 token at 90% of
@@ -650,7 +651,8 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
 
   The int8 weight is read as int8: XLA CPU hands an int8 x int8 -> int32 dot of two or
   more rows to its YNNPACK fusion, while any float or one-row form of the same product
-  first writes a widened [I, O] copy of the weight (tests/test_quant.py asserts both).
+  first writes a widened [I, O] copy of the weight (tests/test_quant.py checks that this
+  program's temporaries stay far below one).
   So the activations are split into two int8 limbs (split_activations) and one dot of
   the [2M, I] limbs accumulates in int32, exactly: the result is x @ dequantized(q) with
   x carried to 2^-16 of its row maximum (a weight-only product within ~1e-5 relative),

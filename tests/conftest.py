@@ -28,6 +28,58 @@ PALLAS_IMPL = "pallas" if ON_GPU else "pallas_interpret"  # jaxinfer.ops' name f
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
 
 
+# ---- GPU-only tests: marked, and counted in the summary where they cannot run ----------------
+# `gpu`: needs a GPU. `triton_lowering`: lowers Pallas kernels to Triton for CUDA, which jax 0.10
+# does without a GPU and jax 0.11 only with one. Where they cannot run they are skipped at
+# collection with the reason (-ra lists each), and the summary ends with one line counting
+# them; scripts/gpu_check.sh runs both on a GPU (-m "gpu or triton_lowering").
+_NOT_RUN = pytest.StashKey[dict]()
+
+
+def _cuda_lowering_unavailable() -> str | None:
+  """Why this process cannot lower a Pallas kernel for CUDA, or None when it can."""
+  if ON_GPU:
+    return None
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+
+  from pallas_kernels._compat import triton_compiler_params
+
+  def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+
+  x = jax.ShapeDtypeStruct((16,), jnp.float32)
+  call = pl.pallas_call(add_one, out_shape=x, compiler_params=triton_compiler_params(4, 1))
+  try:
+    jax.jit(call).trace(x).lower(lowering_platforms=("cuda",))
+  except RuntimeError as e:
+    if "GPU" not in str(e):
+      raise
+    return f"jax {jax.__version__} lowers Triton only with a GPU present ({str(e).splitlines()[0][:120]})"
+  return None
+
+
+def pytest_collection_modifyitems(config, items):
+  reasons = {"gpu": None if ON_GPU else f"no GPU (JAX backend {jax.default_backend()!r})"}
+  not_run = {}
+  for item in items:
+    for marker in ("gpu", "triton_lowering"):
+      if item.get_closest_marker(marker) is None:
+        continue
+      if marker not in reasons:
+        reasons[marker] = _cuda_lowering_unavailable()
+      if reasons[marker] is not None:
+        item.add_marker(pytest.mark.skip(reason=f"{marker}: {reasons[marker]}"))
+        not_run.setdefault(marker, []).append(item.nodeid)
+  config.stash[_NOT_RUN] = {m: (len(ids), reasons[m]) for m, ids in not_run.items()}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  for marker, (n, reason) in config.stash.get(_NOT_RUN, {}).items():
+    terminalreporter.write_line(f"{n} {marker}-marked tests not run: {reason} (scripts/gpu_check.sh runs "
+                                f"them on a GPU)", yellow=True, bold=True)
+
+
 def tiny_dir(family: str) -> Path:
   return DATA / "tiny" / family
 

@@ -178,6 +178,9 @@ class RouterMetrics:
                            registry=r)
     self.kv_resyncs = Counter("jaxinfer_router_kv_resyncs",
                               "KV event subscriptions (re)started from a snapshot.", ["worker"], registry=r)
+    self.kv_event_batch = Gauge("jaxinfer_router_kv_event_batch",
+                                "The worker's latest KV event batch (its sequence number) in the router's "
+                                "index: the index is current up to it.", ["worker"], registry=r)
 
   def exposition(self) -> bytes:
     return generate_latest(self.registry)
@@ -779,11 +782,13 @@ class RouterBackend(PromptMixin):
               return
             index.load_snapshot(name, s.seq, s.block_hashes)
             self.metrics.kv_resyncs.labels(name).inc()
+            self.metrics.kv_event_batch.labels(name).set(s.seq)
           else:
             b = m.batch
             index.apply(name, b.seq, [KVEvent(_KINDS[e.kind], e.block_hash,
                                               e.parent_hash if e.HasField("parent_hash") else None)
                                       for e in b.events])
+            self.metrics.kv_event_batch.labels(name).set(b.seq)
       except SequenceGap as e:
         log.warning("%s; resubscribing", e)
       except grpc.aio.AioRpcError as e:

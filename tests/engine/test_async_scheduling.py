@@ -175,12 +175,13 @@ def test_ngram_drafts_are_looked_up_after_the_step_that_makes_their_tokens():
   """N-gram drafts come from the committed tokens on the host: a step that samples for a
   request that drafts is postprocessed before the next is packed, so every draft is the
   synchronous engine's (the same acceptance, step for step), and the outputs are
-  transformers' greedy ids. (Placeholder drafts for an in-flight token would be rejected.)"""
+  transformers' greedy ids. (Placeholder drafts for an in-flight token would be rejected.)
+  Slow (about 30 s on two cores): two engines, each compiling the speculative step buckets."""
   g = json.loads((DATA / "golden" / "batch_llama3.json").read_text())
   prompts = [r["prompt_ids"] for r in g["records"]]
   options = dict(max_num_seqs=16, max_num_batched_tokens=64, warmup=False,  # test_spec_decode's programs
                  speculative={"method": "ngram", "num_speculative_tokens": 3})
-  sync = LLM(tiny_dir("llama3"), **options)
+  sync = LLM(tiny_dir("llama3"), async_scheduling=False, **options)
   want = sync.generate(prompts, greedy(g["max_new_tokens"]))
   llm = LLM(tiny_dir("llama3"), async_scheduling=True, **options)
   got = llm.generate(prompts, greedy(g["max_new_tokens"]))

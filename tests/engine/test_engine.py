@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
-from helpers import run_engine
+from helpers import FailingTokenizer, run_engine
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import InvalidRequestError
 
@@ -28,6 +28,8 @@ def make_llm(family, **kw):
 
 @pytest.mark.parametrize("family", ["llama3", "mistral"])  # mistral: sliding window 8 over pages
 def test_sixteen_concurrent_requests_match_transformers_greedy(family):
+  """Slow (over 30 s on two cores with a cold compilation cache): the mixed batch reaches
+  every step bucket, and reaching them all is the point; each compiles once."""
   g = batch_golden(family)
   llm = make_llm(family)
   prompts = [r["prompt_ids"] for r in g["records"]]
@@ -45,7 +47,9 @@ def test_sixteen_concurrent_requests_match_transformers_greedy(family):
 @pytest.mark.parametrize("family", ["llama3", "mistral"])
 def test_golden_batch_through_the_pallas_kernel_in_interpret_mode(family):
   """The same 16 mixed prefill/decode requests, attention forced to the Pallas
-  kernel (interpret mode on CPU): still transformers' greedy ids."""
+  kernel (interpret mode on CPU): still transformers' greedy ids. Slow (over 30 s on two
+  cores): interpret mode unrolls the kernel's grid into XLA ops, and every step bucket the
+  batch reaches compiles that way."""
   g = batch_golden(family)
   llm = make_llm(family, attention_impl="pallas_interpret")
   assert llm.runner.attention_impl == "pallas_interpret"
@@ -64,6 +68,8 @@ def test_attention_impl_is_checked():
 
 
 def test_preemption_when_pages_run_out_changes_nothing():
+  """Slow (over 30 s on two cores): the small pool is another cache shape, so its step
+  buckets compile anew, and the 16 requests are recomputed after each preemption."""
   g = batch_golden("llama3")
   # 17 usable pages of 16 tokens: one full-length sequence fits, 16 requests do not.
   llm = make_llm("llama3", num_pages=18, page_size=16)
@@ -165,6 +171,8 @@ def test_pool_smaller_than_one_sequence_is_refused():
 
 
 def test_seeded_sampling_is_batch_invariant():
+  """Slow (over 30 s on two cores): a request alone and in a ragged batch of ten run in
+  different step buckets (the invariance is across them); each compiles."""
   llm = make_llm("llama2")
   sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77, max_tokens=12, ignore_eos=True)
   alone = llm.generate([[3, 1, 4, 1, 5]], sp)[0].token_ids
@@ -203,6 +211,8 @@ def test_leaving_a_stream_early_aborts_its_requests():
 
 
 def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
+  """Slow by design: warm-up compiles every bucket of the SmolLM2-shaped model with the
+  persistent compilation cache off, so that each compile is seen and counted."""
   import jax
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
@@ -232,21 +242,23 @@ def test_warmup_compiles_every_bucket_and_requests_compile_nothing_more():
 
 
 def test_a_request_that_fails_in_postprocessing_ends_alone():
+  """r1's detokenizer raises at its third token: r1 ends with 'error' and its three tokens,
+  r0 and r2 (added before and after it) get their greedy ids, and every page is free."""
   llm = make_llm("llama3")
   engine = llm.engine
   want = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(12))
-  real = engine._append
-
-  def append(req, *args):
-    if req.request_id == "r1" and len(req.output_token_ids) == 3:
-      raise RuntimeError("boom")
-    real(req, *args)
-
-  engine._append = append
-  outs, _ = run_engine(engine, [[1, 2, 3], [9, 9], [4, 5, 6]], [greedy(12)] * 3)
-  assert outs[1].finish_reason == "error" and outs[1].error == "RuntimeError: boom"
-  assert len(outs[1].token_ids) == 3
-  assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[1].token_ids]
+  tok = engine.tokenizer = FailingTokenizer(engine.tokenizer, fail_at=3)
+  engine.add_request("r0", [1, 2, 3], greedy(12))
+  tok.armed = True
+  engine.add_request("r1", [9, 9], greedy(12))
+  tok.armed = False
+  engine.add_request("r2", [4, 5, 6], greedy(12))
+  final = {}
+  while engine.has_unfinished():
+    final.update((o.request_id, o) for o in engine.step() if o.finished)
+  assert final["r1"].finish_reason == "error" and final["r1"].error == "RuntimeError: boom"
+  assert len(final["r1"].token_ids) == 3
+  assert [final["r0"].token_ids, final["r2"].token_ids] == [want[0].token_ids, want[1].token_ids]
   assert engine.kv.num_free_pages == engine.kv.num_pages - 1
 
 
@@ -257,10 +269,10 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_stat
   llm = make_llm("llama3", async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   want = llm.generate([[1, 2, 3]], greedy(10))[0]
-  real = runner._step
+  real = runner.launch
   calls = []
 
-  def step(*args, **kw):
+  def launch(*args, **kw):  # the runner's public entry for a step: its third launch fails
     calls.append(1)
     if len(calls) == 3:
       if lose_state:  # as if the donated cache had been consumed by a failed launch
@@ -269,11 +281,11 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_stat
       raise RuntimeError("device fault")
     return real(*args, **kw)
 
-  runner._step = step
+  runner.launch = launch
   outs, _ = run_engine(engine, [[1, 2, 3], [4, 5]], [greedy(10)] * 2)
   assert [o.finish_reason for o in outs] == ["error", "error"]
   assert outs[0].error == "RuntimeError: device fault" and len(outs[0].token_ids) == 2
   assert runner.state_lost() is False
   assert engine.kv.num_free_pages == engine.kv.num_pages - 1
-  runner._step = real
+  runner.launch = real
   assert llm.generate([[1, 2, 3]], greedy(10))[0].token_ids == want.token_ids

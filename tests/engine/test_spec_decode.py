@@ -281,4 +281,26 @@ def test_acceptance_stats_reach_prometheus_and_each_requests_usage():
   assert f"jaxinfer_spec_decode_draft_tokens {float(stats['spec_draft_tokens'])}" in text
   assert f"jaxinfer_spec_decode_accepted_tokens {float(stats['spec_accepted_tokens'])}" in text
   assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"] > 0
-  assert stats["spec_mean_acceptance_length"] == 1 + stats["spec_accepted_tokens"] / stats["spec_verify_steps"]
+
+
+def test_acceptance_stats_of_scripted_drafts_are_the_hand_counted_ones():
+  """One greedy request, k = 3, max_tokens = 9, drafts scripted from its golden ids g:
+  step 1 prefills and commits g0; step 2 drafts g1 g2 g3 (all accepted, + bonus g4);
+  step 3 drafts g5 300 g7 (g5 accepted, 300 rejected: g6 sampled in its place); step 4 has
+  room for one draft (9 - 7 - 1 for the bonus token): g7, accepted, + g8.
+  Per position: proposed [3, 2, 2], accepted [3, 1, 1]."""
+  llm = make_llm(speculative=ngram(3))
+  r = batch_golden("llama3")["records"][0]
+  p, g = r["prompt_ids"], r["greedy_ids"]
+  assert len(p) <= 64 and len(g) >= 9 and 300 not in g[5:8]  # one prefill step; 300 is wrong
+  llm.engine.drafter = FixedDrafter({tuple(p + g[:1]): g[1:4], tuple(p + g[:5]): [g[5], 300, g[7]],
+                                     tuple(p + g[:7]): g[7:10]})
+  out = llm.generate([p], greedy(9))[0]
+  assert out.token_ids == g[:9]
+  assert out.num_accepted_draft_tokens == 5
+  stats = llm.engine.stats()
+  assert {k: v for k, v in stats.items() if k.startswith("spec_")} == {
+      "spec_verify_steps": 3, "spec_draft_tokens": 7, "spec_accepted_tokens": 5,
+      "spec_mean_acceptance_length": pytest.approx(8 / 3),  # 1 + 5 accepted / 3 verifying steps
+      "spec_acceptance_rate_1": 1.0, "spec_acceptance_rate_2": 0.5, "spec_acceptance_rate_3": 0.5}
+  assert stats["steps"] == 4

@@ -272,6 +272,7 @@ def test_bad_inputs_name_the_argument():
     BlockSizes(block_v=100)
 
 
+@pytest.mark.triton_lowering
 @pytest.mark.parametrize("full_q", [False, True])
 def test_kernel_lowers_to_triton(full_q):
   """The Pallas Triton lowering accepts the kernel (interpret mode forgives what it would not)."""
@@ -289,14 +290,7 @@ def test_kernel_lowers_to_triton(full_q):
   lower_for_cuda(fn, *avals)
 
 
-def has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
-
-@pytest.mark.skipif(not has_gpu(), reason="compiled kernel vs XLA's sampler: needs a GPU")
+@pytest.mark.gpu  # compiled kernel vs XLA's sampler
 @pytest.mark.parametrize("V", [1000, 49152])
 def test_compiled_kernel_matches_xla_on_gpu(V):
   """On a GPU the kernel's float ops (div.rn.f32, libdevice log) must round as XLA's do for the

@@ -7,8 +7,9 @@ the "cuda" platform runs that lowering (jaxpr -> Triton MLIR) without
 compiling or running anything, so those mistakes fail here, in CI.
 
 jax 0.10 lowers for a default compute capability when no GPU is present;
-jax 0.11 wants to see a GPU (or an abstract one) and says so, in which case
-these tests are skipped with that reason.
+jax 0.11 wants to see a GPU (or an abstract one) and says so: the tests are
+marked `triton_lowering`, and tests/conftest.py skips them at collection with
+that reason and counts them in the summary; scripts/gpu_check.sh runs them.
 """
 
 import functools
@@ -27,6 +28,8 @@ from pallas_kernels.ragged_paged_mla import BlockSizes as MlaBlockSizes
 from pallas_kernels.ragged_paged_mla import ragged_paged_mla
 
 from helpers import lower_for_cuda
+
+pytestmark = pytest.mark.triton_lowering
 
 
 def ragged_avals(T, S, P, N, page_size, Hq, Hkv, D, dtype):

@@ -4,9 +4,9 @@ engine), over the tiny llama3 stretched to 4096 positions as in
 test_server.py. Token ids are compared exactly through
 `return_tokens_as_token_ids` (logprob tokens come back as 'token_id:N')."""
 
-import asyncio
 import json
 import re
+import socket
 import threading
 import time
 
@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import FailingTokenizer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import InferenceServer, ServerConfig
 from jaxinfer.structured import StructuredOutput
@@ -52,6 +53,14 @@ def client(url):
 
 def ids_of(tokens):
   return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def until(condition, timeout=30.0):
+  """Polls `condition` until it holds; the deadline only bounds a failure."""
+  end = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < end, "condition not reached"
+    time.sleep(0.01)
 
 
 def pool_is_full(server, timeout=10.0):
@@ -255,28 +264,27 @@ def test_bad_requests_are_openai_errors_naming_the_field(url, client, reference)
 
 
 def test_a_failure_inside_one_request_is_500_for_it_only(client, server, reference):
+  """The poisoned requests' detokenizers raise (helpers.FailingTokenizer, armed only once
+  the healthy stream's first chunk came): a 500, or an error event once streaming."""
   engine = server.llm.engine
-  real_append = engine._append
-
-  def append(req, *args):
-    if req.prompt_token_ids[0] == 13:  # the poisoned requests
-      raise RuntimeError("boom")
-    real_append(req, *args)
-
+  tok = FailingTokenizer(engine.tokenizer)
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-  engine._append = append
+  engine.tokenizer = tok
   try:
-    healthy = client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
-                                        temperature=0, extra_body=dict(ignore_eos=True))
+    healthy = iter(client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
+                                             temperature=0, extra_body=dict(ignore_eos=True)))
+    text = next(healthy).choices[0].text  # its detokenizer is made: arming reaches only the next ones
+    tok.armed = True
     with pytest.raises(openai.InternalServerError) as e:
       client.completions.create(model="llama3", prompt=[13, 14], max_tokens=5)
     assert "failed in the engine: RuntimeError: boom" in e.value.message
     with pytest.raises(openai.APIError) as e:  # streamed: headers were sent, so an error event
       list(client.completions.create(model="llama3", prompt=[13, 15], max_tokens=5, stream=True))
     assert "failed in the engine: RuntimeError: boom" in e.value.message
-    text = "".join(c.choices[0].text for c in healthy)
+    tok.armed = False
+    text += "".join(c.choices[0].text for c in healthy)
   finally:
-    engine._append = real_append
+    engine.tokenizer = tok.tokenizer
   assert text == want.text
   assert pool_is_full(server)
 
@@ -289,11 +297,23 @@ def test_disconnect_mid_stream_frees_pages(url, server):
     got = [next(lines) for _ in range(6)]  # 3 events, each a data line and a blank line
   assert all(line.startswith("data: {") for line in got[::2])
   assert pool_is_full(server)
-  # A non-streamed request whose client gave up is aborted too.
-  with pytest.raises(httpx.ReadTimeout):
-    httpx.post(f"{url}/v1/chat/completions", timeout=1.0,
-               json=dict(messages=[{"role": "user", "content": "hi"}], **LONG))
+  # A non-streamed request whose client goes away is aborted too: sent on a raw socket while
+  # the engine is held, the socket closed once the server queued it.
+  aborted = 'jaxinfer_finished_requests_total{finish_reason="abort"}'
+  before = metric(metrics(url), aborted, missing_is_zero=True)
+  gate = threading.Event()
+  held = server.engine_loop.call(lambda e: gate.wait(60))
+  try:
+    body = json.dumps(dict(messages=[{"role": "user", "content": "hi"}], **LONG)).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+      sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+      until(lambda: server.backend.waiting_requests == 1)
+  finally:
+    gate.set()
+  held.result(60)
   assert pool_is_full(server)
+  assert metric(metrics(url), aborted) - before == 1  # aborted, not run to its 3000 tokens
 
 
 def test_admission_limit_is_429_then_the_waiting_requests_finish(url, client, server):
@@ -357,23 +377,54 @@ def test_warming_up_is_503(reference):
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
 
 
-def test_draining_is_503_and_cuts_streams_past_the_grace_period(url, client, server):
-  """Last: it shuts the module's server down."""
-  stream = client.completions.create(model="llama3", prompt=[7, 8, 9], stream=True, temperature=0,
-                                     max_tokens=3000, extra_body=dict(ignore_eos=True))
-  first = next(iter(stream))
-  assert first.choices[0].text is not None
-  done = asyncio.run_coroutine_threadsafe(server.shutdown(2.0), server._loop)
-  end = time.monotonic() + 10
-  while not server.backend.draining and time.monotonic() < end:
-    time.sleep(0.01)
-  r = httpx.get(f"{url}/health")
-  assert (r.status_code, r.json()) == (503, {"status": "draining"})
-  with pytest.raises(openai.APIStatusError) as e:
-    client.completions.create(model="llama3", prompt=[1], max_tokens=2)
-  assert e.value.status_code == 503 and "shutting down" in e.value.message
-  with pytest.raises(openai.APIError) as e:  # the SSE error event after the grace period
-    for _ in stream:
-      pass
-  assert "shut down before it finished (grace period 2 s)" in e.value.message
-  assert done.result(30) == {"in_flight": 1, "finished": 0, "aborted": 1}
+def test_draining_is_503_and_cuts_streams_past_the_grace_period(url, client, server, reference):
+  """Last: it shuts the module's server down. What each drain finds in flight is set by
+  holding the engine (engine_loop.call), not by timing: a drain whose grace outlasts the held
+  request lets it finish once let go; then, on a second server over the same LLM, a drain
+  with no grace cuts the held stream."""
+  want = reference.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+  gate = threading.Event()
+  held = server.engine_loop.call(lambda e: gate.wait(60))
+  got, summary = [], []
+  request = threading.Thread(target=lambda: got.append(httpx.post(
+      f"{url}/v1/completions", timeout=60, json=dict(prompt=[7, 8, 9], max_tokens=8, temperature=0, ignore_eos=True))))
+  request.start()
+  until(lambda: server.backend.waiting_requests == 1)  # queued behind the held engine
+  stopper = threading.Thread(target=lambda: summary.append(server.stop_in_thread(60)))
+  stopper.start()
+  try:
+    until(lambda: server.draining)
+    r = httpx.get(f"{url}/health")
+    assert (r.status_code, r.json()) == (503, {"status": "draining"})
+    with pytest.raises(openai.APIStatusError) as e:
+      client.completions.create(model="llama3", prompt=[1], max_tokens=2)
+    assert e.value.status_code == 503 and "shutting down" in e.value.message
+  finally:
+    gate.set()
+  held.result(60)
+  request.join(60)
+  stopper.join(60)
+  assert got[0].status_code == 200 and got[0].json()["choices"][0]["text"] == want.text
+  assert summary == [{"in_flight": 1, "finished": 1, "aborted": 0}]
+  # No grace: the stream the held engine cannot move on ends with an error event.
+  second = InferenceServer(server.llm, ServerConfig(port=0, http_port=0), warmup=False).start_in_thread()
+  client = openai.OpenAI(base_url=f"http://127.0.0.1:{second.http_port}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+  stream = iter(client.completions.create(model="llama3", prompt=[7, 8, 9], stream=True, temperature=0,
+                                          max_tokens=3000, extra_body=dict(ignore_eos=True)))
+  assert next(stream).choices[0].text is not None
+  gate = threading.Event()
+  held = second.engine_loop.call(lambda e: gate.wait(60))
+  summary = []
+  stopper = threading.Thread(target=lambda: summary.append(second.stop_in_thread(0)))
+  stopper.start()
+  try:
+    with pytest.raises(openai.APIError) as e:  # the SSE error event once the grace period is over
+      for _ in stream:
+        pass
+  finally:
+    gate.set()
+  assert "shut down before it finished (grace period 0 s)" in e.value.message
+  held.result(60)
+  stopper.join(60)
+  assert summary == [{"in_flight": 1, "finished": 0, "aborted": 1}]

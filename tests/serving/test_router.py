@@ -38,7 +38,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def processes(model_dir):
   """The module's workers, started at once: two alike, and one whose admission limit
-  (--max-waiting-tokens 1) refuses every prompt of more than one token."""
+  (--max-waiting-tokens 1) refuses every prompt of more than one token. The first test's
+  setup carries their start (over 30 s on two cores): each process loads the model and warms
+  up, compiling every step bucket; starting them at once overlaps that."""
   procs = [JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS) for _ in range(2)]
   procs.append(JaxinferProcess("serve", "--model", str(model_dir), "--port", "0", *WORKER_FLAGS,
                                "--max-waiting-tokens", "1"))
@@ -86,6 +88,30 @@ def total(text, name):
   return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
+def index_caught_up(router, workers, timeout=60.0) -> bool:
+  """Waits until the router's KV index holds every event each worker has published so far:
+  a worker's snapshot names its latest event batch (it publishes what is pending first), and
+  the router's jaxinfer_router_kv_event_batch gauge names the batch it folded in last. The
+  timeout only bounds a failure."""
+  from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
+  from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
+  for w in workers:
+    with grpc.insecure_channel(w.address) as channel:
+      call = kv_pb_grpc.KVEventsStub(channel).WatchKVEvents(kv_pb.WatchKVEventsRequest())
+      seq = next(call).snapshot.seq
+      call.cancel()
+    name = f'jaxinfer_router_kv_event_batch{{worker="{w.address}"}}'
+    if not wait_for(lambda: total(router.metrics_text(), name) >= seq, timeout):
+      return False
+  return True
+
+
+# The route process's tie-break generator is seeded (RouterBackend seed 0): its draws among
+# two idle workers are np.random.default_rng(0).integers(2) = 1 1 1 0 0 0 0 0 0 1 1 1 for 12
+# requests, so the second listed worker gets 6 of 12 tied requests.
+TIES_TO_SECOND_OF_12 = 6
+
+
 PROMPTS = ["Hello there", [5, 6, 7, 8, 9, 10, 11, 12, 13], [{"role": "user", "content": "Hi, who are you?"}]]
 
 
@@ -124,11 +150,11 @@ def test_openai_http_through_the_router(router, workers):
   assert r.json()["choices"][0]["text"] == direct.text
 
 
-def test_shared_prefix_lands_on_the_worker_that_holds_it(rc, router):
+def test_shared_prefix_lands_on_the_worker_that_holds_it(rc, router, workers):
   prefix = list(range(60, 100))  # 40 tokens = 10 blocks, seen by no other test
   first = rc.generate(prefix + [200], max_tokens=2, temperature=0)
   assert first.usage.cached_tokens == 0
-  time.sleep(1.0)  # the holder's KV events reach the router's index
+  assert index_caught_up(router, workers)  # the holder's KV events are in the router's index
   before = router.metrics_text()
   cached = []
   for i in range(6):  # a coin flip each if routing ignored the cache: 1/64 to pass by luck
@@ -281,13 +307,13 @@ def test_a_request_whose_worker_fails_before_its_first_token_is_retried_elsewher
   p = route(model_dir, [workers[0].address, fake.address]).wait()
   try:
     with Client(p.address, timeout=60) as c:
-      for i in range(12):  # idle workers tie: a coin flip each, and the fake is up again after a health check
+      for i in range(12):  # idle workers tie (a seeded draw each) once a health check has the fake up again
+        assert wait_for(lambda: total(p.metrics_text(), f'jaxinfer_router_worker_up{{worker="{fake.address}"}}') == 1)
         assert len(c.generate([50 + i, 51, 52], max_tokens=2, ignore_eos=True).token_ids) == 2
-        time.sleep(0.4)
     text = p.metrics_text()
     retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{fake.address}"}}')
     routed_fake = total(text, f'jaxinfer_router_routed_requests_total{{role="both",worker="{fake.address}"}}')
-    assert retried == routed_fake >= 1  # every request the fake got was served by the other worker
+    assert retried == routed_fake == TIES_TO_SECOND_OF_12  # every request the fake got was served by the other
   finally:
     p.stop()
     fake.stop()
@@ -303,12 +329,12 @@ def test_a_worker_that_refuses_before_the_first_token_is_retried_elsewhere(model
   try:
     p.wait()
     with Client(p.address, timeout=60) as c:
-      for i in range(12):  # idle workers, no shared full block: a coin flip each, 1/4096 never busy
+      for i in range(12):  # idle workers, no shared full block: a tie each, drawn by the seeded generator
         assert len(c.generate([60 + i, 61, 62], max_tokens=2, ignore_eos=True).token_ids) == 2
     text = p.metrics_text()
     retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{busy.address}"}}')
     routed_busy = total(text, f'jaxinfer_router_routed_requests_total{{role="both",worker="{busy.address}"}}')
-    assert retried == routed_busy >= 1
+    assert retried == routed_busy == TIES_TO_SECOND_OF_12
     assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
     alone.wait()
     with Client(alone.address, timeout=60) as c, pytest.raises(grpc.RpcError) as e:
@@ -341,7 +367,7 @@ def test_workers_join_and_leave_while_the_router_runs(model_dir, workers, tmp_pa
       stream = c.stream([51, 52], max_tokens=1500, temperature=0, ignore_eos=True)
       first = next(stream)
       assert metric("jaxinfer_router_routed_requests_total", a) == 2
-      time.sleep(0.5)  # a's KV events of the prefix reach the index
+      assert index_caught_up(p, [a])  # a's KV events of the prefix are in the index
       listing.write_text(f"{b.address}\n")
       assert wait_for(lambda: metric("jaxinfer_router_worker_up", b) == 1, 30), p.tail()
       assert metric("jaxinfer_router_worker_up", a) == 0

@@ -5,8 +5,6 @@ and worker flags of test_router.py (pages of 4 tokens).
 
 The test that kills a prefill worker runs last (file order)."""
 
-import time
-
 import grpc
 import pytest
 
@@ -17,7 +15,7 @@ from jaxinfer.serving.proto import inference_pb2 as pb
 from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.server import PREFILL_WORKER_METADATA
 from jaxinfer.serving.process import JaxinferProcess
-from test_router import PAGE, WORKER_FLAGS, FakeWorker, free_port, total
+from test_router import PAGE, TIES_TO_SECOND_OF_12, WORKER_FLAGS, FakeWorker, free_port, index_caught_up, total
 
 
 def route(model_dir, prefill, decode, *args):
@@ -36,7 +34,8 @@ def processes(model_dir):
   beforehand, so the decode workers can name them): two prefill workers and a decode
   worker taking KV from both; a prefill worker whose admission limit
   (--max-waiting-tokens 1) refuses every prompt, and a decode worker taking KV from it
-  and the first."""
+  and the first. The first test's setup carries their start (over 30 s on two cores): each
+  process loads the model and warms up, compiling every step bucket."""
   ports = [free_port() for _ in range(3)]
   p0, p1, pbusy = (f"127.0.0.1:{port}" for port in ports)
   procs = [serve(model_dir, "prefill", port=ports[0]), serve(model_dir, "prefill", port=ports[1]),
@@ -112,7 +111,7 @@ def test_shared_prefix_goes_to_the_prefill_worker_that_holds_it(router2, prefill
   prefix = list(range(60, 100))  # 40 tokens = 10 blocks, seen by no other test
   with Client(router2.address, timeout=120) as c:
     c.generate(prefix + [200], max_tokens=2, temperature=0)
-    time.sleep(1.0)  # the holder's KV events reach the router's index
+    assert index_caught_up(router2, prefills)  # the holder's KV events are in the router's index
     text = router2.metrics_text()
     routed = [total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{w.address}"}}')
               for w in prefills]
@@ -241,12 +240,12 @@ def test_a_prefill_worker_that_refuses_is_retried_on_another(model_dir, prefills
   p = route(model_dir, [prefills[0].address, busy.address], [dec.address]).wait()
   try:
     with Client(p.address, timeout=60) as c:
-      for i in range(12):  # idle prefill workers, no shared full block: a coin flip each
+      for i in range(12):  # idle prefill workers, no shared full block: a tie each, drawn by the seeded generator
         assert len(c.generate([80 + i, 81, 82], max_tokens=2, ignore_eos=True).token_ids) == 2
     text = p.metrics_text()
     retried = total(text, f'jaxinfer_router_retried_requests_total{{worker="{busy.address}"}}')
     routed_busy = total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{busy.address}"}}')
-    assert retried == routed_busy >= 1
+    assert retried == routed_busy == TIES_TO_SECOND_OF_12
     assert total(text, f'jaxinfer_router_routed_requests_total{{role="prefill",worker="{prefills[0].address}"}}') == 12
     assert total(text, f'jaxinfer_router_worker_up{{worker="{busy.address}"}}') == 1
   finally:
@@ -274,7 +273,8 @@ def test_a_dead_prefill_worker_is_routed_around(model_dir, router2, prefills, de
       # from a check, so its first request with the prefix goes to the dead holder.
       blind = route(model_dir, [w.address for w in prefills], [decode.address], "--health-interval", "60")
       blind.wait()
-      time.sleep(1.0)  # the holder's blocks reach both indexes: the next request would go there
+      # The holder's blocks are in both indexes: the next request would go there.
+      assert index_caught_up(router2, prefills) and index_caught_up(blind, prefills)
       prefills[holder].proc.kill()
       prefills[holder].proc.wait(30)
       for i in range(4):

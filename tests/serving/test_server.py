@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from helpers import FailingTokenizer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.serving import Client, InferenceServer, ServerConfig
 from jaxinfer.serving.client import GenerateResult
@@ -176,38 +177,38 @@ def test_invalid_input_gets_invalid_argument_while_other_streams_go_on(server, c
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
     assert message in e.value.details()
   # No prompt at all, and an empty chat: built by hand (the client would not send them).
-  stub = client._stub
-  for request, message in [(pb.GenerateRequest(), "prompt: set one of text, token_ids, chat"),
-                           (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty")]:
-    with pytest.raises(grpc.RpcError) as e:
-      list(stub.Generate(request))
-    assert (e.value.code(), message in e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+  from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    stub = pb_grpc.InferenceStub(channel)
+    for request, message in [(pb.GenerateRequest(), "prompt: set one of text, token_ids, chat"),
+                             (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty")]:
+      with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request))
+      assert (e.value.code(), message in e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, True)
   rest = list(background)
   assert list(first.token_ids) + [t for d in rest for t in d.token_ids] == want.token_ids
   assert pool_is_full(server)
 
 
 def test_a_failure_inside_one_request_is_internal_for_it_only(server, client, reference):
+  """The poisoned request's detokenizer raises (helpers.FailingTokenizer, armed only once
+  the healthy request is in the engine): INTERNAL for it, the healthy stream goes on."""
   engine = server.llm.engine
-  real_append = engine._append
-
-  def append(req, *args):
-    if req.prompt_token_ids[0] == 13:  # the poisoned request
-      raise RuntimeError("boom")
-    real_append(req, *args)
-
+  tok = FailingTokenizer(engine.tokenizer)
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-  engine._append = append
+  engine.tokenizer = tok
   try:
     healthy = client.stream([11, 12], temperature=0, max_tokens=40, ignore_eos=True)
-    first = next(healthy)
+    first = next(healthy)  # its detokenizer is made: arming now reaches only the next request
+    tok.armed = True
     with pytest.raises(grpc.RpcError) as e:
       client.generate([13, 14], temperature=0, max_tokens=40)
+    tok.armed = False
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert "failed in the engine: RuntimeError: boom" in e.value.details()
     rest = list(healthy)
   finally:
-    engine._append = real_append
+    engine.tokenizer = tok.tokenizer
   assert list(first.token_ids) + [t for d in rest for t in d.token_ids] == want.token_ids
   assert pool_is_full(server)
 
