@@ -168,3 +168,32 @@ def test_unsupported_operands_raise():
     kernel(**make_batch(rng, [(1, 20)], page_size=16, Hq=4, Hkv=2, D=64, dtype=jnp.bfloat16),
            block_sizes=BlockSizes(pages_per_block=1))
   assert unsupported_reason((1, 32, 128), (9, 16, 8, 128), jnp.bfloat16) is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile the kernel for real")
+@pytest.mark.parametrize("page_size,Hq,Hkv,D,block_sizes,options", [
+    (16, 32, 8, 128, BlockSizes(), {}),                       # the 8B decode benchmark's shapes
+    (64, 32, 8, 128, BlockSizes(num_stages=3), {}),
+    (16, 32, 8, 128, BlockSizes(pages_per_block=8, num_stages=2), {}),
+    (32, 8, 8, 64, BlockSizes(), {"sliding_window": 128, "soft_cap": 30.0}),
+    (16, 64, 8, 64, BlockSizes(), {"sinks": True}),
+])
+def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, options):
+  """Pallas -> Mosaic GPU lowering for CUDA (sm_90, what Mosaic GPU assumes with no GPU present).
+
+  Interpret mode never builds the Mosaic GPU IR: layout and lowering errors
+  (a register layout wgmma cannot take, an op with no lowering) surface only
+  here or on a GPU. What follows the lowering (Mosaic GPU's passes, ptxas)
+  runs only on a GPU (scripts/gpu_mosaic_check.sh).
+  """
+  import jax
+  T, S, P, N = 256, 128, 64, 2048
+  sds = jax.ShapeDtypeStruct
+  args = (sds((T, Hq, D), jnp.bfloat16), sds((N, page_size, Hkv, D), jnp.bfloat16),
+          sds((N, page_size, Hkv, D), jnp.bfloat16), sds((S,), jnp.int32), sds((S, P), jnp.int32),
+          sds((S + 1,), jnp.int32), sds((), jnp.int32))
+  sinks = sds((Hq,), jnp.float32) if options.pop("sinks", False) else None
+  fn = jax.jit(lambda *a, sinks: ragged_paged_attention_mgpu(*a, sinks=sinks, block_sizes=block_sizes,
+                                                             **options))
+  text = fn.trace(*args, sinks=sinks).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
