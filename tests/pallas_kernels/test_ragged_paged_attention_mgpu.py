@@ -197,3 +197,21 @@ def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, optio
                                                              **options))
   text = fn.trace(*args, sinks=sinks).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_ops_dispatch_takes_the_mosaic_kernel_where_it_covers_the_operands():
+  """jaxinfer.ops with impl 'mosaic(_interpret)': this kernel for a bf16 cache, the Triton one for the rest."""
+  from jaxinfer import ops
+  from pallas_kernels import ragged_paged_attention
+  impl = "mosaic" if ON_GPU else "mosaic_interpret"
+  rng = np.random.default_rng(2)
+  seqs = [(1, 20), (2, 40)]
+  batch = make_batch(rng, seqs, page_size=16, Hq=8, Hkv=2, D=64, dtype=jnp.bfloat16)
+  got = ops.ragged_paged_attention(**batch, impl=impl)
+  real = int(batch["cu_q_lens"][int(batch["num_seqs"])])
+  np.testing.assert_array_equal(np.asarray(got[:real], np.float32),
+                                np.asarray(kernel(**batch)[:real], np.float32))
+  batch = make_batch(rng, seqs, page_size=16, Hq=8, Hkv=2, D=64, dtype=jnp.float32)  # not covered
+  got = ops.ragged_paged_attention(**batch, impl=impl)
+  np.testing.assert_array_equal(np.asarray(got[:real]), np.asarray(
+      ragged_paged_attention(**batch, interpret=INTERPRET)[:real]))
