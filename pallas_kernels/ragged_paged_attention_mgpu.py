@@ -97,13 +97,20 @@ class BlockSizes:
   pages_per_block: pages per KV step; block_kv = pages_per_block * page_size
     keys must be a multiple of 64 and <= 256. None: 64 keys (one page if the
     page is longer).
-  num_stages: shared-memory slots for K and V tiles (>= 2); num_stages - 1
-    steps are in flight while one computes. Shared memory per program is
-    about num_stages * 2 * block_kv * D * 2 B + 40 KiB at D = 128 (2 stages:
-    104 KiB, two programs per H100/H200 SM).
+  num_stages: shared-memory slots for K and V tiles (>= 2). Shared memory per
+    program is about num_stages * 2 * block_kv * D * 2 B + 40 KiB at D = 128
+    (2 stages: 104 KiB, two programs per H100/H200 SM).
+  warp_specialized: False: one warpgroup computes and, after each step,
+    refills the slot it has just used (num_stages - 1 steps in flight while it
+    computes; the page ids' global loads sit on its path). True: a second,
+    producer warpgroup issues every copy and refills a slot as soon as the
+    consumer warpgroup arrives on that slot's `consumed` barrier (all
+    num_stages slots in flight; FlashAttention-3, Shah et al. 2024, Section
+    3.1, producer-consumer warp specialization).
   """
   pages_per_block: int | None = None
   num_stages: int = 2
+  warp_specialized: bool = False
 
   def __post_init__(self):
     if self.pages_per_block is not None and self.pages_per_block < 1:
@@ -146,15 +153,19 @@ def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False) 
 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
                 sink_rows_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
-                q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar, sink_bar, *,
-                sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-                pages_per_block: int, num_stages: int):
+                q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar, sink_bar,
+                consumed_bar, *, sm_scale: float, sliding_window: int | None,
+                soft_cap: float | None, pages_per_block: int, num_stages: int,
+                warp_specialized: bool):
   """One q block (block_q tokens of one sequence) x one kv head.
 
   q_ref, o_ref [T, Hkv, G, D]; sink_rows_ref [Hkv, R] float32: row r of kv head
   h holds sinks[h * G + r % G] (-inf: none). Scratch: q_raw [R, D] untiled
   (q in, out out), q_smem [R, D] and p_smem [R, block_kv] swizzled, k_smem /
   v_smem [num_stages, block_kv, D] swizzled, sink_smem [R] float32.
+  consumed_bar [num_stages] (used when warp-specialized): the consumer
+  warpgroup arrives when it is done with a slot, the producer waits on it
+  before refilling the slot.
   """
   T, _, G, D = q_ref.shape
   N, page_size, _, _ = k_pages_ref.shape
@@ -185,16 +196,17 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     def token_ok(i):  # guarding T too keeps a malformed cu_q_lens from writing out of bounds
       return (t0 + i < q_end) & (t0 + i < T)
 
-    # Every copy and every stand-in arrival below is one arrival on its barrier.
-    for i in range(block_q):
-      @pl.when(token_ok(i))
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[t0 + i, h], q_raw.at[pl.ds(i * G, G)], q_bar)
+    def load_q():
+      """TMA the block's tokens (G rows each) and its rows' sinks; every copy or stand-in is one arrival."""
+      for i in range(block_q):
+        @pl.when(token_ok(i))
+        def _():
+          plgpu.copy_gmem_to_smem(q_ref.at[t0 + i, h], q_raw.at[pl.ds(i * G, G)], q_bar)
 
-      @pl.when(~token_ok(i))
-      def _():
-        plgpu.barrier_arrive(q_bar)
-    plgpu.copy_gmem_to_smem(sink_rows_ref.at[h], sink_smem, sink_bar)
+        @pl.when(~token_ok(i))
+        def _():
+          plgpu.barrier_arrive(q_bar)
+      plgpu.copy_gmem_to_smem(sink_rows_ref.at[h], sink_smem, sink_bar)
 
     def fetch(step, slot):
       """TMA the pages of KV step `step` (relative to kb0) into `slot`."""
@@ -215,78 +227,113 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           plgpu.barrier_arrive(k_bar.at[slot])
           plgpu.barrier_arrive(v_bar.at[slot])
 
-    for i in range(num_stages):
-      pl.when(i < n_steps)(functools.partial(fetch, i, i))
+    def fetch_first_steps():
+      for i in range(num_stages):
+        pl.when(i < n_steps)(functools.partial(fetch, i, i))
 
-    plgpu.barrier_wait(q_bar)
-    q_smem[...] = plgpu.load(q_raw, layout=plgpu.Layout.WGMMA)
-    plgpu.commit_smem()  # generic-proxy stores, then async-proxy (wgmma) reads
+    def produce():
+      """The producer warpgroup: refill each slot as soon as the consumer is done with it."""
+      fetch_first_steps()
 
-    layout = plgpu.Layout.WGMMA
-    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
-    q_pos = first_pos + lax.div(row, jnp.int32(G))  # row r is token r // G, head r % G
+      @pl.loop(num_stages, jnp.maximum(n_steps, num_stages))
+      def _(step):
+        slot = lax.rem(step, jnp.int32(num_stages))
+        plgpu.barrier_wait(consumed_bar.at[slot])
+        fetch(step, slot)
 
-    plgpu.barrier_wait(sink_bar)
-    m0 = plgpu.load(sink_smem, layout=layout.reduce(1))  # [R]
-    l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
-    acc0 = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), layout)
+      # Observe the consumer's last arrival on each slot too: every completed
+      # phase of a barrier is waited for (GPU interpret mode checks it).
+      @pl.loop(jnp.maximum(n_steps, num_stages), n_steps + num_stages)
+      def _(step):
+        plgpu.barrier_wait(consumed_bar.at[lax.rem(step, jnp.int32(num_stages))])
 
-    def kv_step(step, carry):
-      acc, m, l = carry
-      slot = lax.rem(step, jnp.int32(num_stages))
-      kv_pos = (kb0 + step) * block_kv + col  # [R, block_kv]
-      plgpu.barrier_wait(k_bar.at[slot])
+    def consume():
+      """The computing warpgroup (the only one without warp specialization)."""
+      load_q()
+      if not warp_specialized:
+        fetch_first_steps()
+      compute()
 
-      def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        return acc_ref[...]
+    def compute():
+      plgpu.barrier_wait(q_bar)
+      q_smem[...] = plgpu.load(q_raw, layout=plgpu.Layout.WGMMA)
+      plgpu.commit_smem()  # generic-proxy stores, then async-proxy (wgmma) reads
 
-      s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
-      if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-      visible = kv_pos <= q_pos
-      if sliding_window is not None:
-        visible &= kv_pos > q_pos - sliding_window
-      s = jnp.where(visible, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      # A row with no visible key yet keeps m = -inf: shifting by 0 gives p = 0, alpha = 0.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp(m - m_safe)
-      p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p_smem[...] = p.astype(dtype)
+      layout = plgpu.Layout.WGMMA
+      row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
+      q_pos = first_pos + lax.div(row, jnp.int32(G))  # row r is token r // G, head r % G
 
-      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_wait(sink_bar)
+      m0 = plgpu.load(sink_smem, layout=layout.reduce(1))  # [R]
+      l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
+      acc0 = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), layout)
 
-      @pl.when((kb0 + step + 1) * block_kv > kv_stop)
-      def _():  # the block's last step: V rows past kv_stop (past kv_len, or not fetched) become 0
-        v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
-        v = v_smem.at[slot][...]
-        v_smem.at[slot][...] = jnp.where((kb0 + step) * block_kv + v_row < kv_stop, v,
-                                         jnp.zeros_like(v))
+      def kv_step(step, carry):
+        acc, m, l = carry
+        slot = lax.rem(step, jnp.int32(num_stages))
+        kv_pos = (kb0 + step) * block_kv + col  # [R, block_kv]
+        plgpu.barrier_wait(k_bar.at[slot])
 
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          return acc_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
+        if soft_cap is not None:
+          s = soft_cap * jnp.tanh(s / soft_cap)
+        visible = kv_pos <= q_pos
+        if sliding_window is not None:
+          visible &= kv_pos > q_pos - sliding_window
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # A row with no visible key yet keeps m = -inf: shifting by 0 gives p = 0, alpha = 0.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p_smem[...] = p.astype(dtype)
+
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        @pl.when((kb0 + step + 1) * block_kv > kv_stop)
+        def _():  # the block's last step: V rows past kv_stop (past kv_len, or not fetched) become 0
+          v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
+          v = v_smem.at[slot][...]
+          v_smem.at[slot][...] = jnp.where((kb0 + step) * block_kv + v_row < kv_stop, v,
+                                           jnp.zeros_like(v))
+
+        plgpu.commit_smem()
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(values, plgpu.ACC((ROWS, D), jnp.float32))
+        # The slot's wgmmas are done (their results were read): refill it, or let the producer.
+        if warp_specialized:
+          plgpu.barrier_arrive(consumed_bar.at[slot])
+        else:
+          pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
+        return acc, m_new, l
+
+      acc, _, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
+      out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+      q_raw[...] = out.astype(dtype)
       plgpu.commit_smem()
+      for i in range(block_q):
+        @pl.when(token_ok(i))
+        def _():
+          plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(i * G, G)], o_ref.at[t0 + i, h])
+      plgpu.wait_smem_to_gmem(0)
 
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-        return acc_ref[...]
-
-      acc = acc + pl.run_scoped(values, plgpu.ACC((ROWS, D), jnp.float32))
-      # The slot's wgmmas are done (their results were read): refill it.
-      pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
-      return acc, m_new, l
-
-    acc, _, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
-    out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
-    q_raw[...] = out.astype(dtype)
-    plgpu.commit_smem()
-    for i in range(block_q):
-      @pl.when(token_ok(i))
-      def _():
-        plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(i * G, G)], o_ref.at[t0 + i, h])
-    plgpu.wait_smem_to_gmem(0)
+    if warp_specialized:
+      wg = lax.axis_index("wg")
+      pl.when(wg == 0)(consume)
+      pl.when(wg == 1)(produce)
+    else:
+      consume()
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
@@ -347,16 +394,20 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
       plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=bs.num_stages),  # k_bar
       plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=bs.num_stages),  # v_bar
       plgpu.Barrier(num_arrivals=1),  # sink_bar
+      plgpu.Barrier(num_arrivals=1, num_barriers=bs.num_stages),  # consumed_bar
   ]
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(D ** -0.5 if sm_scale is None else sm_scale),
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-      pages_per_block=bs.pages_per_block, num_stages=bs.num_stages)
+      pages_per_block=bs.pages_per_block, num_stages=bs.num_stages,
+      warp_specialized=bs.warp_specialized)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((T, Hkv, G, D), dtype),
       grid=(num_blocks, Hkv),
       grid_names=("b", "h"),
+      num_threads=2 if bs.warp_specialized else None,
+      thread_name="wg" if bs.warp_specialized else None,
       scratch_types=scratch,
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),

@@ -80,19 +80,24 @@ def test_decode_batches(page_size, Hq, Hkv, D):
 MIXED = [(1, 1), (2, 40), (4, 77), (37, 37), (1, 200), (20, 81)]
 
 
-@pytest.mark.parametrize("page_size,Hq,Hkv,dtype", [
-    (16, 8, 2, jnp.bfloat16),   # G = 4: 16 tokens per q block
-    (32, 2, 2, jnp.float16),    # G = 1: 64 tokens per q block
+@pytest.mark.parametrize("page_size,Hq,Hkv,dtype,block_sizes", [
+    (16, 8, 2, jnp.bfloat16, None),   # G = 4: 16 tokens per q block
+    (32, 2, 2, jnp.float16, None),    # G = 1: 64 tokens per q block
+    (16, 8, 2, jnp.bfloat16, BlockSizes(warp_specialized=True)),
 ])
-def test_mixed_decode_verify_prefill_batch(page_size, Hq, Hkv, dtype):
+def test_mixed_decode_verify_prefill_batch(page_size, Hq, Hkv, dtype, block_sizes):
   rng = np.random.default_rng(page_size * Hq)
-  check(make_batch(rng, MIXED, page_size=page_size, Hq=Hq, Hkv=Hkv, D=64, dtype=dtype), dtype)
+  check(make_batch(rng, MIXED, page_size=page_size, Hq=Hq, Hkv=Hkv, D=64, dtype=dtype), dtype,
+        block_sizes=block_sizes)
 
 
 @pytest.mark.parametrize("page_size,block_sizes", [
     (16, BlockSizes(pages_per_block=8, num_stages=3)),   # 128 keys per step, 8 TMA copies per barrier
     (64, BlockSizes(num_stages=4)),                      # one page per step, more slots than steps
     (8, BlockSizes(pages_per_block=32)),                 # 256 keys (the largest step), tiny pages
+    # A producer warpgroup issues the copies; a sequence of 1 key and one of 300 (5 steps, 2 slots).
+    (16, BlockSizes(warp_specialized=True)),
+    (64, BlockSizes(num_stages=3, warp_specialized=True)),
 ])
 def test_block_sizes(page_size, block_sizes):
   rng = np.random.default_rng(page_size)
@@ -101,13 +106,18 @@ def test_block_sizes(page_size, block_sizes):
         block_sizes=block_sizes)
 
 
-@pytest.mark.parametrize("sliding_window,soft_cap", [(7, None), (None, 5.0), (40, 20.0), (1, None)])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+@pytest.mark.parametrize("sliding_window,soft_cap,block_sizes", [
+    (7, None, None), (None, 5.0, None), (40, 20.0, BlockSizes(warp_specialized=True)),
+    # The window's first step starts past step 0 (kb0 > 0), with the producer counting from it.
+    (1, None, BlockSizes(warp_specialized=True)),
+])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap, block_sizes):
   rng = np.random.default_rng(11)
   batch = make_batch(rng, [(1, 90), (3, 50), (30, 60), (1, 200)], page_size=16, Hq=8, Hkv=2, D=64,
                      dtype=jnp.bfloat16)
   batch["q"] = batch["q"] * 4  # larger logits, so the cap bends them
-  check(batch, sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.2)
+  check(batch, sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.2,
+        block_sizes=block_sizes)
 
 
 def test_attention_sinks():
@@ -177,6 +187,8 @@ def test_unsupported_operands_raise():
     (16, 32, 8, 128, BlockSizes(pages_per_block=8, num_stages=2), {}),
     (32, 8, 8, 64, BlockSizes(), {"sliding_window": 128, "soft_cap": 30.0}),
     (16, 64, 8, 64, BlockSizes(), {"sinks": True}),
+    (16, 32, 8, 128, BlockSizes(warp_specialized=True), {}),
+    (64, 32, 8, 128, BlockSizes(num_stages=4, warp_specialized=True), {"sliding_window": 512}),
 ])
 def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, options):
   """Pallas -> Mosaic GPU lowering for CUDA (sm_90, what Mosaic GPU assumes with no GPU present).
