@@ -12,7 +12,9 @@ paged batches, timing and copy ceiling):
      warpgroup, 'mosaic_ws' with a producer warpgroup), each checked against
      the XLA reference first. Achieved bandwidth = bytes of K and V the
      sequences own (each key once per kv head) / time, and its % of the copy
-     bandwidth;
+     bandwidth. At the first page size of each shape also
+     jax.nn.dot_product_attention over the same K/V laid out densely (cuDNN
+     where it runs), the issue's other yardstick;
   3. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
      specialization) on one decode shape.
 The JSON is rewritten after every case, so a run cut short by its time limit
@@ -53,7 +55,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax
 import numpy as np
 
-from bench_kernels import FULL, SMOKE, ceilings, git_commit, has_gpu, kv_bytes, max_err, paged_batch, time_us
+from bench_kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, git_commit, has_gpu,
+                           kv_bytes, max_err, paged_batch, time_us)
 from jaxinfer.ops import ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
@@ -77,12 +80,12 @@ SMOKE_CASES = Cases(heads=(8, 2, 64), decode=((3, 40),), page_sizes=(16,), sweep
                     sweep=(BlockSizes(num_stages=3, warp_specialized=True),))
 
 
-def decode_row(name, fn, batch, want, nbytes, ceil, shapes, extra) -> dict:
-  """Check fn against the reference, then time it; an exception becomes the row's error."""
+def decode_row(name, call, want, nbytes, ceil, shapes, extra) -> dict:
+  """Check call() against the reference, then time it; an exception becomes the row's error."""
   row = {"impl": name, **extra}
   try:
-    row["max_abs_err_vs_xla_reference"] = max_err(jax.block_until_ready(fn(**batch)), want)
-    us = time_us(fn, *batch.values(), shapes=shapes)
+    row["max_abs_err_vs_xla_reference"] = max_err(jax.block_until_ready(call()), want)
+    us = time_us(call, shapes=shapes)
   except Exception as e:  # a kernel that fails to compile or run is a result, not the end of the run
     row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
     return row
@@ -127,14 +130,24 @@ def main(argv=None) -> int:
     return jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
                                      block_sizes=block_sizes))
 
-  def run(B, kv_len, page_size, impls):
+  def run(B, kv_len, page_size, impls, dense=False):
     batch = paged_batch(rng, ((B, 1, kv_len),), page_size, Hq, Hkv, D)
     nbytes = kv_bytes(batch)
     want = jax.block_until_ready(xla(**batch))
+    calls = [(name, functools.partial(fn, **batch), want, extra) for name, fn, extra in impls]
+    if dense:
+      k, v = dense_from_pages(batch)
+      q = batch["q"].reshape(B, 1, Hq, D)
+      try:
+        impl, fn, _, notes = best_sdpa(q, k, v, is_causal=False, want=want.reshape(B, 1, Hq, D))
+        calls.append((f"sdpa_{impl}_dense", functools.partial(fn, q, k, v), want.reshape(q.shape),
+                      {"notes": notes}))
+      except RuntimeError as e:  # neither cuDNN nor XLA: recorded in the log, the run goes on
+        print(f"dense attention: {e}")
     case = {"section": "decode", "B": B, "kv_len": kv_len, "page_size": page_size, "Hq": Hq,
             "Hkv": Hkv, "D": D, "dtype": "bfloat16", "kv_bytes": nbytes}
-    for name, fn, extra in impls:
-      row = {**case, **decode_row(name, fn, batch, want, nbytes, ceil, shapes, extra)}
+    for name, call, want_of_call, extra in calls:
+      row = {**case, **decode_row(name, call, want_of_call, nbytes, ceil, shapes, extra)}
       report["results"].append(row)
       save()
       shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
@@ -143,9 +156,10 @@ def main(argv=None) -> int:
             f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
   for B, kv_len in cases.decode:
-    for page_size in cases.page_sizes:
+    for i, page_size in enumerate(cases.page_sizes):
       run(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
-                                 ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})])
+                                 ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
+          dense=i == 0)
   B, kv_len, page_size = cases.sweep_shape
   run(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
                              for bs in cases.sweep])
