@@ -12,8 +12,9 @@ Shapes (legend, as in ragged_paged_attention.py):
   block_kv = pages_per_block * p keys per KV step.
 
 Work split. As in the Triton kernel, the wrapper numbers the q blocks (block_q
-consecutive tokens of one sequence) and the grid is (q block bound, Hkv); a
-program past the real q blocks returns at once. A program's q tile is its
+consecutive tokens of one sequence) and the grid is (q block bound, Hkv), or
+(q block bound, Hkv, kv_splits) with split-KV; a program past the real q
+blocks returns at once. A program's q tile is its
 block_q tokens x the G query heads of its kv head, [block_q * G, D] = [R, D]
 (GQA packing: each K/V page is read once per kv head, not G times). A decode
 row uses G of the 64 rows; the tensor cores idle on the rest, which costs
@@ -55,11 +56,13 @@ Covered: bf16 / f16 caches (q is cast to the cache dtype), any mix of decode,
 verify and prefill rows (ragged cu_q_lens; a prefill block reads only its
 causal range), GQA with G dividing 64, D a multiple of 64 up to 256, pages of
 >= 8 tokens with block_kv a multiple of 64 up to 256, sliding window, soft cap,
-sinks. Not covered (NotImplementedError; jaxinfer.ops falls back to the Triton
-kernel under 'auto'): quantized caches (k_scale / v_scale), float32 caches,
-other G, D and page sizes. Not done: split-KV (few long sequences leave SMs
-idle, as in the Triton kernel), warp specialization (a producer warpgroup
-issuing TMA while the consumer computes), P kept in registers.
+sinks; optionally a producer warpgroup (BlockSizes.warp_specialized) and
+split-KV (BlockSizes.kv_splits: each q block's KV range in C parts merged by
+log-sum-exp, so that few long sequences fill the SMs). Not covered
+(NotImplementedError; jaxinfer.ops 'mosaic' falls back to the Triton kernel):
+quantized caches (k_scale / v_scale), float32 caches, other G, D and page
+sizes. Not done: P kept in registers, a split count chosen per batch (the
+caller picks kv_splits statically).
 
 The scalar metadata (q block schedule, cu_q_lens, kv_lens, page ids) is read
 from global memory as scalars; a page id is read right before its copy is
@@ -107,16 +110,24 @@ class BlockSizes:
     consumer warpgroup arrives on that slot's `consumed` barrier (all
     num_stages slots in flight; FlashAttention-3, Shah et al. 2024, Section
     3.1, producer-consumer warp specialization).
+  kv_splits: C > 1 cuts each q block's KV range into C parts, one program
+    each (grid (q blocks, Hkv, C)), so that a few long sequences still fill
+    the SMs (flash-decoding); each part writes its normalised output and
+    log-sum-exp in float32 and a few XLA ops merge them. Needs G >= 4 (a
+    token's G log-sum-exps, 4 G bytes, are one TMA store of >= 16 bytes).
   """
   pages_per_block: int | None = None
   num_stages: int = 2
   warp_specialized: bool = False
+  kv_splits: int = 1
 
   def __post_init__(self):
     if self.pages_per_block is not None and self.pages_per_block < 1:
       raise ValueError(f"BlockSizes.pages_per_block={self.pages_per_block} must be >= 1")
     if self.num_stages < 2:
       raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 2")
+    if self.kv_splits < 1:
+      raise ValueError(f"BlockSizes.kv_splits={self.kv_splits} must be >= 1")
 
   def resolve(self, page_size: int) -> BlockSizes:
     ppb = self.pages_per_block or max(1, _DEFAULT_BLOCK_KV // page_size)
@@ -152,12 +163,16 @@ def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False) 
 
 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
-                sink_rows_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
-                q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar, sink_bar,
-                consumed_bar, *, sm_scale: float, sliding_window: int | None,
-                soft_cap: float | None, pages_per_block: int, num_stages: int,
-                warp_specialized: bool):
-  """One q block (block_q tokens of one sequence) x one kv head.
+                sink_rows_ref, q_ref, k_pages_ref, v_pages_ref, *refs, sm_scale: float,
+                sliding_window: int | None, soft_cap: float | None, pages_per_block: int,
+                num_stages: int, warp_specialized: bool, kv_splits: int):
+  """One q block (block_q tokens of one sequence) x one kv head (x one KV split).
+
+  refs: the outputs, then the scratch. One split: o_ref [T, Hkv, G, D] in the
+  cache dtype. kv_splits C > 1: o_ref [C, T, Hkv, G, D] float32, each split's
+  own softmax-normalised output, and lse_ref [C, T, Hkv, G] float32, its
+  log-sum-exp (-inf: no key); the wrapper merges them. Split c walks steps
+  [c * per, (c + 1) * per) of the block's KV range, per = ceil(steps / C).
 
   q_ref, o_ref [T, Hkv, G, D]; sink_rows_ref [Hkv, R] float32: row r of kv head
   h holds sinks[h * G + r % G] (-inf: none). Scratch: q_raw [R, D] untiled
@@ -165,8 +180,15 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   v_smem [num_stages, block_kv, D] swizzled, sink_smem [R] float32.
   consumed_bar [num_stages] (used when warp-specialized): the consumer
   warpgroup arrives when it is done with a slot, the producer waits on it
-  before refilling the slot.
+  before refilling the slot. With splits also o32_smem [R, D] and lse_smem [R]
+  float32, untiled.
   """
+  if kv_splits == 1:
+    (o_ref, q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar, sink_bar,
+     consumed_bar) = refs
+  else:
+    (o_ref, lse_ref, q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar,
+     sink_bar, consumed_bar, o32_smem, lse_smem) = refs
   T, _, G, D = q_ref.shape
   N, page_size, _, _ = k_pages_ref.shape
   P = page_indices_ref.shape[1]
@@ -175,6 +197,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   dtype = k_smem.dtype
   b = lax.axis_index("b")
   h = lax.axis_index("h")
+  c = lax.axis_index("c") if kv_splits > 1 else 0
   seq = block_seq_ref[b]
 
   @pl.when(seq >= 0)
@@ -190,8 +213,10 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     kv_stop = jnp.clip(last_pos + 1, 0, kv_len)
     kv_begin = (jnp.int32(0) if sliding_window is None
                 else jnp.maximum(first_pos - sliding_window + 1, 0))
-    kb0 = kv_begin // block_kv
-    n_steps = jnp.maximum(pl.cdiv(kv_stop, block_kv) - kb0, 0)
+    all_steps = jnp.maximum(pl.cdiv(kv_stop, block_kv) - kv_begin // block_kv, 0)
+    per_split = pl.cdiv(all_steps, kv_splits)
+    kb0 = kv_begin // block_kv + c * per_split  # this split's first KV block
+    n_steps = jnp.clip(all_steps - c * per_split, 0, per_split)
 
     def token_ok(i):  # guarding T too keeps a malformed cu_q_lens from writing out of bounds
       return (t0 + i < q_end) & (t0 + i < T)
@@ -206,7 +231,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
         @pl.when(~token_ok(i))
         def _():
           plgpu.barrier_arrive(q_bar)
-      plgpu.copy_gmem_to_smem(sink_rows_ref.at[h], sink_smem, sink_bar)
+      plgpu.copy_gmem_to_smem(sink_rows_ref.at[c, h], sink_smem, sink_bar)
 
     def fetch(step, slot):
       """TMA the pages of KV step `step` (relative to kb0) into `slot`."""
@@ -318,14 +343,23 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
         return acc, m_new, l
 
-      acc, _, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
+      acc, m, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
       out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
-      q_raw[...] = out.astype(dtype)
+      if kv_splits == 1:
+        q_raw[...] = out.astype(dtype)
+      else:
+        o32_smem[...] = out
+        # A row that saw no key (an empty split) gets -inf: weight 0 in the merge.
+        lse_smem[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
       plgpu.commit_smem()
       for i in range(block_q):
         @pl.when(token_ok(i))
         def _():
-          plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(i * G, G)], o_ref.at[t0 + i, h])
+          if kv_splits == 1:
+            plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(i * G, G)], o_ref.at[t0 + i, h])
+          else:
+            plgpu.copy_smem_to_gmem(o32_smem.at[pl.ds(i * G, G)], o_ref.at[c, t0 + i, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(i * G, G)], lse_ref.at[c, t0 + i, h])
       plgpu.wait_smem_to_gmem(0)
 
     if warp_specialized:
@@ -372,6 +406,9 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   if T == 0 or S == 0:
     return jnp.zeros_like(q)
   bs = (block_sizes or BlockSizes()).resolve(page_size)
+  if bs.kv_splits > 1 and G < 4:
+    raise NotImplementedError(f"kv_splits={bs.kv_splits} needs G = Hq / Hkv >= 4, got {G} "
+                              "(each token's G log-sum-exps leave in one TMA store of >= 16 bytes)")
   block_q = ROWS // G
   block_kv = bs.pages_per_block * page_size
   num_blocks = min(T, (T + S * (block_q - 1)) // block_q)
@@ -381,6 +418,9 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
                 else sinks.astype(jnp.float32))
   # Row r of kv head h's tile is query head h * G + r % G.
   sink_rows = jnp.tile(sink_heads.reshape(Hkv, G), (1, block_q))  # [Hkv, R]
+  # The sink is one logit of the whole softmax: only split 0 starts from it.
+  C = bs.kv_splits
+  sink_rows = jnp.concatenate([sink_rows[None], jnp.full((C - 1, Hkv, ROWS), -jnp.inf)])  # [C, Hkv, R]
 
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = [
@@ -396,16 +436,21 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
       plgpu.Barrier(num_arrivals=1),  # sink_bar
       plgpu.Barrier(num_arrivals=1, num_barriers=bs.num_stages),  # consumed_bar
   ]
+  out_type = jax.ShapeDtypeStruct((T, Hkv, G, D), dtype)
+  if C > 1:
+    scratch += [plgpu.SMEM((ROWS, D), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    out_type = (jax.ShapeDtypeStruct((C, T, Hkv, G, D), jnp.float32),
+                jax.ShapeDtypeStruct((C, T, Hkv, G), jnp.float32))
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(D ** -0.5 if sm_scale is None else sm_scale),
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       pages_per_block=bs.pages_per_block, num_stages=bs.num_stages,
-      warp_specialized=bs.warp_specialized)
+      warp_specialized=bs.warp_specialized, kv_splits=C)
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((T, Hkv, G, D), dtype),
-      grid=(num_blocks, Hkv),
-      grid_names=("b", "h"),
+      out_type=out_type,
+      grid=(num_blocks, Hkv) + ((C,) if C > 1 else ()),
+      grid_names=("b", "h") + (("c",) if C > 1 else ()),
       num_threads=2 if bs.warp_specialized else None,
       thread_name="wg" if bs.warp_specialized else None,
       scratch_types=scratch,
@@ -414,4 +459,19 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
       kernel_name=f"ragged_paged_attention_mgpu_q{block_q}_kv{block_kv}",
   )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, sink_rows,
     q.astype(dtype).reshape(T, Hkv, G, D), k_pages, v_pages)
+  if C > 1:
+    out = _merge_splits(*out)
   return out.reshape(T, Hq, D).astype(q.dtype)
+
+
+def _merge_splits(o, lse):
+  """o [C, ...rows, D], lse [C, ...rows] -> [...rows, D]: the softmax over all splits' keys.
+
+  Each split's output is normalised by its own sum exp(lse_c); the whole
+  softmax weighs split c by exp(lse_c - logsumexp_c' lse_c') (flash-decoding's
+  reduction). Rows with no key in any split come out 0.
+  """
+  top = jnp.max(lse, axis=0)
+  w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)[None])  # [C, ...rows]; 0 where -inf
+  total = w.sum(axis=0)
+  return (w[..., None] * o).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]

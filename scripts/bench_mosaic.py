@@ -15,7 +15,9 @@ paged batches, timing and copy ceiling):
      bandwidth. At the first page size of each shape also
      jax.nn.dot_product_attention over the same K/V laid out densely (cuDNN
      where it runs), the issue's other yardstick;
-  3. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
+  3. few long sequences (4 x 16k keys): the kernels without and with split-KV
+     (kv_splits 8: 4 x 8 kv heads = 32 programs become 256);
+  4. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
      specialization) on one decode shape.
 The JSON is rewritten after every case, so a run cut short by its time limit
 keeps what it measured. A case that fails (say the Mosaic kernel does not
@@ -29,7 +31,9 @@ TMA) and 65-85% at 64-token pages (16 KiB copies), with 2-3 stages best;
 below the 85% target because one warpgroup both computes and issues copies,
 so only num_stages - 1 steps are in flight while it computes, and p goes
 through shared memory; 'mosaic_ws' (all stages in flight, page-id loads off
-the compute path) 5-15 points above 'mosaic'. B = 64 x 8 kv heads = 512 programs fill 132 SMs ~4
+the compute path) 5-15 points above 'mosaic'. At 4 x 16k keys without
+splits (32 programs on 132 SMs) every kernel reads at <= 30%; split 8 ways,
+the Mosaic kernel 55-80%. B = 64 x 8 kv heads = 512 programs fill 132 SMs ~4
 times over; at B = 256 the tail matters less.
 
   python scripts/bench_mosaic.py --smoke     # CPU: tiny shapes, both kernels in interpret mode
@@ -69,15 +73,19 @@ class Cases:
   page_sizes: tuple[int, ...]
   sweep_shape: tuple[int, int, int]  # (B, kv_len, page_size)
   sweep: tuple[BlockSizes, ...]
+  long: tuple[int, int, int]  # (B, kv_len, page_size): few long sequences, split-KV
+  long_splits: int
 
 
 GPU_CASES = Cases(heads=(32, 8, 128), decode=((64, 2048), (256, 1024), (128, 4096)),
                   page_sizes=(16, 64), sweep_shape=(64, 2048, 16),
                   sweep=(BlockSizes(num_stages=3), BlockSizes(num_stages=3, warp_specialized=True),
                          BlockSizes(num_stages=4, warp_specialized=True),
-                         BlockSizes(pages_per_block=8, num_stages=2, warp_specialized=True)))
+                         BlockSizes(pages_per_block=8, num_stages=2, warp_specialized=True)),
+                  long=(4, 16384, 16), long_splits=8)
 SMOKE_CASES = Cases(heads=(8, 2, 64), decode=((3, 40),), page_sizes=(16,), sweep_shape=(2, 70, 16),
-                    sweep=(BlockSizes(num_stages=3, warp_specialized=True),))
+                    sweep=(BlockSizes(num_stages=3, warp_specialized=True),), long=(1, 300, 16),
+                    long_splits=3)
 
 
 def decode_row(name, call, want, nbytes, ceil, shapes, extra) -> dict:
@@ -160,6 +168,13 @@ def main(argv=None) -> int:
       run(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
                                  ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
           dense=i == 0)
+  B, kv_len, page_size = cases.long
+  C = cases.long_splits
+  run(B, kv_len, page_size, [
+      ("pallas", triton, {}), ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {}),
+      (f"mosaic_split{C}", mosaic(BlockSizes(kv_splits=C)), {}),
+      (f"mosaic_ws_split{C}", mosaic(BlockSizes(kv_splits=C, warp_specialized=True)), {})],
+      dense=True)
   B, kv_len, page_size = cases.sweep_shape
   run(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
                              for bs in cases.sweep])

@@ -134,6 +134,21 @@ def test_attention_sinks():
   assert np.abs(got[:real, -1]).mean() < 0.5 * np.abs(plain[:real, -1]).mean()
 
 
+@pytest.mark.parametrize("block_sizes,Hq,options", [
+    (BlockSizes(kv_splits=2), 8, {}),
+    (BlockSizes(kv_splits=8), 16, {}),  # G = 8; short sequences leave most splits empty
+    (BlockSizes(kv_splits=3, warp_specialized=True), 8, {"sliding_window": 200}),
+    # Sinks belong to one split only: counted in every split they would shrink every row.
+    (BlockSizes(kv_splits=4), 8, {"sinks": np.linspace(-3.0, 5.0, 8).astype(np.float32)}),
+])
+def test_kv_splits(block_sizes, Hq, options):
+  """Split-KV (flash-decoding): each q block's KV range in parts, merged by log-sum-exp."""
+  rng = np.random.default_rng(block_sizes.kv_splits)
+  seqs = [(1, 700), (1, 1), (1, 65), (3, 300), (12, 40)]
+  check(make_batch(rng, seqs, page_size=16, Hq=Hq, Hkv=2, D=64, dtype=jnp.bfloat16),
+        block_sizes=block_sizes, **options)
+
+
 def test_null_page_padding_rows():
   """The engine's padding: page 0 (NULL_PAGE) fills page tables, padding slots have kv_len 0.
 
@@ -177,6 +192,9 @@ def test_unsupported_operands_raise():
   with pytest.raises(NotImplementedError, match="multiple of 64"):
     kernel(**make_batch(rng, [(1, 20)], page_size=16, Hq=4, Hkv=2, D=64, dtype=jnp.bfloat16),
            block_sizes=BlockSizes(pages_per_block=1))
+  with pytest.raises(NotImplementedError, match="needs G = Hq / Hkv >= 4"):
+    kernel(**make_batch(rng, [(1, 20)], page_size=16, Hq=4, Hkv=2, D=64, dtype=jnp.bfloat16),
+           block_sizes=BlockSizes(kv_splits=2))
   assert unsupported_reason((1, 32, 128), (9, 16, 8, 128), jnp.bfloat16) is None
 
 
@@ -189,6 +207,7 @@ def test_unsupported_operands_raise():
     (16, 64, 8, 64, BlockSizes(), {"sinks": True}),
     (16, 32, 8, 128, BlockSizes(warp_specialized=True), {}),
     (64, 32, 8, 128, BlockSizes(num_stages=4, warp_specialized=True), {"sliding_window": 512}),
+    (16, 32, 8, 128, BlockSizes(kv_splits=8, warp_specialized=True), {"sinks": True}),
 ])
 def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, options):
   """Pallas -> Mosaic GPU lowering for CUDA (sm_90, what Mosaic GPU assumes with no GPU present).
