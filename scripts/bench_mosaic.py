@@ -163,11 +163,14 @@ def main(argv=None) -> int:
       print(f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {name:8} {extra or ''} {shown} "
             f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
-  for B, kv_len in cases.decode:
+  def decode_shape(B, kv_len):
     for i, page_size in enumerate(cases.page_sizes):
       run(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
                                  ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
           dense=i == 0)
+
+  # Most telling first (a time limit cuts the tail): the decode shape, then split-KV.
+  decode_shape(*cases.decode[0])
   B, kv_len, page_size = cases.long
   C = cases.long_splits
   run(B, kv_len, page_size, [
@@ -175,6 +178,8 @@ def main(argv=None) -> int:
       (f"mosaic_split{C}", mosaic(BlockSizes(kv_splits=C)), {}),
       (f"mosaic_ws_split{C}", mosaic(BlockSizes(kv_splits=C, warp_specialized=True)), {})],
       dense=True)
+  for B, kv_len in cases.decode[1:]:
+    decode_shape(B, kv_len)
   B, kv_len, page_size = cases.sweep_shape
   run(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
                              for bs in cases.sweep])
