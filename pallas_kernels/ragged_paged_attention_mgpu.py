@@ -14,15 +14,16 @@ Shapes (legend, as in ragged_paged_attention.py):
 Work split. As in the Triton kernel, the wrapper numbers the q blocks (block_q
 consecutive tokens of one sequence) and the grid is (q block bound, Hkv), or
 (q block bound, Hkv, kv_splits) with split-KV; a program past the real q
-blocks returns at once. A program's q tile is its
-block_q tokens x the G query heads of its kv head, [block_q * G, D] = [R, D]
+blocks returns at once. A program's q tile is its block_q tokens x the G
+query heads of its kv head, [block_q * G, D] = [R, D]
 (GQA packing: each K/V page is read once per kv head, not G times). A decode
 row uses G of the 64 rows; the tensor cores idle on the rest, which costs
 nothing measurable at decode, where the kernel waits on memory (a 64 x 64 x
 128 wgmma is ~0.1 us per SM, the 32 KiB of K and V behind it ~0.9 us at an
 H200's ~4.8 TB/s shared by 132 SMs).
 
-Pipeline. One warpgroup per program. K and V tiles live in `num_stages`
+Pipeline. One warpgroup per program by default (a second, producer one with
+BlockSizes.warp_specialized, below). K and V tiles live in `num_stages`
 shared-memory slots, [num_stages, block_kv, D] each, tiled (8, 64) and
 swizzled 128 B (the layout wgmma reads). Step i of the KV walk waits on slot
 i % num_stages, computes, and then refills the slot with step i + num_stages:
@@ -31,6 +32,10 @@ pages of a step arriving on one barrier (`num_arrivals = pages_per_block`).
 Pages past the block's causal limit are not fetched: the program arrives on
 the barrier in their place, so the barrier's count is static while the bytes
 are not. While a step computes, the next num_stages - 1 steps are in flight.
+With warp specialization the producer warpgroup issues every copy and
+refills a slot once the consumer arrives on that slot's `consumed` barrier,
+so all num_stages steps can be in flight and the page-id loads leave the
+compute path.
 
 Per step (FlashAttention-2, Dao 2023, Algorithm 1; scores in float32):
   s = q @ k^T (wgmma, q and K from shared memory) * sm_scale, soft-capped,
