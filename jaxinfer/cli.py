@@ -205,7 +205,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="schedule and pack step n+1 while the device runs step n (default: on) "
                       "(with --speculative-method mtp too; ngram drafts need each step's tokens on "
                       "the host, so those steps do not overlap)")
-  p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
+  p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret"],
                  help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
   p.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],
                  help="speculative decoding: ngram = prompt lookup, mtp = the model's MTP head (default: off)")

@@ -7,7 +7,14 @@ implementation (the engine passes `EngineConfig.attention_impl`):
                       only runs in interpret mode, an emulator for tests);
   'xla'               the XLA reference on any backend;
   'pallas'            the Pallas (Triton) kernel; GPU only;
-  'pallas_interpret'  the same kernel in Pallas interpret mode (CPU tests).
+  'pallas_interpret'  the same kernel in Pallas interpret mode (CPU tests);
+  'mosaic'            the Pallas Mosaic GPU ragged attention kernel
+                      (pallas_kernels/ragged_paged_attention_mgpu.py; jax >= 0.11,
+                      sm_90+ GPUs) for the operands it covers, the Triton kernel for
+                      the rest (quantized caches, other head / page sizes, MLA);
+  'mosaic_interpret'  the same choice in interpret mode (Mosaic GPU's on the CPU
+                      for the Mosaic kernel; needs jax >= 0.11).
+'auto' does not pick 'mosaic' yet: the kernel has not been measured on a GPU.
 
 Legend: T packed query tokens (of many sequences), S sequences, N pages,
 P pages per sequence, p page_size, H query heads, K kv heads,
@@ -29,7 +36,7 @@ from jaxinfer.indexing import take, values, values_dtype
 from jaxinfer.models.cache import dequantize_tokens
 from jaxinfer.quant import use_cpu_kernels
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 
 # Tiles of the XLA path. Keys per loop iteration: big enough that the loop
 # overhead is small on CPU, small enough that a decode batch's gathered chunk
@@ -52,9 +59,22 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   if impl == "auto":
     return "pallas" if backend == "gpu" else "xla"
-  if impl == "pallas" and backend != "gpu":
-    raise InvalidRequestError(f"attention_impl='pallas' compiles for GPU only (this backend is {backend!r}); "
-                     "use 'pallas_interpret' to run the kernel in interpret mode, or 'xla'")
+  if impl in ("pallas", "mosaic") and backend != "gpu":
+    raise InvalidRequestError(f"attention_impl={impl!r} compiles for GPU only (this backend is {backend!r}); "
+                     f"use '{impl}_interpret' to run the kernel in interpret mode, or 'xla'")
+  if impl.startswith("mosaic"):
+    from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
+    if not MOSAIC_AVAILABLE:
+      raise InvalidRequestError(f"attention_impl={impl!r} needs jax >= 0.11 (Mosaic GPU with interpret "
+                                f"mode); this is jax {jax.__version__}: use 'pallas' or 'pallas_interpret'")
+  if impl == "mosaic":  # TMA and wgmma: Hopper (sm_90) and newer
+    try:
+      cc = getattr(jax.devices("gpu")[0], "compute_capability", "9.0")
+    except RuntimeError:  # backend named by the caller, no GPU in this process: nothing to check
+      cc = "9.0"
+    if int(str(cc).split(".")[0]) < 9:
+      raise InvalidRequestError(f"attention_impl='mosaic' needs an sm_90+ GPU (this one is sm_{cc}); "
+                                "use 'pallas'")
   return impl
 
 
@@ -107,11 +127,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                       v_head_dim=v_head_dim, k_scale=k_scale, v_scale=v_scale)
   import pallas_kernels
   _check_v_head_dim(v_head_dim, v_pages)
-  # The kernel reads values: a CPU-stored (uint16 / uint8) cache only reaches it in interpret mode.
-  out = pallas_kernels.ragged_paged_attention(
-      q, values(k_pages), values(v_pages), kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-      sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-      interpret=impl == "pallas_interpret")
+  interpret = impl.endswith("_interpret")
+  # The kernels read values: a CPU-stored (uint16 / uint8) cache only reaches them in interpret mode.
+  k_values, v_values = values(k_pages), values(v_pages)
+  kernel = pallas_kernels.ragged_paged_attention
+  if impl.startswith("mosaic"):
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+    if mgpu.unsupported_reason(q.shape, k_values.shape, k_values.dtype,
+                               quantized=k_scale is not None) is None:
+      kernel = mgpu.ragged_paged_attention_mgpu
+  out = kernel(q, k_values, v_values, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+               sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+               v_scale=v_scale, interpret=interpret)
   return out if v_head_dim is None else out[..., :v_head_dim]
 
 
@@ -146,7 +173,7 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   import pallas_kernels
   return pallas_kernels.ragged_paged_mla(q_latent, q_rope, values(latent_pages), kv_lens, page_indices,
                                          cu_q_lens, num_seqs, sm_scale=sm_scale, latent_scale=latent_scale,
-                                         interpret=impl == "pallas_interpret")
+                                         interpret=impl.endswith("_interpret"))
 
 def _check_v_head_dim(v_head_dim, v_pages):
   if v_head_dim is not None and not 1 <= v_head_dim <= v_pages.shape[-1]:

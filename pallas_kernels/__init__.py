@@ -12,11 +12,16 @@
   Gumbel noise hashed in the kernel) for point-mass and full-q drafts
   (`spec_accept.py`). Not dispatched to by the engine yet.
 
-Both are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
+- `ragged_paged_attention_mgpu` (import it from its module; it runs under jax >= 0.11):
+  the ragged kernel on Pallas Mosaic GPU for Hopper, TMA + wgmma, tested in
+  Mosaic GPU interpret mode (`ragged_paged_attention_mgpu.py`).
+
+The others are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
 run on CPU with `interpret=True`, which is how the tests check them against
 their references. The model reaches the ragged kernels only through
 `jaxinfer.ops.ragged_paged_attention` / `jaxinfer.ops.ragged_paged_mla`
-(attention_impl 'pallas', the default on GPU, or 'pallas_interpret');
+(attention_impl 'pallas', the default on GPU, or 'pallas_interpret'; 'mosaic' /
+'mosaic_interpret' for the Mosaic GPU kernel);
 flash_attention is not dispatched to yet.
 """
 

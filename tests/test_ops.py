@@ -150,6 +150,17 @@ def test_auto_is_xla_on_cpu_and_pallas_on_gpu():
     ops.resolve_attention_impl("triton", "gpu")
 
 
+def test_mosaic_is_asked_for_explicitly_and_needs_jax_0_11():
+  from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
+  with pytest.raises(ValueError, match="'mosaic' compiles for GPU only"):
+    ops.resolve_attention_impl("mosaic", "cpu")
+  if MOSAIC_AVAILABLE:
+    assert ops.resolve_attention_impl("mosaic_interpret", "cpu") == "mosaic_interpret"
+  else:
+    with pytest.raises(ValueError, match="needs jax >= 0.11"):
+      ops.resolve_attention_impl("mosaic_interpret", "cpu")
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
   import jax.numpy as jnp
   rng = np.random.default_rng(0)

@@ -433,7 +433,7 @@ class ModelRunner:
                             static_argnums=(0,), donate_argnums=(2, 3))
     # Speculative batches of plain rows verify in the fused Pallas kernel (GPU attention only).
     self._can_fuse = (num_speculative_tokens > 0 and relaxed_acceptance is None
-                      and self.attention_impl in ("pallas", "pallas_interpret"))
+                      and self.attention_impl in ("pallas", "pallas_interpret", "mosaic", "mosaic_interpret"))
     # Loops over rows where XLA:CPU runs them in place, every row at once where a loop would
     # make the host wait (GPU): SamplerMode.rows_at_once.
     self.rows_at_once = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform != "cpu"
@@ -904,7 +904,7 @@ def _sample_and_accept(logits, batch: SamplerInputs, history, attention_impl, re
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sp.seed, sp.position)
     accepted, ids = spec_accept(logits.reshape(S, k + 1, V), batch.draft_ids, batch.num_drafts,
                                 sp.temperature.reshape(S, k + 1), keys.reshape(S, k + 1),
-                                interpret=attention_impl == "pallas_interpret")
+                                interpret=attention_impl.endswith("_interpret"))
     return (ids, accepted, *chosen_logprobs(logits.astype(jnp.float32), ids.reshape(L), mode.logprobs))
   ids, lp, top_ids, top_lp = sample(logits, sp, history["counts"], history["prompt"], batch.rows, batch.allowed,
                                     mode=mode)

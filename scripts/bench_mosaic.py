@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Decode attention: the Mosaic GPU ragged kernel against the Triton one, as K/V read bandwidth.
+
+Measured in one process, side by side (bench_kernels.py's helpers: the same
+paged batches, timing and copy ceiling):
+  1. ceiling: HBM bandwidth of a large device-to-device copy (bytes read +
+     written / time);
+  2. decode, Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16), q_len 1, pages
+     shuffled over the pool: for each (B sequences, kv_len keys, page size),
+     pallas_kernels.ragged_paged_attention (Triton, 'pallas') and
+     ragged_paged_attention_mgpu (Mosaic GPU, default tiles: 'mosaic' one
+     warpgroup, 'mosaic_ws' with a producer warpgroup), each checked against
+     the XLA reference first. Achieved bandwidth = bytes of K and V the
+     sequences own (each key once per kv head) / time, and its % of the copy
+     bandwidth. At the first page size of each shape also
+     jax.nn.dot_product_attention over the same K/V laid out densely (cuDNN
+     where it runs), the issue's other yardstick;
+  3. few long sequences (4 x 16k keys): the kernels without and with split-KV
+     (kv_splits 8: 4 x 8 kv heads = 32 programs become 256);
+  4. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
+     specialization) on one decode shape.
+The JSON is rewritten after every case, so a run cut short by its time limit
+keeps what it measured. A case that fails (say the Mosaic kernel does not
+compile) is recorded with its error and the run goes on.
+
+Expected on an H200 (before any run; no GPU was available when the kernel was
+written): the Triton kernel as in benchmarks/results/kernels-nvidia-h200-2026-11-27.json
+(~66% of copy bandwidth at 16-token pages, 46-50% at 64). The Mosaic kernel:
+55-75% at 16-token pages (one 4 KiB TMA copy per page and kv head, small for
+TMA) and 65-85% at 64-token pages (16 KiB copies), with 2-3 stages best;
+below the 85% target because one warpgroup both computes and issues copies,
+so only num_stages - 1 steps are in flight while it computes, and p goes
+through shared memory; 'mosaic_ws' (all stages in flight, page-id loads off
+the compute path) 5-15 points above 'mosaic'. At 4 x 16k keys without
+splits (32 programs on 132 SMs) every kernel reads at <= 30%; split 8 ways,
+the Mosaic kernel 55-80%. B = 64 x 8 kv heads = 512 programs fill 132 SMs ~4
+times over; at B = 256 the tail matters less.
+
+  python scripts/bench_mosaic.py --smoke     # CPU: tiny shapes, both kernels in interpret mode
+  python scripts/bench_mosaic.py --out $OUT/mosaic.json   # GPU (sm_90)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax
+import numpy as np
+
+from bench_kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, git_commit, has_gpu,
+                           kv_bytes, max_err, paged_batch, time_us)
+from jaxinfer.ops import ragged_paged_attention_xla
+from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Cases:
+  heads: tuple[int, int, int]  # Hq, Hkv, D
+  decode: tuple[tuple[int, int], ...]  # (B, kv_len)
+  page_sizes: tuple[int, ...]
+  sweep_shape: tuple[int, int, int]  # (B, kv_len, page_size)
+  sweep: tuple[BlockSizes, ...]
+  long: tuple[int, int, int]  # (B, kv_len, page_size): few long sequences, split-KV
+  long_splits: int
+
+
+GPU_CASES = Cases(heads=(32, 8, 128), decode=((64, 2048), (256, 1024), (128, 4096)),
+                  page_sizes=(16, 64), sweep_shape=(64, 2048, 16),
+                  sweep=(BlockSizes(num_stages=3), BlockSizes(num_stages=3, warp_specialized=True),
+                         BlockSizes(num_stages=4, warp_specialized=True),
+                         BlockSizes(pages_per_block=8, num_stages=2, warp_specialized=True)),
+                  long=(4, 16384, 16), long_splits=8)
+SMOKE_CASES = Cases(heads=(8, 2, 64), decode=((3, 40),), page_sizes=(16,), sweep_shape=(2, 70, 16),
+                    sweep=(BlockSizes(num_stages=3, warp_specialized=True),), long=(1, 300, 16),
+                    long_splits=3)
+
+
+def decode_row(name, call, want, nbytes, ceil, shapes, extra) -> dict:
+  """Check call() against the reference, then time it; an exception becomes the row's error."""
+  row = {"impl": name, **extra}
+  try:
+    row["max_abs_err_vs_xla_reference"] = max_err(jax.block_until_ready(call()), want)
+    us = time_us(call, shapes=shapes)
+  except Exception as e:  # a kernel that fails to compile or run is a result, not the end of the run
+    row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+    return row
+  gb_s = nbytes / us / 1e3
+  return {**row, "us": us, "gb_s": gb_s, "pct_of_copy_bw": 100 * gb_s / ceil["hbm_gb_s"]}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+  parser.add_argument("--out", type=Path, help="JSON path (default: a temporary file)")
+  parser.add_argument("--reps", type=int, default=None, help="timed runs per case (median)")
+  args = parser.parse_args(argv)
+  smoke = args.smoke or not has_gpu()
+  shapes = SMOKE if smoke else dataclasses.replace(FULL, copy_mib=512)
+  if args.reps:
+    shapes = dataclasses.replace(shapes, reps=args.reps)
+  cases = SMOKE_CASES if smoke else GPU_CASES
+  out = args.out or Path(tempfile.mkstemp(prefix="mosaic-", suffix=".json")[1])
+  out.parent.mkdir(parents=True, exist_ok=True)
+  device = jax.devices()[0]
+  report = {"benchmark": "mosaic_decode", "date": datetime.date.today().isoformat(),
+            "device": device.device_kind, "platform": device.platform, "smoke": smoke,
+            "jax_version": jax.__version__, "git_commit": git_commit(),
+            "command": [sys.executable, *sys.argv] if argv is None else ["bench_mosaic.py", *argv],
+            "cases": dataclasses.asdict(cases), "results": []}
+
+  def save():
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+  start = time.perf_counter()
+  report["ceilings"] = ceil = ceilings(dataclasses.replace(shapes, matmul_n=256))
+  print(f"copy {ceil['hbm_gb_s']:.0f} GB/s", flush=True)
+  save()
+  rng = np.random.default_rng(0)
+  Hq, Hkv, D = cases.heads
+  triton = jax.jit(functools.partial(ragged_paged_attention, interpret=smoke))
+  xla = jax.jit(ragged_paged_attention_xla)
+
+  def mosaic(block_sizes=None):
+    return jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
+                                     block_sizes=block_sizes))
+
+  def run(B, kv_len, page_size, impls, dense=False):
+    batch = paged_batch(rng, ((B, 1, kv_len),), page_size, Hq, Hkv, D)
+    nbytes = kv_bytes(batch)
+    want = jax.block_until_ready(xla(**batch))
+    calls = [(name, functools.partial(fn, **batch), want, extra) for name, fn, extra in impls]
+    if dense:
+      k, v = dense_from_pages(batch)
+      q = batch["q"].reshape(B, 1, Hq, D)
+      try:
+        impl, fn, _, notes = best_sdpa(q, k, v, is_causal=False, want=want.reshape(B, 1, Hq, D))
+        calls.append((f"sdpa_{impl}_dense", functools.partial(fn, q, k, v), want.reshape(q.shape),
+                      {"notes": notes}))
+      except RuntimeError as e:  # neither cuDNN nor XLA: recorded in the log, the run goes on
+        print(f"dense attention: {e}")
+    case = {"section": "decode", "B": B, "kv_len": kv_len, "page_size": page_size, "Hq": Hq,
+            "Hkv": Hkv, "D": D, "dtype": "bfloat16", "kv_bytes": nbytes}
+    for name, call, want_of_call, extra in calls:
+      row = {**case, **decode_row(name, call, want_of_call, nbytes, ceil, shapes, extra)}
+      report["results"].append(row)
+      save()
+      shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
+               if "us" in row else row["error"][:300])
+      print(f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {name:8} {extra or ''} {shown} "
+            f"[{time.perf_counter() - start:.0f} s]", flush=True)
+
+  def decode_shape(B, kv_len):
+    for i, page_size in enumerate(cases.page_sizes):
+      run(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
+                                 ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
+          dense=i == 0)
+
+  # Most telling first (a time limit cuts the tail): the issue's decode shape, then split-KV.
+  decode_shape(*cases.decode[0])
+  B, kv_len, page_size = cases.long
+  C = cases.long_splits
+  run(B, kv_len, page_size, [
+      ("pallas", triton, {}), ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {}),
+      (f"mosaic_split{C}", mosaic(BlockSizes(kv_splits=C)), {}),
+      (f"mosaic_ws_split{C}", mosaic(BlockSizes(kv_splits=C, warp_specialized=True)), {})],
+      dense=True)
+  for B, kv_len in cases.decode[1:]:
+    decode_shape(B, kv_len)
+  B, kv_len, page_size = cases.sweep_shape
+  run(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
+                             for bs in cases.sweep])
+  report["wall_s"] = time.perf_counter() - start
+  save()
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
