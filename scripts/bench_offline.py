@@ -371,6 +371,8 @@ def run_gpu_worker(spec: dict) -> dict:
   if spec.get("profile"):
     try:  # batch 1 (the prefill step and new - 1 decode steps): the lease is short, one trace
       profile["batch1"] = trace_device_time(lambda: run(prompts[:1]), new)
+      if spec.get("profile") == "all":  # and the big batch, over the steps its timed run took
+        profile["batch"] = trace_device_time(lambda: run(prompts), len(stamps))
     except Exception as e:  # a profiler that cannot trace here costs the row nothing else
       profile["error"] = f"{type(e).__name__}: {e}"[:500]
   if spec.get("hlo_dir"):
@@ -530,8 +532,9 @@ def main() -> int:
   ap.add_argument("--concurrent-compile", action="store_true",
                   help="with --gpu: start every row's process at once (they compile side by side, sharing "
                        "the GPU's memory), then time them one at a time")
-  ap.add_argument("--profile", action="store_true",
-                  help="with --gpu: trace one more batch-1 run (GPU busy vs wall time per step, top kernels)")
+  ap.add_argument("--profile", nargs="?", const=True, default=False, choices=[True, "all"],
+                  help="with --gpu: trace one more batch-1 run (GPU busy vs wall time per step, top kernels); "
+                       "'--profile all': the big batch's run too")
   ap.add_argument("--hlo-dir", default=None, help="with --gpu: write the matmul probe's compiled HLO here")
   ap.add_argument("--attention-impls", default=None,
                   help="with --gpu: comma list of jaxinfer.ops impls (default pallas,xla; smoke: xla,pallas_interpret)")

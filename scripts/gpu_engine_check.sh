@@ -30,7 +30,7 @@ if [ -n "${SMOKE:-}" ]; then
   timeout -k 5 "${OFFLINE_S:-600}" "$PY" scripts/bench_offline.py --gpu --smoke --attention-impls xla \
     --max-num-batched-tokens 64 --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
 else
-  timeout -k 5 "${OFFLINE_S:-300}" "$PY" scripts/bench_offline.py --gpu --profile --attention-impls pallas \
+  timeout -k 5 "${OFFLINE_S:-300}" "$PY" scripts/bench_offline.py --gpu --profile "${PROFILE:-all}" --attention-impls pallas \
     --gpu-formats bf16 --kv-cache-dtypes auto --num-prompts 256 --max-num-batched-tokens 8192 --kv-cache-gb 16 \
     --timeout "${OFFLINE_S:-300}" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
 fi
