@@ -92,15 +92,17 @@ def _download(target: Path) -> Path:
 
 
 def default_checkpoint() -> Path:
-  """The converted default checkpoint, converting it on first use."""
+  """The converted default checkpoint, converting it on first use, and again when it was
+  written in a format version this jaxinfer no longer reads (it is derived from the cached
+  GGUF, so rewriting it loses nothing)."""
   from jaxinfer.checkpoint import convert, orbax_io
 
   path = checkpoints_dir() / NAME
-  if orbax_io.is_checkpoint(path):
+  if orbax_io.is_current(path):
     return path
   gguf = default_gguf_path()
   with _first_use_lock(path):
-    if orbax_io.is_checkpoint(path):  # another process converted it meanwhile
+    if orbax_io.is_current(path):  # another process converted it meanwhile
       return path
     print(f"jaxinfer: converting {gguf.name} into {path} (once) ...", file=sys.stderr, flush=True)
     return convert(gguf, path, dtype="float32", overwrite=True)

@@ -16,6 +16,7 @@ conversion never leaves something that looks like a checkpoint.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,15 @@ from jaxinfer.quant import (QUANTIZATIONS, VALUE_DTYPES, QuantizedWeight, cast_f
 from jaxinfer.tokenizer import Tokenizer
 
 MANIFEST = "jaxinfer_checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# What each version changed and the stored quantizations that change makes unreadable: a
+# checkpoint written before the change is refused by its version (with the command that
+# rewrites it), since read as the new format its numbers would be wrong weights, not an error.
+# One written before a change that did not touch its quantization still loads.
+FORMAT_CHANGES: dict[int, tuple[frozenset[str | None], str]] = {
+    2: (frozenset({"int4"}), "int4 scales and mins became float16 and the mins the group minimum "
+                             "(they were float32, and min + 8 scale)"),
+}
 # How quantized values are laid out (jaxinfer/quant.py): output axes first since this key
 # appeared; a quantized checkpoint without it holds [in, out] values and must be rewritten.
 VALUES_LAYOUT = "out_in"
@@ -77,10 +86,35 @@ def read_manifest(path: Path) -> dict[str, Any]:
     manifest = json.loads((path / MANIFEST).read_text())
   except (OSError, ValueError) as e:
     raise CheckpointError(f"{path / MANIFEST}: cannot read ({e})") from None
-  if manifest.get("format_version") != FORMAT_VERSION:
-    raise CheckpointError(f"{path / MANIFEST}: format_version {manifest.get('format_version')!r} "
-                          f"is not {FORMAT_VERSION}; re-run `jaxinfer convert`")
+  version = manifest.get("format_version")
+  if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
+    raise CheckpointError(f"{path / MANIFEST}: format_version {version!r} is not one this jaxinfer reads "
+                          f"(1 to {FORMAT_VERSION}): written by a newer jaxinfer, or not by jaxinfer")
+  quantization = manifest.get("quantization")
+  for changed in range(version + 1, FORMAT_VERSION + 1):
+    affected, what = FORMAT_CHANGES.get(changed, (frozenset(), ""))
+    if quantization in affected:
+      raise CheckpointError(f"{path / MANIFEST}: format_version {version}, older than {changed}, in which {what}; "
+                            f"rewrite it with `{convert_command(path, manifest)}`")
   return manifest
+
+
+def convert_command(path: Path, manifest: dict[str, Any]) -> str:
+  """The `jaxinfer convert` command line that rewrites the checkpoint at `path` from its source."""
+  cmd = ["jaxinfer", "convert", str(manifest.get("source", "SOURCE")), str(path),
+         "--dtype", str(manifest.get("dtype", "float32"))]
+  if manifest.get("quantization"):
+    cmd += ["--quantize", manifest["quantization"]]
+  return shlex.join(cmd + ["--overwrite"])
+
+
+def is_current(path: Path) -> bool:
+  """Whether `path` is a checkpoint this jaxinfer reads as it is (read_manifest accepts it)."""
+  try:
+    read_manifest(path)
+  except CheckpointError:
+    return False
+  return True
 
 
 def _to_state(tree: Any) -> Any:
@@ -132,9 +166,8 @@ def _quantized_target(path: Path, cfg: ModelConfig, dtype, shardings: Any, quant
                     float_spec, fmt, None if mins is None else tuple(mins.shape))
     dtype_of_scales = scale_dtype(fmt)
     if fmt == "int4" and np.dtype(meta["scales"].dtype) != dtype_of_scales:
-      raise CheckpointError(f"{name}: int4 scales are {np.dtype(meta['scales'].dtype)}: written by a jaxinfer "
-                            f"before 2026-11-27, whose int4 mins meant something else (min + 8 scale, now the "
-                            f"min itself, float16); re-run `jaxinfer convert ... --quantize int4`")
+      raise CheckpointError(f"{name}: int4 scales are {np.dtype(meta['scales'].dtype)}, not {dtype_of_scales} as "
+                            f"format_version {FORMAT_VERSION} stores them; re-run `jaxinfer convert ... --quantize int4`")
     scales = jax.ShapeDtypeStruct(tuple(meta["scales"].shape), dtype_of_scales, sharding=sharding.scales)
     return QuantizedWeight(jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sharding.values),
                            scales, None if mins is None else scales)

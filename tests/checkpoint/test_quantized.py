@@ -327,9 +327,32 @@ def test_an_int4_checkpoint_with_a_float_head_asks_for_a_reconversion(gguf_files
     load_model(dst)
 
 
+def _with_format_version(dst, version):
+  manifest = json.loads((dst / orbax_io.MANIFEST).read_text())
+  (dst / orbax_io.MANIFEST).write_text(json.dumps({**manifest, "format_version": version}))
+  return dst
+
+
+def test_an_int4_checkpoint_of_format_version_1_is_refused_with_the_command_that_rewrites_it(gguf_files, tmp_path):
+  # Version 1's int4 mins meant min + 8 scale: read as version 2 they are wrong weights, not an
+  # error, so the version alone refuses it (these tensors are version 2's, and would load).
+  src = gguf_files[Q.Q4_1]
+  dst = _with_format_version(orbax_io.save(import_model(src, "int4"), tmp_path / "old"), 1)
+  with pytest.raises(CheckpointError) as e:
+    load_model(dst)
+  assert "format_version 1, older than 2" in str(e.value)
+  assert str(e.value).endswith(f"rewrite it with `jaxinfer convert {src} {dst} --dtype float32 --quantize int4 "
+                               f"--overwrite`")
+  # Version 2 changed only int4: an int8 checkpoint of version 1 still loads; a future version does not.
+  int8 = _with_format_version(orbax_io.save(import_model(src, "int8"), tmp_path / "int8"), 1)
+  assert load_model(int8).config == import_model(src).config
+  with pytest.raises(CheckpointError, match=r"format_version 3 is not one this jaxinfer reads \(1 to 2\)"):
+    load_model(_with_format_version(int8, 3))
+
+
 def test_an_int4_checkpoint_with_float32_scales_asks_for_a_reconversion(gguf_files, tmp_path):
-  # What jaxinfer wrote before 2026-11-27: float32 scales, and mins that were min + 8 scale.
-  # Read as today's format those would be wrong weights, not an error: refused by name.
+  # Format version 1's int4 tensors (float32 scales, mins that were min + 8 scale) under the
+  # current version number (a hand-edited or damaged checkpoint): refused by the scales' dtype.
   model = import_model(gguf_files[Q.Q4_1], "int4")
   w = model.weights["layers"][0]["w_down"]
   old = np.asarray(w.scales, np.float32)
