@@ -14,10 +14,8 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
 so w[i, o] = values[o, i] * scales[g, o], and for int4 (values[o, i] + 8) * scales[g, o] +
 mins[g, o], with g = i // (in / G). Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
-minor one 1.2-1.7x faster than one stored [in, out] (one token, per matmul: 576 x 1536 92
-vs 124 us, 1536 x 576 100 vs 165 us; scripts/bench_quant_matmul.py,
-quant-matmul-2026-11-24.json), and every other form is dequantized or converted first,
-where the layout costs nothing.
+minor one faster than one stored [in, out] (scripts/bench_quant_matmul.py), and every
+other form is dequantized or converted first, where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
 front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
 channel); models/moe.py multiplies each row's expert's scales after the grouped dot.
@@ -53,7 +51,7 @@ and stays in the model dtype.
   below 16 tokens runs "cells", from 16 on repacked panels, the same numbers. Per-channel fp8: e4m3 rows converted per call
   into a small panel, float32 activations (32 float32 rows, L2-resident), or where the CPU has
   AVX512-BF16 activations rounded to bfloat16 and 64 rows of bfloat16 pairs for vdpbf16ps
-  (cpu_kernels.fp8_activations(); 2x the rate, +0.04 points of perplexity). Every element is computed the same way
+  (cpu_kernels.fp8_activations(); twice the rate for a little perplexity: docs/quantization.md). Every element is computed the same way
   whatever the batch, so greedy outputs do not depend on it (tests/cpu_kernels).
 - Without the kernels, or in a program split over several devices (`tracing_on`: XLA's
   partitioner cannot split a custom call): int8 runs `split_int8_matmul`, two int8 limbs
@@ -68,23 +66,17 @@ Why kernels: XLA CPU does not fuse a convert into its dot. It writes a float32 [
 copy of an int8 / fp8 / int4 weight per call, and widens an int8 weight read by a one-row
 s8 x s8 dot to s32 (seen in the optimized HLO; tests/test_quant.py checks by the compiled
 program's temporary bytes that jaxinfer's one-token linears write no such copy), which made every
-quantized form 6-18x slower than float32 per matmul at one token. Why int16 activations
-and not int8 (what llama.cpp's Q8 blocks and `vpdpbusd` would allow): the default model
-with per-token int8 activations agreed with float32 on the top-1 token at 90% of
-positions (weight-only: 97%, mean |logit diff| 0.94 vs 0.30); int16 (2^-15 of the row's
-largest value) loses far less, and the quality below is measured through it.
+quantized form several times slower than float32 per matmul at one token. Why int16
+activations and not int8 (what llama.cpp's Q8 blocks and `vpdpbusd` would allow): with
+per-token int8 activations the default model's top-1 token left float32's far more often
+than with weight-only quantization; int16 (2^-15 of the row's largest value) loses far
+less, and the quality table is measured through it.
 
-Quality (scripts/eval_quality.py, README "Formats"): perplexity against float32 bfloat16
-+0.15%, int8 +0.37%, fp8 +1.82%; int4 of the default model is exact (its float32 weights
-are Q4_1 blocks, which int4 holds as they are). Speed (README "Formats", dated runs on a
-2-core EPYC): at batch 1 int8 2.6-3.0x and int4 2.3-2.6x float32, fp8 1.4x (its LM head
-stays float32); at 64 prompts all three within ~10-15% of float32. At one token from
-DRAM int4 was bound by how its tiles walked the weight rows (16 bytes of each of eight
-rows in turn, which the hardware prefetcher does not follow) rather than by its
-instructions: streaming each tile's row block 4 KiB ahead took its matmuls from 9-11 to
-11-19 GB/s (scripts/bench_cpu_tiles.py, one thread), 0.80-1.39x int8's time per matmul;
-float16 scales and mins (0.625 bytes a weight, was 0.75) then took that to 0.76-0.99x. On a GPU (H200, bench_offline.py --gpu)
-fp8 weights decode an 8B-shaped model 1.30x faster than bf16 at batch 1.
+Each format's quality (perplexity against float32, scripts/eval_quality.py) is in
+docs/quantization.md, its speed on CPU and GPU in docs/performance.md (benchmarks/results/).
+Why the int4 kernel streams each tile's row block ahead: its tiles walk 16 bytes of each of
+eight weight rows in turn, which the hardware prefetcher does not follow, so at one token
+from DRAM int4 was bound by that walk rather than by its instructions.
 """
 
 from __future__ import annotations
@@ -545,8 +537,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   Otherwise per channel (G = 1, no mins): the dot over the converted values in the
   activations' dtype (_in_compute_dtype: bf16 for a bf16 model), then the scales (exact
   factoring); group-wise (Q8_0, int4): the scales differ along the
-  contraction, so the weight is dequantized first (a batched int32 dot per group
-  measured 2-3x slower at 64 tokens: 'q8_0 groups' in the benchmark).
+  contraction, so the weight is dequantized first (a batched int32 dot per group was
+  slower: 'q8_0 groups' in scripts/bench_quant_matmul.py).
   """
   G = scales.shape[0]
   if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and use_cpu_kernels():

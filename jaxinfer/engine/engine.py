@@ -89,8 +89,8 @@ class EngineConfig:
   # speculative method 'mtp' the drafts stay there too. 'ngram' drafts are looked up in the
   # committed tokens on the host: a step that samples for a request that drafts is
   # postprocessed before the next is packed, so such steps do not overlap. On by default: it
-  # hides the host's part of a step (the dispatch alone is 1-2.5 ms on the CPU), which at
-  # batch 1 was 13-18% of the decode time (README "Formats").
+  # hides the host's part of a step (scheduling, packing, the dispatch), a sizable share of a
+  # batch-1 decode step on the CPU (the exposed host time: docs/performance.md).
   async_scheduling: bool = True
 
   def __post_init__(self):
