@@ -9,7 +9,7 @@
 // and scaled by a[r]. So every element is the same number whatever R is and however the
 // rows are tiled or split over threads: greedy batch invariance holds by construction.
 // Why a hand-written kernel: XLA CPU reads an int8 weight of one or a few rows through a
-// widened copy or at ~10 GB/s (cpu_kernels/int8_matmul.py).
+// widened copy or well below the DRAM bandwidth (cpu_kernels/int8_matmul.py).
 //
 // AVX2: q's 16 int8 -> 16 int16 (vpmovsxbw), vpmaddwd with 16 int16 activations -> 8
 // int32 pair sums. A tile is RO weight rows x RR activation rows of such accumulators;
@@ -43,8 +43,8 @@ using jaxinfer_cpu::ParallelRows;
 using jaxinfer_cpu::Scratch;
 
 // Software prefetch distance along a weight row: without it one thread streams q from
-// DRAM at ~8-13 GB/s of the ~18 it can read (the hardware prefetcher follows the short
-// rows poorly); 1-2 KiB ahead measured best (scripts/bench_quant_matmul.py).
+// DRAM well below what it can read (the hardware prefetcher follows the short rows
+// poorly); 1-2 KiB ahead measured best (scripts/bench_quant_matmul.py).
 constexpr int64_t kPrefetch = 2048;
 
 // |x| <= 32767, |q| <= 127: one vpmaddwd lane adds at most 2 * 32767 * 127 = 8322818, so
@@ -257,10 +257,9 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // scales of eight adjacent rows read as the weight stores them ([G, O]). Per weight row and
 // group of 32 that is ~10 instructions (unpack 5, two vpmaddwd and an add, the rest shared
 // by the eight), where eight float lanes per cell (a convert, a broadcast and an FMA per row
-// and group, and min' per row) cost ~14. Measured at one token (scripts/bench_quant_matmul.py
-// shapes, a chain of 30): 576 x 1536 46-50 us (52 before), 1536 x 576 44-45 us (57 before);
-// at 64 tokens ~5% slower than before (1.45 vs 1.37 ms), where the 2 x 4 tile shares each
-// unpacked row between only four tokens either way (a 1 x 8 tile measured 1.6 ms).
+// and group, and min' per row) cost ~14: faster at one token (scripts/bench_quant_matmul.py),
+// a little slower at 64 tokens, where the 2 x 4 tile shares each unpacked row between only
+// four tokens either way (a 1 x 8 tile was slower still); many tokens take the panels below.
 // Leftover cells (rows past a multiple of 8 or 2, tokens past a multiple of 4) run the same
 // arithmetic one at a time.
 // -ffp-contract=off keeps the compiler from fusing any other float expression differently
@@ -269,10 +268,11 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // Rows ahead at which the int4 paths prefetch their [G, O] scales and mins (PrefetchScales).
 constexpr int64_t kScalePrefetch = 32;
 
-// How far ahead (bytes of q) a tile streams its weight rows (Int4Tile). One thread, one
-// token, weights from DRAM (scripts/bench_cpu_tiles.py, 2026-11-27): the old prefetch of
-// one line per row one tile on took 576 x 1536 59-62 us, 1536 x 576 77-78, 576 x 576 21-27;
-// 4 KiB ahead 43-51, 58-60, 15-19 (2 KiB: 49, 75, 15-20; 8 KiB: 44, 66-68, 15-21).
+// How far ahead (bytes of q) a tile streams its weight rows (Int4Tile). A tile walks 16 bytes
+// of each of eight rows in turn, which the hardware prefetcher does not follow, so at one token
+// from DRAM the walk, not the instructions, bound int4; of 2, 4 and 8 KiB ahead (and one line
+// per row one tile on, before), 4 KiB was fastest on every shape (scripts/bench_cpu_tiles.py;
+// docs/performance.md, "cpu-tiles").
 constexpr int64_t kInt4Ahead = 4096;
 
 constexpr int64_t kMaxGroup = 4096;  // |S| <= 4096 * 32767 * 15 < 2^31: the cell sum fits int32
@@ -361,8 +361,8 @@ inline float Half(uint16_t h) { return _cvtsh_ss(h); }
 
 // Fetches group g's scales and mins kScalePrefetch rows past row o. They are [G, O]: a tile
 // reads one line per group, G lines O floats apart, which the hardware prefetcher does not
-// follow; fetching them 32 rows on took a one-token 1536 x 576 matmul from ~145 to ~40 us on
-// one thread.
+// follow; fetching them 32 rows on made a one-token matmul several times faster on one
+// thread (scripts/bench_quant_matmul.py).
 inline void PrefetchScales(const Int4Args& p, int64_t g, int64_t o) {
   _mm_prefetch(reinterpret_cast<const char*>(p.scale + g * p.O + o + kScalePrefetch), _MM_HINT_T0);
   if (p.mins) _mm_prefetch(reinterpret_cast<const char*>(p.mins + g * p.O + o + kScalePrefetch), _MM_HINT_T0);
@@ -474,16 +474,12 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // no reduction. Per cell and group: two vpmaddwd and two adds (~4), then one convert and
 // FMA per eight cells. The repack (~1 instruction per weight byte, an 8 x 16 byte
 // transpose) is shared by all R tokens. Tiles of 3 tokens x 16 rows (4 x 16 and 2 x 16
-// measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). A chain of 30
-// weights, per matmul (us; cells / panel / XLA float32, AVX2 build, 2026-11-27):
-// 576 x 1536 at 64 tokens 1217 / 921 / 883, at 256 5951 / 3382 / 2797; 1536 x 576 at 64
-// 1204 / 1077 / 963, at 256 5183 / 2907 / 2884. The instructions allow more (vpmaddwd +
-// vpaddd 1.5x float32 FMA's rate, scripts/bench_simd_peak.py): the broadcasts, panel loads
-// and the activations' quantization take the rest. The VNNI build runs a 16-row block as
-// one zmm, 6 tokens a tile (8 and 12 measured 3-10% slower), where its two-ymm form had
-// run 38-41 multiply-adds per ns on one core (below). bench_quant_matmul, VNNI build,
-// 2026-11-27, us int4 / float32: 576 x 1536 at 64 tokens 715 / 857, at 512 3836 / 4935;
-// 1536 x 576 at 64 697 / 833, at 512 5501 / 5095.
+// measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). Panels beat the cells
+// from kPanelRows tokens on and come near XLA's float32 GEMM (scripts/bench_quant_matmul.py).
+// The instructions allow more (vpmaddwd + vpaddd outrun float32 FMA, scripts/bench_simd_peak.py):
+// the broadcasts, panel loads and the activations' quantization take the rest. The VNNI build
+// runs a 16-row block as one zmm, 6 tokens a tile (8 and 12 measured slower), faster than its
+// two-ymm form.
 //
 // Same numbers as the cells: S[r, g, o] is the same exact int32, converted the same way,
 // then acc = fma(float(S), scale, acc) group after group, accm = fma(min',
@@ -623,9 +619,9 @@ void PanelGroups(const Int4Args& p, const PanelBlock& b, int64_t r0, int64_t g0,
 
 // Tokens r0 .. r0 + RT of the block's rows: accm = fma(min', xsum, accm) group after group,
 // then y = (acc + accm) * a. RT tokens at once: one token's accm is a chain of G dependent
-// FMAs, which alone (~4 cycles each, xsum then [G, R], read G floats R apart) took a fifth of
-// a 442-token int4 prefill step (perf, 2026-11-27, both threads) against the panel loop's two
-// fifths; RT chains hide the latency, and each token reads its own row of xsum [R, G] in order.
+// FMAs, which alone (~4 cycles each, xsum then [G, R], read G floats R apart) took half as long
+// as the panel loop itself in a long int4 prefill step (perf); RT chains hide the latency, and
+// each token reads its own row of xsum [R, G] in order.
 // The same operations per cell, in the same order.
 template <int NV, int RT>
 void PanelMins(const Int4Args& p, const PanelBlock& b, int64_t o0, int64_t n, int64_t r0) {
@@ -730,10 +726,9 @@ inline void Transpose16x16(__m512i r[16], __m512i* out, int64_t stride) {
 // of 6 tokens broadcasts each token's activation pair against it: one vpdpwssd per pair and 16
 // rows, no reduction. A lane sums kInt8PanelGroup inputs in int32 (256 x 32767 x 128 < 2^31),
 // then adds that into int64 lanes: the cell's exact integer sum, as the cells form it, then
-// float(sum) * a. So every element is the same number on either path (tested). One core, a
-// harness over both blocks (2026-11-27), panel over cells: 512 x 576 x 1536 1.49x (68 multiply-
-// adds per ns), 64 x 1536 x 576 1.46x, 512 x 576 x 192 2.0x, 64 x 4096 x 1024 1.38x; it loses
-// only where a few tokens meet a long, short weight (21 x 4096 x 37: 0.87x).
+// float(sum) * a. So every element is the same number on either path (tested). The panel beats
+// the cells on every model-like shape; it loses only where a few tokens meet a long, short
+// weight (a few dozen inputs x thousands x a few dozen outputs).
 constexpr int64_t kInt8PanelGroup = 256;
 
 bool Int8PanelFits(int64_t R, int64_t I) { return R >= kPanelRows && I % 32 == 0; }
@@ -840,9 +835,9 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 // fixed tree (Fp8Sum), then the inputs past the last multiple of kFp8Lanes by scalar FMA,
 // then the scale. The VNNI build (AVX-512) runs 16 lanes in zmm registers, 4 weight rows x
 // 6 tokens a tile (24 accumulators of its 32 registers); AVX2 8 lanes, 4 x 3 (12 of 16).
-// One library is one build, so a process sums every cell one way.
-// At 256 tokens, one core, the AVX2 tile took 1.10-1.14x XLA's float32 GEMM's time
-// (bench_quant_matmul.py under taskset -c 0, 2026-11-27).
+// One library is one build, so a process sums every cell one way. At many tokens the AVX2
+// tile comes near XLA's float32 GEMM without its float32 copy of the weight
+// (scripts/bench_quant_matmul.py).
 
 // The eight lanes of v added in a fixed tree: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then those.
 inline float HSumF(__m256 v) {
@@ -967,9 +962,9 @@ void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
 // that takes pair after pair in order (vdpbf16ps: acc += x[2j+1] w[2j+1], then + x[2j] w[2j],
 // each rounded, per Intel's definition), then one multiply by the scale: the same operations
 // whatever the tile, the row count or the thread (odd I: a zero last pair half).
-// One core, a harness over this block against Fp8Block (2026-11-27): 64 and 512 tokens x
-// 576 x 1536 / 1536 x 576 2.05-2.27x as fast (94-105 multiply-adds per ns, float32 FMA's
-// peak 58), one token in cache 1.45x.
+// Why: vdpbf16ps does two multiply-adds per lane where float32 FMA does one, so this block
+// runs about twice Fp8Block's rate at many tokens, and above float32 FMA's peak
+// (scripts/bench_simd_peak.py; the rounding's cost in quality: docs/quantization.md).
 constexpr int64_t kBf16Blocks = 4;  // 16-row blocks in a thread's panel
 constexpr int kBf16Tokens = 3;      // tokens a tile: 3 x 4 accumulators for vdpbf16ps's latency
 

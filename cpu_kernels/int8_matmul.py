@@ -11,9 +11,9 @@ round(x / a)), which the kernel forms itself: in XLA those were ~6 small operati
 linear (~2.5 us each call at one token), as much as a 576 x 192 product.
 
 Why a hand-written kernel: XLA CPU widens a one-row int8 weight to a float32 copy, and
-its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight at
-~10 GB/s where its float32 matrix-vector kernel streams 20-24 GB/s, so int8 decode was
-far from the 4x fewer bytes it reads. This kernel reads the int8 weight once per call at
+its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight at about
+half the rate of its float32 matrix-vector kernel, so int8 decode was far from the 4x fewer
+bytes it reads. This kernel reads the int8 weight once per call at
 every row count and does 16 int16 x int8 products per vpmaddwd (AVX2):
 scripts/bench_quant_matmul.py and benchmarks/results/quant-matmul-*.json measure it
 beside XLA's forms.
@@ -68,8 +68,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", 
 VNNI_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI")
 VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512vl", "avx512bw", "avx512_vnni"})  # /proc/cpuinfo names
 # And where it also has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids), fp8 runs on
-# vdpbf16ps with its activations rounded to bfloat16: 2.1-2.3x the float32-activation tile at
-# 64-512 tokens (int8_matmul.cc, "fp8 with bfloat16 activations").
+# vdpbf16ps with its activations rounded to bfloat16: about twice the float32-activation
+# tile's rate at many tokens (int8_matmul.cc, "fp8 with bfloat16 activations").
 BF16_FLAGS = ("-mavx512bf16", "-DJAXINFER_BF16")
 BF16_CPU_FLAG = "avx512_bf16"
 

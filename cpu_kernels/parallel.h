@@ -64,9 +64,9 @@ struct Work {
 // microseconds (q, k, v; gate, up, down), so a helper still polling then takes the new
 // job at the cost of one atomic store. While polling it yields its core (sched_yield) to
 // any other runnable thread. Polling longer also bridges attention, between v and o, but
-// the default model's batch-1 int4 decode (one process, settings interleaved, 3-4 rounds)
-// ran 58 tok/s sleeping at once, 71-72 polling 30-50 us, 64-68 at 100-1000 us: a longer
-// poll slowed XLA's own work in between (its attention loop 2.8 -> 4.2 ms a step).
+// the default model's batch-1 int4 decode (one process, settings interleaved) was fastest
+// polling 30-50 us, slower sleeping at once and slower again polling 100-1000 us: a longer
+// poll slowed XLA's own work in between (its attention loop most).
 // One call at a time owns them; a call made meanwhile (another thread's program) uses
 // XLA's pool as before.
 class Helpers {

@@ -14,8 +14,8 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   int8 kernel       cpu_kernels.int8_matmul(x, Q) * s  what jaxinfer.quant.linear runs on CPU
                                               (one device): x to int16 per token, the hand-written
                                               AVX2 kernel reads Q once, exact integer sums
-  int8 split [in,out]  the same dot over values stored [in, out] (the layout before
-                    2026-11-24): XLA CPU's int8 dot reads it 1.2-1.7x slower at one token
+  int8 split [in,out]  the same dot over values stored [in, out] (jaxinfer's older
+                    layout): why values are stored [out, in], XLA CPU's int8 dot reads it slower
   int8 split        ([hi; lo] @ Q, int32) * a * s  what quant.linear runs without the kernel: x in two
                                               int8 limbs per token (x = a (hi + lo / 254)), one
                                               int8 x int8 dot of 2T rows that reads Q as int8
@@ -30,7 +30,7 @@ Forms (T = tokens in the step: 1 = batch-1 decode, 64 = a 64-sequence decode):
   q8_0 dequant      x @ (Q * group scales)     what linear runs for Q8_0 weights
   fp8               quant.linear's fp8 (e4m3 values, per-channel scales): on one CPU device
                     cpu_kernels.fp8_matmul (weight-only, rows converted into a small float32
-                    panel); before 2026-11-27 (x @ float(F8)) * s, a float32 copy per call
+                    panel), where XLA ran (x @ float(F8)) * s, a float32 copy per call
   int4 g32          quant.linear's int4 (values, scales and mins per 32 inputs; GGUF Q4_0 / Q4_1
                     as loaded): cpu_kernels.int4_matmul (cells below 16 tokens, repacked panels
                     from 16 on); without the kernel x @ (Q4 * s + m), dequantized whole

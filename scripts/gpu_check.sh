@@ -8,8 +8,8 @@
 #      throughput, the compiled HLO of one fp8 / bf16 linear (is a full-precision weight copy
 #      written?), and with PROFILE=1 a traced batch-1 run (GPU busy vs wall time per step);
 #   3. bench_kernels.py: the attention kernels against the copy / matmul ceilings.
-# Seen on an H200 (2026-11-27): the four bench_offline rows compiled side by side in ~130 s and
-# the whole of it took ~200 s; each test file ~30-80 s (each case compiles its kernel).
+# Budget: on an H200 the four bench_offline rows compile side by side in about two minutes and
+# the whole takes a few; each test file tens of seconds (each case compiles its kernel).
 # The GPU image has jax 0.11 and no network: wheels it lacks (llguidance, gguf) travel in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1 gguf==0.19.0

@@ -6,13 +6,10 @@
 #   over a copy bandwidth measured in the same run) and 256 prompts x 128/128, at the GPU's
 #   backend-sized step budget (8192 tokens), with a traced batch-1 run (GPU busy vs wall time
 #   per step: the host time the device waits for).
-# Expected (written before the run; the 2026-11-27 H200 baseline at dfb2996, 512-token budget:
-# 70 tok/s = 38% of roofline at batch 1, 4,765 tok/s at 256 prompts): the step no longer waits
-# on lax.cond predicates (4 per step before) and launches n + 1 while n runs, so batch 1 should
-# approach the device time per token (weights ~16 GB over ~3 TB/s: 5.4 ms, plus launch gaps):
-# 55-75% of roofline; 256 prompts: fewer, larger steps (~132 instead of ~216) and host work
-# overlapped: 7,000-11,000 tok/s (the host's per-request Python, ~46 us per request per step,
-# is still there: ~12 ms a step at 256 running).
+# What it checks: the step waits on no lax.cond predicate and launches n + 1 while n runs, so
+# batch 1 should approach the device time per token (the weights' bytes over the copy
+# bandwidth, plus launch gaps), and 256 prompts should take fewer, larger steps with the host's
+# work overlapped. The baseline and the latest run: docs/performance.md, "offline-gpu-*".
 #   OUT=$OUT bash scripts/gpu_engine_check.sh          # on the GPU machine (wheels in .whl/, see gpu_check.sh)
 #   SMOKE=1 bash scripts/gpu_engine_check.sh           # CPU, tiny shapes
 set -u

@@ -85,9 +85,9 @@ CHUNK_BYTES = 4 << 20  # per KVChunk message; under the channel's 64 MiB receive
 MAX_MESSAGE_BYTES = 64 << 20
 
 # Why not jax.experimental.transfer (checked with jax 0.10.2 on CPU): it works there: two
-# processes, start_transfer_server + await_pull / connect().pull, moved a 4 MiB array in
-# ~17 ms, and 22.5 MB (a 512-token SmolLM2 prompt) in a median 139 ms where this gRPC
-# stream took 97 ms (benchmarks/results/kv-transfer-*.json). It is not used (yet) because a pending await_pull cannot be cancelled, only
+# processes, start_transfer_server + await_pull / connect().pull, moved a 512-token SmolLM2
+# prompt's KV, though no faster than this gRPC stream on CPU (benchmarks/results/kv-transfer-*.json;
+# docs/performance.md, "kv-transfer"). It is not used (yet) because a pending await_pull cannot be cancelled, only
 # timed out (absolute deadline), so a decode worker that is cancelled or dies leaves the
 # producer's buffers referenced until then; a gRPC stream cancels both ways at once and
 # carries statuses, deadlines and the first token on the server's own port. The
