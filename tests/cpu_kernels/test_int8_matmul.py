@@ -280,7 +280,7 @@ def test_int4_groups_the_kernel_cannot_take_are_value_errors():
     cpu_kernels.int4_matmul(jnp.ones((1, 8192), jnp.float32), jnp.ones((3, 8192), jnp.int4), jnp.ones((1, 3), jnp.float16))
   with pytest.raises(ValueError, match="got x int16"):
     cpu_kernels.int4_matmul(x.astype(jnp.int16), q, jnp.ones((3, 3), jnp.float16))
-  # float32 scales (the format before 2026-11-27) would be read as float16 pairs: refused.
+  # float32 scales (checkpoint format version 1) would be read as float16 pairs: refused.
   with pytest.raises(ValueError, match=r"float16 scales and mins .* scales float32\[3, 3\]"):
     cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32))
   with pytest.raises(ValueError, match=r"mins float32\[3, 3\]"):
