@@ -193,7 +193,7 @@ def restore(path: str | Path, dtype, shardings_fn=None, quantization: str | None
     raise CheckpointError(f"{path / MANIFEST}: unknown quantization {stored_q!r}")
   if stored_q and manifest.get("values_layout") != VALUES_LAYOUT:
     raise CheckpointError(f"{path / MANIFEST}: {stored_q} values stored as [in, out] by an older jaxinfer "
-                          f"(now [out, in]); re-run `jaxinfer convert ... --quantize {stored_q}`")
+                          f"(now [out, in]); rewrite it with `{convert_command(path, manifest)}`")
   load_q = stored_q or quantization
   if shardings_fn is not None:
     shardings = shardings_fn(cfg, load_q) if load_q else shardings_fn(cfg)
