@@ -466,7 +466,7 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 //
 // The cells above unpack each weight chunk once per tile of 2 x 4 and reduce every cell's
 // eight lanes per group (Reduce8): per cell and group of 32 that is ~10 instructions, and at
-// 64 tokens int4 ran 0.82x float32 end to end. From kPanelRows tokens on, each thread
+// many tokens that left int4 slower than float32 end to end. From kPanelRows tokens on, each thread
 // instead repacks 16-row blocks of its output rows once per call into a panel whose int32
 // lanes are eight *output rows*: lane k of pair j holds (q[o0 + k, 2j] + 8) | (q[o0 + k,
 // 2j + 1] + 8) << 16, exactly one packed byte of row o0 + k, so a broadcast of the token's
@@ -949,7 +949,7 @@ void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
 //
 // Where the CPU has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids; int8_matmul.py adds
 // JAXINFER_BF16 to the VNNI build there) fp8 runs on vdpbf16ps, which multiplies bfloat16 pairs
-// into float32 lanes at twice float32 FMA's rate (1.87x measured, as vpdpwssd). Every e4m3
+// into float32 lanes at twice float32 FMA's rate (as vpdpwssd; scripts/bench_simd_peak.py). Every e4m3
 // value is a bfloat16; the activations are rounded to bfloat16 once per call (round to nearest
 // even, vcvtneps2bf16): their ~2^-9 relative error is small beside e4m3's 2^-4 and costs the
 // quality table's fp8 row 0.04 points of perplexity (+1.82% -> +1.86%, README). The products
