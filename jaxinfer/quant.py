@@ -6,13 +6,15 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
                               HF and GGUF store it, and its logical axes likewise), in the
                               format's dtype: int8 / float8_e4m3fn / int4
   scales  float32 [G, out...] G groups along the flattened input axes:
-                              G = 1 per-output-channel (int8, fp8 as quantized here),
-                              G = in / 32 for GGUF Q8_0 blocks kept as they are; for
+                              G = 1 per-output-channel (fp8, int8-channel, stacked experts),
+                              G = in / 32 for int8 (and GGUF Q8_0 blocks kept as they are); for
                               int4 float16 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
-  mins    float16 [G, out...] int4 only (None otherwise): the group's minimum
+  mins    [G, out...]         int4 (float16) and int8's groups (float32; None for Q8_0 blocks
+                              and the head), None otherwise
 
-so w[i, o] = values[o, i] * scales[g, o], and for int4 (values[o, i] + 8) * scales[g, o] +
-mins[g, o], with g = i // (in / G). Output
+so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o] for int8), and for int4
+(values[o, i] + 8) * scales[g, o] + mins[g, o], with g = i // (in / G). Which layout each
+weight gets under each quantization is leaf_layout's. Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
 minor one 1.2-1.7x faster than one stored [in, out] (one token, per matmul: 576 x 1536 92
 vs 124 us, 1536 x 576 100 vs 165 us; scripts/bench_quant_matmul.py,
@@ -21,7 +23,10 @@ where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
 front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
 channel); models/moe.py multiplies each row's expert's scales after the grouped dot.
-- int8: symmetric, scale = max|w| / 127 over the group.
+- int8 (default, quantize_int8_groups): asymmetric per group of 32 inputs, scale = (max -
+  min) / 255, values in [-128, 127], mins = min + 128 scale; the head symmetric per group of
+  32 (GGUF Q8_0's: scale = max|w| / 127). int8-channel (quantize_int8): symmetric per output
+  channel, scale = max|w| / 127.
 - fp8 (e4m3fn, the GPU path): per-output-channel, scale = max|w| / 448 (e4m3fn's largest
   finite value), values = w / scale rounded to e4m3 (to nearest even). Per channel rather
   than per tensor: same scales layout and cost as int8, and one outlier column does not
@@ -35,18 +40,20 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
   ~6e-8, and a group of smaller weights loses precision, as in GGUF). Signed int4 because
   orbax / tensorstore store int4 but not uint4. The group size must divide the input size
   (ValueError naming it).
-The LM head is int8 under int8 and int4 (leaf_format: WeightSpec.head), not under fp8,
-whose CPU matmul would write a float32 copy of the largest weight per step. An untied
-lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales per vocab column). A
-tied embedding [V, D] (SmolLM2) is stored as the table it is: values [V, D], scales [1, D]
-per embedding column, so the lookup is values[t] * scales and the
-head folds the scales into its input (head_logits). An untied embedding is only gathered
-and stays in the model dtype.
+The LM head is int8 under int8, int8-channel and int4 (leaf_layout: WeightSpec.head), not
+under fp8. An untied lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales
+[D / 32, V], or per vocab column under int8-channel). A tied embedding [V, D] (SmolLM2) is
+stored as the table it is, values [V, D]: under int8 / int4 in groups of 32 along each vocab
+row (scales [D / 32, V], grouped_table), so the lookup is values[t] times its row's scales and
+the head the group matmul over values as [out, in]; under int8-channel scales [1, D] per
+embedding column, so the lookup is values[t] * scales and the head folds the scales into its
+input (head_logits). An untied embedding is only gathered and stays in the model dtype.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights (`head_logits` and
 `embed_lookup` read the tied table). Which form runs (`quantized_matmul`):
 - On the CPU, in a program on one device, where cpu_kernels built (`use_cpu_kernels`):
-  hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8 and
+  hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8, group-wise
+  int8 (groups of a multiple of 32, up to 512; cells only, no panels) and
   group-wise int4 (groups of a multiple of 32, up to 4096) make each token's activations
   int16 in the kernel (x = a x16, a = max|x| / 32767), sum x16 q exactly in integers
   (per group for int4), and scale in float32 after; int4 (and int8 in the AVX512-VNNI build)
@@ -58,7 +65,7 @@ and stays in the model dtype.
 - Without the kernels, or in a program split over several devices (`tracing_on`: XLA's
   partitioner cannot split a custom call): int8 runs `split_int8_matmul`, two int8 limbs
   per token (x = a (hi + lo / 254)) in one s8 x s8 -> s32 dot XLA CPU does not widen;
-  group-wise weights (Q8_0 blocks, int4) are dequantized whole in the step, since their
+  group-wise weights (int8's groups, Q8_0 blocks, int4) are dequantized whole in the step, since their
   scales vary along the contraction; anything else (fp8, the GPU) is weight-only, the dot
   over the converted values in the activations' dtype (bf16 for a bf16 model: exact for
   int8 and e4m3 values, and on a GPU XLA fuses the convert into the GEMM) and the
@@ -73,10 +80,9 @@ with per-token int8 activations agreed with float32 on the top-1 token at 90% of
 positions (weight-only: 97%, mean |logit diff| 0.94 vs 0.30); int16 (2^-15 of the row's
 largest value) loses far less, and the quality below is measured through it.
 
-Quality (scripts/eval_quality.py, README "Formats"): perplexity against float32 bfloat16
-+0.15%, int8 +0.37%, fp8 +1.82%; int4 of the default model is exact (its float32 weights
-are Q4_1 blocks, which int4 holds as they are). Speed (README "Formats", dated runs on a
-2-core EPYC): at batch 1 int8 2.6-3.0x and int4 2.3-2.6x float32, fp8 1.4x (its LM head
+Quality (scripts/eval_quality.py, benchmarks/results/quality-2026-11-28-int8-groups.json):
+leaf_layout says what each layout cost in top-1 agreement with float32 on the default model. Speed (README "Formats", dated runs on a
+2-core EPYC): at batch 1 per-channel int8 (int8-channel, the default int8 until issue 42) 2.6-3.0x and int4 2.3-2.6x float32, fp8 1.4x (its LM head
 stays float32); at 64 prompts all three within ~10-15% of float32. At one token from
 DRAM int4 was bound by how its tiles walked the weight rows (16 bytes of each of eight
 rows in turn, which the hardware prefetcher does not follow) rather than by its

@@ -160,7 +160,8 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
         what = "expert tensors" if name in experts else "tensors"
         if (name in linear or name in experts) and qtype not in FLOAT_TYPES and (qtype.name, what) not in requantized:
           requantized.add((qtype.name, what))
-          how = "per channel" if quantization in ("fp8", "int8-channel") else "per group of 32"
+          how = ("per channel" if name in experts or quantization in ("fp8", "int8-channel")
+                 else "per group of 32")
           log.warning("%s: %s %s are not loaded quantized as they are: dequantized to float32 "
                       "and requantized to %s %s", path.name, qtype.name, what, quantization, how)
         w = gguf.quants.dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
