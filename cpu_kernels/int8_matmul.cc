@@ -819,6 +819,171 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// ---- int8 groups ---------------------------------------------------------------------------
+//
+//   y[r, o] = ( sum_g scale[g, o] * S[r, g, o]  [+ sum_g min[g, o] * xsum[r, g]] ) * a[r]
+//   S[r, g, o] = sum_{i in group g} x16[r, i] * q[o, i]   (exact, int32)
+//
+// Group-wise int8 weights (jaxinfer.quant's default int8: w = q scale + min per group of 32
+// inputs, GGUF Q8_0's blocks w = q d without mins), scale and min float32 [G, O], x16 and
+// xsum[r, g] = float(sum of x16 over group g) as for int4 but in input order (no nibbles to
+// match). The int4 cells' arithmetic with the int8 rows loaded as they are (two vpmovsxbw per
+// 32 inputs instead of the nibble unpack): per (r, o) one cell, group after group
+//   acc = fma(float(S[g]), scale[g], acc);  accm = fma(min[g], xsum[g], accm)
+// then y = (acc + accm) * a (without mins y = acc * a), the same float32 operations in every
+// tile shape, so the result does not depend on the batch. S is exact (|S| <= 512 * 32767 *
+// 128 < 2^31, kInt8MaxGroup); float(S) rounds it (past 2^24) the same way everywhere.
+// Cells only (8 x 1 tiles for one token, 2 x 4 for more): no repacked panel as int4 and
+// per-channel int8 have from 16 tokens on.
+
+constexpr int64_t kInt8MaxGroup = 512;
+
+struct Int8GArgs {
+  const int16_t* x;     // [R, I], in input order
+  const float* a;       // [R]
+  const int8_t* q;      // [O, I]
+  const float* scale;   // [G, O]
+  const float* mins;    // [G, O], or nullptr
+  const float* xsum;    // [G, R] (read only with mins)
+  float* y;             // [R, O]
+  int64_t R, I, O, G;
+};
+
+// Rows [rb, re) of x [R, I] -> a [R], x16 [R, I] and, when `sums`, xsum [G, R].
+void Int8GActivations(const float* x, int64_t R, int64_t I, int64_t G, float* a, int16_t* x16, float* xsum,
+                      bool sums, int64_t rb, int64_t re) {
+  const int64_t gs = I / G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  Int16Rows(x, I, a, x16, rb, re);
+  if (!sums) return;
+  for (int64_t r = rb; r < re; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i sum = _mm256_setzero_si256();  // |sum| <= 512 * 32767 < 2^31
+      for (int64_t i = g * gs; i < (g + 1) * gs; i += 16)
+        sum = _mm256_add_epi32(
+            sum, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + r * I + i)), ones));
+      xsum[g * R + r] = static_cast<float>(HSum32(sum));
+    }
+}
+
+// Adds x rows r0 .. r0 + RR times weight rows o0 .. o0 + RO over group g's inputs to the
+// int32 lanes of cells v[a * RR + b]. kOneChunk: groups of exactly 32 (Q8_0's), unrolled.
+template <int RO, int RR, bool kOneChunk>
+inline void Int8GroupSums(const Int8GArgs& p, int64_t o0, int64_t r0, int64_t g, __m256i* v) {
+  const int64_t gs = kOneChunk ? 32 : p.I / p.G;
+  for (int64_t i = g * gs; i < (g + 1) * gs; i += 32)
+    for (int a = 0; a < RO; ++a) {
+      const int8_t* row = p.q + (o0 + a) * p.I + i;
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+      for (int b = 0; b < RR; ++b)
+        v[a * RR + b] = Chunk32(v[a * RR + b], lo, hi, p.x + (r0 + b) * p.I + i);
+    }
+}
+
+// Eight cells: RO x RR = 8 x 1 (one token) or 2 x 4; lane a * RR + b is (r0 + b, o0 + a).
+template <int RO, int RR, bool kOneChunk>
+void Int8GTile(const Int8GArgs& p, int64_t o0, int64_t r0) {
+  static_assert(RO * RR == 8);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  // As Int4Tile: the RO rows are one contiguous block of q, streamed kInt4Ahead bytes ahead.
+  const int64_t per_group = (RO * p.I + 64 * p.G - 1) / (64 * p.G);
+  const char* ahead = reinterpret_cast<const char*>(p.q + o0 * p.I) + kInt4Ahead;
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < per_group; ++k) _mm_prefetch(ahead + (g * per_group + k) * 64, _MM_HINT_T0);
+    Int8GroupSums<RO, RR, kOneChunk>(p, o0, r0, g, v);
+    const float* sg = p.scale + g * p.O + o0;
+    _mm_prefetch(reinterpret_cast<const char*>(sg + kScalePrefetch), _MM_HINT_T0);
+    __m256 s;
+    if constexpr (RO == 8)
+      s = _mm256_loadu_ps(sg);
+    else
+      s = _mm256_set_m128(_mm_set1_ps(sg[1]), _mm_set1_ps(sg[0]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(v)), s, acc);
+    if (p.mins) {
+      const float* mg = p.mins + g * p.O + o0;
+      _mm_prefetch(reinterpret_cast<const char*>(mg + kScalePrefetch), _MM_HINT_T0);
+      __m256 m, xs;
+      if constexpr (RO == 8) {
+        m = _mm256_loadu_ps(mg);
+        xs = _mm256_broadcast_ss(p.xsum + g * p.R + r0);
+      } else {
+        m = _mm256_set_m128(_mm_set1_ps(mg[1]), _mm_set1_ps(mg[0]));
+        xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p.xsum + g * p.R + r0));
+      }
+      accm = _mm256_fmadd_ps(m, xs, accm);
+    }
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, p.mins ? _mm256_add_ps(acc, accm) : acc);
+  for (int a = 0; a < RO; ++a)
+    for (int b = 0; b < RR; ++b) p.y[(r0 + b) * p.O + o0 + a] = out[a * RR + b] * p.a[r0 + b];
+}
+
+// One cell, the same arithmetic as a lane of Int8GTile.
+template <bool kOneChunk>
+void Int8GCell(const Int8GArgs& p, int64_t o, int64_t r) {
+  float acc = 0.0f, accm = 0.0f;
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m256i v = _mm256_setzero_si256();
+    Int8GroupSums<1, 1, kOneChunk>(p, o, r, g, &v);
+    acc = std::fma(static_cast<float>(HSum32(v)), p.scale[g * p.O + o], acc);
+    if (p.mins) accm = std::fma(p.mins[g * p.O + o], p.xsum[g * p.R + r], accm);
+  }
+  p.y[r * p.O + o] = (p.mins ? acc + accm : acc) * p.a[r];
+}
+
+template <bool kOneChunk>
+void Int8GRows(const Int8GArgs& p, int64_t ob, int64_t oe) {
+  int64_t o = ob;
+  if (p.R == 1) {
+    for (; o + 8 <= oe; o += 8) Int8GTile<8, 1, kOneChunk>(p, o, 0);
+  } else {
+    for (; o + 2 <= oe; o += 2) {
+      int64_t r = 0;
+      for (; r + 4 <= p.R; r += 4) Int8GTile<2, 4, kOneChunk>(p, o, r);
+      for (; r < p.R; ++r) {
+        Int8GCell<kOneChunk>(p, o, r);
+        Int8GCell<kOneChunk>(p, o + 1, r);
+      }
+    }
+  }
+  for (; o < oe; ++o)
+    for (int64_t r = 0; r < p.R; ++r) Int8GCell<kOneChunk>(p, o, r);
+}
+
+// mins: [G, O] like scale when has_mins, else ignored (pass scale).
+ffi::Error Int8GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t has_mins) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
+             yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || md.size() != 2 || yd.size() != 2 ||
+      xd[1] != qd[1] || sd[1] != qd[0] || md[0] != sd[0] || md[1] != sd[1] || yd[0] != xd[0] ||
+      yd[1] != qd[0] || sd[0] == 0 || xd[1] % (32 * sd[0]) != 0 || xd[1] / sd[0] > kInt8MaxGroup)
+    return ffi::Error::InvalidArgument(
+        "int8_group_matmul: want x [R, I], q int8 [O, I], float32 scale and mins [G, O] -> y [R, O], I / G a "
+        "multiple of 32 up to 512");
+  const int64_t R = xd[0], I = xd[1], G = sd[0];
+  if (R == 0) return ffi::Error::Success();
+  thread_local std::vector<int16_t> x16_buf;
+  thread_local std::vector<float> a_buf, xsum_buf;
+  int16_t* xp = Scratch(x16_buf, R * I);
+  float *ap = Scratch(a_buf, R), *sp = has_mins ? Scratch(xsum_buf, G * R) : nullptr;
+  const float* xf = x.typed_data();
+  ParallelRows(pool, R, I * 4, 1,
+               [=](int64_t rb, int64_t re) { Int8GActivations(xf, R, I, G, ap, xp, sp, has_mins, rb, re); });
+  Int8GArgs p{xp, ap, q.typed_data(), scale.typed_data(), has_mins ? mins.typed_data() : nullptr, sp,
+              y->typed_data(), R, I, qd[0], G};
+  if (p.I / p.G == 32)
+    ParallelRows(pool, p.O, p.I * R, 8, [p](int64_t ob, int64_t oe) { Int8GRows<true>(p, ob, oe); });
+  else
+    ParallelRows(pool, p.O, p.I * R, 8, [p](int64_t ob, int64_t oe) { Int8GRows<false>(p, ob, oe); });
+  return ffi::Error::Success();
+}
+
 // ---- fp8 (e4m3fn) weights ---------------------------------------------------------------------
 //
 //   y[r, o] = float32( sum_i x[r, i] * w(q[o, i]) ) * scale[o]     x float32 [R, I], q e4m3fn [O, I]
@@ -1096,6 +1261,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int4_matmul, Int4Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("has_mins"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_group_matmul, Int8GroupMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("has_mins"));
 

@@ -3,6 +3,7 @@ weights on XLA CPU: XLA FFI custom calls (int8_matmul.cc), their build, and thei
 
     int8_matmul(x float32 [R, I], q int8 [O, I]) -> float32 [R, O] = float32(exact sum_i x16 q) * a
     int4_matmul(x, q int4 [O, I], scales, mins float16 [G, O]) -> float32 [R, O], exact per group
+    int8_group_matmul(x, q int8 [O, I], scales, mins float32 [G, O]) -> float32 [R, O], exact per group
     fp8_matmul(x, q float8_e4m3fn [O, I], scale [O]) -> float32 [R, O], fixed order; x rounded to
         bfloat16 where the CPU has AVX512-BF16 (fp8_activations())
 
@@ -55,9 +56,11 @@ SOURCES = (SOURCE, Path(__file__).with_name("attention.cc"))
 HEADERS = (Path(__file__).with_name("parallel.h"), Path(__file__).with_name("convert.h"))
 TARGET = "jaxinfer_int8_matmul"
 INT4_TARGET = "jaxinfer_int4_matmul"
+INT8_GROUP_TARGET = "jaxinfer_int8_group_matmul"
 FP8_TARGET = "jaxinfer_fp8_matmul"
 DECODE_ATTENTION_TARGET = "jaxinfer_decode_attention"
 INT4_MAX_GROUP = 4096  # inputs per group: the kernel's int32 group sums cannot overflow (kMaxGroup)
+INT8_MAX_GROUP = 512  # inputs per int8 group: 512 * 32767 * 128 < 2^31 (kInt8MaxGroup)
 INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the weight into panels (kPanelRows)
 # -ffp-contract=off: the compiler must not fuse a * b + c into one FMA in some tiles and
 # not others (int4's float32 terms); the kernel's own FMAs are written out.
@@ -120,6 +123,52 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
   # Without mins the scales stand in for them (not read): no zeros written per call.
   return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(
       x, q, scales, scales if mins is None else mins, has_mins=np.int32(mins is not None))
+
+
+def int8_groups_fit(in_size: int, groups: int) -> bool:
+  """Whether int8_group_matmul takes `groups` groups over `in_size` inputs: groups of a
+  multiple of 32 inputs, at most INT8_MAX_GROUP."""
+  return groups > 0 and in_size % (32 * groups) == 0 and in_size // groups <= INT8_MAX_GROUP
+
+
+def int8_group_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> jax.Array:
+  """x float32 [R, I], q int8 [O, I], scales (mins) float32 [G, O] -> float32 [R, O]:
+
+      y[r, o] = a[r] sum_g scales[g, o] S[r, g, o] (+ mins[g, o] xsum[r, g])
+
+  with x16, a = int16_rows_reference(x), S the exact integer sum of x16 q over group g's
+  I / G inputs (a multiple of 32, at most INT8_MAX_GROUP) and xsum[r, g] the sum of x16 over
+  the group: x @ (q scale + min)^T group by group (jaxinfer.quant's group-wise int8; GGUF
+  Q8_0's blocks without mins). Each element is the same fixed sequence of float32 operations
+  at any row count. Raises RuntimeError when the kernel is not available()."""
+  G = scales.shape[0]
+  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int8
+      or scales.shape != (G, q.shape[0]) or scales.dtype != jnp.float32
+      or (mins is not None and (mins.shape != scales.shape or mins.dtype != jnp.float32))
+      or not int8_groups_fit(q.shape[1], G)):
+    raise ValueError(f"int8_group_matmul: want x float32 [R, I], q int8 [O, I], float32 scales and mins [G, O] with "
+                     f"I / G a multiple of 32 up to {INT8_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, "
+                     f"q {q.dtype}{list(q.shape)}, scales {scales.dtype}{list(scales.shape)}, "
+                     f"mins {None if mins is None else f'{mins.dtype}{list(mins.shape)}'}")
+  if not available():
+    raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(INT8_GROUP_TARGET, out, vmap_method="sequential")(
+      x, q, scales, scales if mins is None else mins, has_mins=np.int32(mins is not None))
+
+
+def int8_group_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
+                                mins: np.ndarray | None = None) -> np.ndarray:
+  """The same product in float64 over int16_rows_reference(x) (int64 group sums): what
+  int8_group_matmul rounds."""
+  x16, a = int16_rows_reference(x)
+  x, q = np.asarray(x16, np.int64), np.asarray(q, np.int64)
+  G, (R, I) = scales.shape[0], x.shape
+  S = np.einsum("rgi,ogi->rgo", x.reshape(R, G, I // G), q.reshape(-1, G, I // G))
+  y = np.einsum("rgo,go->ro", S.astype(np.float64), np.asarray(scales, np.float64))
+  if mins is not None:  # w = q scale + min
+    y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ np.asarray(mins, np.float64)
+  return y * a
 
 
 def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -234,6 +283,8 @@ def _load() -> tuple[bool, str | None]:
       lib = ctypes.CDLL(str(_build()))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_matmul), platform="cpu")
       jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int4_matmul), platform="cpu")
+      jax.ffi.register_ffi_target(INT8_GROUP_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_group_matmul),
+                                  platform="cpu")
       jax.ffi.register_ffi_target(FP8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_fp8_matmul), platform="cpu")
       jax.ffi.register_ffi_target(DECODE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxinfer_decode_attention),
                                   platform="cpu")

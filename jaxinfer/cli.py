@@ -342,10 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
   conv.add_argument("dst", nargs="?", help="output dir (default: checkpoints/<source name>)")
   conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype stored on disk")
-  conv.add_argument("--quantize", default=None, choices=["int8", "fp8", "int4"],
-                    help="store linear weights quantized: int8 or fp8 (e4m3) + per-channel float32 scales, "
-                         "int4 + float16 scales and mins per group of 32 (GGUF Q8_0 / Q4_0 / Q4_1 blocks "
-                         "kept as stored); embeddings, norms and the LM head keep --dtype")
+  conv.add_argument("--quantize", default=None, choices=["int8", "fp8", "int4", "int8-channel"],
+                    help="store linear weights quantized: int8 + float32 scales and mins per group of 32 "
+                         "inputs, the LM head int8 per group of 32 (GGUF Q8_0 blocks kept as stored); "
+                         "int8-channel (opt-in, faster, less accurate) and fp8 (e4m3) + per-channel float32 "
+                         "scales, int8-channel's head per column; int4 + float16 scales and mins per group "
+                         "of 32 (GGUF Q4_0 / Q4_1 blocks kept as stored), its head as int8's; fp8 keeps the "
+                         "head, and embeddings and norms keep --dtype")
   conv.add_argument("--overwrite", action="store_true")
   conv.set_defaults(func=_convert)
   return parser

@@ -49,11 +49,16 @@ class LLM:
     them, or None to replicate: e.g. {"kv_heads": None} replicates the KV
     heads when there are fewer than the 'model' axis splits (what vLLM does
     implicitly; here a ShardingError names the tensor and suggests this).
-    `quantization` ('int8', 'fp8' or 'int4') stores linear weights quantized:
-    int8 / fp8 e4m3 with per-channel scales, int4 in groups of 32 with scales
-    and mins (quantized at load; a checkpoint converted with `--quantize`, a
+    `quantization` ('int8', 'fp8', 'int4' or 'int8-channel') stores linear
+    weights quantized: int8 in groups of 32 inputs with a scale and a min
+    each, and the LM head int8 in groups of 32 (near-lossless: the default
+    model's greedy answers are float32's); int4 in groups of 32 with scales
+    and mins, its head as int8's; fp8 e4m3 with per-channel scales, the head
+    kept float; 'int8-channel' (opt-in) one int8 scale per channel and the
+    head per embedding column: the fastest int8 at batch 1, and the least
+    accurate (quantized at load; a checkpoint converted with `--quantize`, a
     GGUF's Q8_0 tensors as int8 and its Q4_0 / Q4_1 tensors as int4 load
-    directly); see jaxinfer.quant.
+    directly); see jaxinfer.quant.leaf_layout.
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,

@@ -73,7 +73,7 @@ class WeightSpec:
   # columns i, i + n, ... (GPT-OSS's gate_up_proj: gate even, up odd).
   interleave: tuple[int, int] | None = None
   # The LM head, or the embedding tied to it: int8 and int4 hold it in int8
-  # (quant.leaf_format), fp8 keeps it in the model dtype.
+  # (quant.leaf_layout), fp8 keeps it in the model dtype.
   head: bool = False
   # An MoE router (or Qwen2-MoE's shared-expert gate): its logits choose experts, so it is
   # read in float32 and never quantized.
@@ -147,15 +147,15 @@ def param_specs(cfg: ModelConfig, quantization: str | None = None) -> dict[str, 
 
   quantization ('int8', 'fp8', 'int4'): each linear weight is a `QuantizedWeight` of
   specs (values in the format's dtype, float32 scales (int4: float16), and int4's mins; jaxinfer/quant.py).
-  The LM head, or the embedding tied to it, is int8 under int8 and int4 (quant.leaf_format).
+  The LM head, or the embedding tied to it, is int8 under int8 and int4; groups and mins
+  per weight as quant.leaf_layout says.
   """
   if quantization is not None:
-    from jaxinfer.quant import check_quantizable, leaf_format, parse_quantization, quantized_spec
+    from jaxinfer.quant import check_quantizable, leaf_spec, parse_quantization
     parse_quantization(quantization)
     specs = param_specs(cfg)
     check_quantizable(specs, quantization)
-    return jax.tree.map(lambda s: quantized_spec(s, quantization=leaf_format(s, quantization))
-                        if leaf_format(s, quantization) else s, specs, is_leaf=is_spec)
+    return jax.tree.map(lambda s: leaf_spec(s, quantization), specs, is_leaf=is_spec)
   D, V = cfg.hidden_size, cfg.vocab_size
   specs: dict[str, Any] = {
       "embed": WeightSpec((V, D), ("vocab", "embed"), "normal", "model.embed_tokens.weight",
@@ -328,7 +328,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
   """
   specs = param_specs(cfg)
   if quantization is not None:
-    from jaxinfer.quant import check_quantizable, leaf_format, parse_quantization, quantize_weight
+    from jaxinfer.quant import check_quantizable, leaf_format, parse_quantization, quantize_leaf
     parse_quantization(quantization)
     check_quantizable(specs, quantization)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
@@ -342,6 +342,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
     fan_in = spec.fan_in if spec.linear or spec.num_experts else spec.shape[-1]
     w = jax.random.normal(k, spec.shape, jnp.float32) / math.sqrt(fan_in)
     fmt = quantization and leaf_format(spec, quantization)
-    return quantize_weight(spec, w, fmt) if fmt else w.astype(dtype)
+    return quantize_leaf(spec, w, quantization) if fmt else w.astype(dtype)
 
   return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(leaves, keys)])

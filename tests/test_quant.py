@@ -1,6 +1,8 @@
 """Quantized weights (int8, fp8, int4): quantization, the matmul against references, compiled HLO,
 specs, the model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,8 +17,10 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequestError, UnsupportedModelError
 from jaxinfer import quant
 from jaxinfer.params import abstract_params, init_params, is_spec, param_specs
-from jaxinfer.quant import (FP8_MAX, QuantizedWeight, check_fp8, dequantize, is_quantized, linear, quantize,
-                            quantize_fp8, quantize_int4, quantize_int8, quantized_matmul, quantized_matmul_reference)
+from jaxinfer.quant import (FP8_MAX, LeafLayout, QuantizedWeight, check_fp8, dequantize, dequantize_weight, embed_lookup,
+                            head_logits, is_quantized, leaf_layout, linear, quantize, quantize_fp8, quantize_int4,
+                            quantize_int8, quantize_int8_groups, quantize_leaf, quantized_matmul,
+                            quantized_matmul_reference)
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -35,6 +39,43 @@ def test_quantize_int8_is_symmetric_per_output_channel():
   assert np.abs(q.values).max() == 127 and not q.values[5].any()
   # Rounding to the nearest step: off by at most half a step per element.
   assert np.all(np.abs(dequantize(q, 2) - w) <= q.scales[0] / 2 + 1e-7)
+
+
+def test_quantize_int8_groups_asymmetric_spans_each_groups_range_in_255_steps():
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((64, 3)).astype(np.float32)  # [in, out]: two groups of 32 per output
+  w[32:, 1] = 0.25  # a constant group: scale 1, every value on its min
+  q = quantize_int8_groups(w, 1, 32)
+  assert q.values.dtype == np.int8 and q.values.shape == (3, 64)
+  assert q.scales.shape == q.mins.shape == (2, 3) and q.scales.dtype == q.mins.dtype == np.float32
+  g = w.reshape(2, 32, 3)
+  lo, hi = g.min(1), g.max(1)
+  want = np.where(hi > lo, (hi - lo) / np.float32(255), 1).astype(np.float32)
+  np.testing.assert_array_equal(q.scales, want)
+  assert q.values.min() == -128 and q.values.max() == 127  # each group's min and max are its ends
+  back = dequantize(q, 1)
+  assert np.all(np.abs(back - w) <= np.repeat(q.scales, 32, axis=0) / 2 + 1e-6)
+  np.testing.assert_allclose(back[32:, 1], 0.25, rtol=1e-6)
+
+
+def test_int8_groups_hold_4_bit_blocks_and_q8_0_blocks_exactly():
+  # Why the default int8 agrees with float32 at every position of the default model: its
+  # weights are GGUF Q4_1 blocks (w = m + k d, k in 0..15, per 32 inputs), 17 of int8's 255
+  # asymmetric steps per 4-bit step, and its table Q8_0 blocks (w = d q, max |q| = 127),
+  # which symmetric groups give back exactly.
+  rng = np.random.default_rng(6)
+  d = rng.uniform(0.001, 0.01, (4, 1, 5)).astype(np.float16).astype(np.float32)
+  m = rng.uniform(-0.05, 0.0, (4, 1, 5)).astype(np.float16).astype(np.float32)
+  k = rng.integers(0, 16, (4, 32, 5))
+  k[:, 0], k[:, 1] = 0, 15  # each block spans its range, as Q4_1's quantizer makes it
+  w = (m + k * d).reshape(128, 5)
+  np.testing.assert_allclose(dequantize(quantize_int8_groups(w, 1), 1), w, rtol=0, atol=2e-8)
+  q8 = rng.integers(-127, 128, (4, 32, 5)).astype(np.float32)
+  q8[:, 0] = 127
+  table = (q8 * d).reshape(128, 5)
+  sym = quantize_int8_groups(table, 1, asymmetric=False)
+  assert sym.mins is None
+  np.testing.assert_array_equal(dequantize(sym, 1), table)
 
 
 def test_quantize_fp8_is_per_output_channel_e4m3():
@@ -117,17 +158,30 @@ def test_linear_matches_the_dequantized_reference(eq, x_shape, w_shape, n_in, qu
   assert y.shape == jnp.einsum(eq, x, w).shape
 
 
-def test_group_scales_run_the_dequantized_weight():
-  # Q8_0's scales vary along the contraction: the weight is dequantized (activations stay
-  # float), so the result is x @ w up to float32 rounding.
+@pytest.mark.parametrize("with_mins", [False, True])
+def test_int8_group_scales_run_the_group_kernel_or_the_dequantized_weight(monkeypatch, with_mins):
+  # Q8_0's scales (and the default int8's, with mins) vary along the contraction. On the CPU
+  # the group kernel sums x16 q per group exactly (its reference, to float32 rounding); without
+  # the kernels (a program over several devices, no compiler) the weight is dequantized and
+  # the activations stay float: x @ w to float32 rounding.
   rng = np.random.default_rng(2)
   x = rng.standard_normal((4, 64)).astype(np.float32)
   q = rng.integers(-127, 128, (12, 64)).astype(np.int8)  # [out, in]
-  groups = rng.uniform(0.001, 0.01, (2, 12)).astype(np.float32)  # Q8_0-like: groups of 32 inputs
-  w = (q.reshape(12, 2, 32) * groups.T[:, :, None]).reshape(12, 64).T.astype(np.float64)
-  got = np.asarray(quantized_matmul(x, q, groups))
+  groups = rng.uniform(0.001, 0.01, (2, 12)).astype(np.float32)  # groups of 32 inputs
+  mins = rng.uniform(-0.1, 0.1, (2, 12)).astype(np.float32) if with_mins else None
+  w = (q.reshape(12, 2, 32) * groups.T[:, :, None]).reshape(12, 64)
+  if with_mins:
+    w = w + np.repeat(mins.T, 32, axis=1)
+  w = w.T.astype(np.float64)
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+  got = np.asarray(quantized_matmul(x, q, groups, mins))
+  ref = cpu_kernels.int8_group_matmul_reference(x, q, groups, mins)
+  assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+  np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=0, atol=1e-3)  # int16 activations
+  monkeypatch.setattr(quant, "use_cpu_kernels", lambda: False)
+  got = np.asarray(quantized_matmul(x, q, groups, mins))
   np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(got, quantized_matmul_reference(x, q, groups), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, quantized_matmul_reference(x, q, groups, mins), rtol=1e-5, atol=1e-5)
 
 
 def test_linear_refuses_an_equation_it_cannot_flatten():
@@ -312,19 +366,22 @@ def test_quantized_specs_abstract_and_init_agree():
   H, Dh, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
   assert isinstance(wo, QuantizedWeight)
   assert (wo.values.shape, wo.values.dtype) == ((D, H, Dh), jnp.int8)  # output axes first
-  assert (wo.scales.shape, wo.scales.dtype) == ((1, D), jnp.float32)
-  # int8 quantizes the LM head too (per vocab column); the untied embedding is only gathered.
+  # Groups of 32 of its H * Dh inputs, a scale and a min each (quant.leaf_layout).
+  assert (wo.scales.shape, wo.scales.dtype, wo.mins.shape) == ((H * Dh // 32, D), jnp.float32, (H * Dh // 32, D))
+  # int8 quantizes the LM head too (groups of 32 of its D inputs, no mins); the untied
+  # embedding is only gathered.
   head = abstract["lm_head"]
-  assert (head.values.shape, head.values.dtype, head.scales.shape) == ((cfg.vocab_size, D), jnp.int8,
-                                                                     (1, cfg.vocab_size))
+  assert (head.values.shape, head.values.dtype, head.scales.shape, head.mins) == (
+      (cfg.vocab_size, D), jnp.int8, (D // 32, cfg.vocab_size), None)
   assert abstract["embed"].dtype == jnp.bfloat16
   assert abstract["layers"][0]["attn_norm"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4", "int8-channel"])
 def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization):
   from jaxinfer.checkpoint import import_model
-  dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}[quantization]
+  dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "int8-channel": jnp.int8}[quantization]
+  D = _cfg().hidden_size
   cfg = _cfg()
   trees = (abstract_params(cfg, jnp.float32, quantization=quantization),
            init_params(cfg, jax.random.key(0), jnp.float32, quantization=quantization),
@@ -332,15 +389,18 @@ def test_each_format_reaches_specs_random_init_and_the_hf_importer(quantization)
   for tree in trees:
     w = tree["layers"][0]["w_gate"]
     assert is_quantized(w) and w.values.dtype == dtype
-    assert (w.mins is not None) == (quantization == "int4")
+    assert (w.mins is not None) == (quantization in ("int4", "int8"))
+    assert w.scales.shape[0] == (1 if quantization in ("fp8", "int8-channel") else D // 32)
     # The abstract tree (a restore's target), random init and an import agree on the scales' dtype.
     want = jnp.float16 if quantization == "int4" else jnp.float32
     assert w.scales.dtype == want and (w.mins is None or w.mins.dtype == want)
-    # int8 and int4 hold the LM head in int8 (per vocab column); fp8 keeps it float.
+    # int8 and int4 hold the LM head in int8 (groups of 32 along D; int8-channel one scale per
+    # vocab column); fp8 keeps it float.
     head = tree["lm_head"]
     assert is_quantized(head) == (quantization != "fp8")
     if quantization != "fp8":
-      assert head.values.dtype == jnp.int8 and head.scales.shape == (1, cfg.vocab_size) and head.mins is None
+      groups = 1 if quantization == "int8-channel" else D // 32
+      assert head.values.dtype == jnp.int8 and head.scales.shape == (groups, cfg.vocab_size) and head.mins is None
 
 
 def test_quantized_shardings_follow_the_logical_axes():
@@ -373,10 +433,56 @@ def test_int4_is_refused_for_mla_by_name():
 
 
 def test_unknown_quantization_is_a_clear_error():
-  with pytest.raises(InvalidRequestError, match="quantization must be one of int8.*'int3'"):
+  with pytest.raises(InvalidRequestError, match="quantization must be one of int8, fp8, int4, int8-channel.*'int3'"):
     LLM(tiny_dir("llama3"), max_model_len=64, warmup=False, quantization="int3")
   with pytest.raises(InvalidRequestError, match="'fp4'"):
     param_specs(_cfg(), "fp4")
+  with pytest.raises(InvalidRequestError, match="got True"):
+    param_specs(_cfg(), True)
+  with pytest.raises(InvalidRequestError, match="got 'INT8-channel'"):
+    param_specs(_cfg(), "INT8-channel")
+
+
+def test_each_quantization_lays_out_linears_and_the_head():
+  cfg = read_config(tiny_dir("smollm2"))  # tied: the head is the embedding table [V, D]
+  specs = param_specs(cfg)
+  table, w_up = specs["embed"], specs["layers"][0]["w_up"]
+  assert table.head and w_up.linear
+  assert leaf_layout(w_up, "int8") == LeafLayout("int8", 32, True)
+  assert leaf_layout(table, "int8") == LeafLayout("int8", 32, False)
+  assert leaf_layout(w_up, "int8-channel") == leaf_layout(table, "int8-channel") == LeafLayout("int8")
+  assert leaf_layout(w_up, "int4") == LeafLayout("int4", 32, True)
+  assert leaf_layout(table, "int4") == LeafLayout("int8", 32, False)
+  assert leaf_layout(w_up, "fp8") == LeafLayout("fp8") and leaf_layout(table, "fp8") is None
+  assert leaf_layout(w_up, None) is None
+  # Inputs that are not a multiple of 32: per channel.
+  odd = dataclasses.replace(w_up, shape=(48, w_up.shape[1]))
+  assert leaf_layout(odd, "int8") == LeafLayout("int8")
+  # Stacked experts stay per channel (models/moe.py's grouped matmul takes per-channel scales).
+  moe = param_specs(read_config(tiny_dir("qwen3_moe")))
+  experts = next(s for s in jax.tree.leaves(moe, is_leaf=is_spec) if s.num_experts)
+  assert leaf_layout(experts, "int8") == LeafLayout("int8")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8-channel"])
+def test_a_tied_int8_table_reads_back_its_dequantized_rows_and_logits(quantization):
+  # The table in groups along D per vocab row (int8) or per D column (int8-channel): the
+  # lookup gives the dequantized rows, the head x @ the dequantized table^T.
+  cfg = read_config(tiny_dir("smollm2"))
+  spec = param_specs(cfg)["embed"]
+  rng = np.random.default_rng(7)
+  table = (rng.standard_normal(spec.shape) * rng.uniform(0.1, 2, (spec.shape[0], 1))).astype(np.float32)
+  q = quantize_leaf(spec, table, quantization)
+  back = dequantize_weight(spec, q)
+  assert back.shape == table.shape
+  assert np.abs(back - table).max() <= np.abs(table).max() / 127
+  qj = jax.tree.map(jnp.asarray, q)
+  tokens = jnp.asarray([[3, 0, spec.shape[0] - 1]])
+  np.testing.assert_allclose(np.asarray(embed_lookup(qj, tokens, jnp.float32)), back[np.asarray(tokens)], rtol=1e-6,
+                             atol=1e-7)
+  x = rng.standard_normal((2, spec.shape[1])).astype(np.float32)
+  got = np.asarray(head_logits(jnp.asarray(x), qj, tied=True))
+  np.testing.assert_allclose(got, x.astype(np.float64) @ back.T.astype(np.float64), rtol=0, atol=1e-3)
 
 
 # ---- the model -------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 Tensors are dequantized to float32 with the `gguf` package, except linear
 weights whose blocks match the quantization asked for, kept as they are as
 group-wise QuantizedWeights (no float32 copy, llama.cpp's numbers):
-  int8: Q8_0 (one fp16 scale per 32 int8 values along the input axis)
+  int8: Q8_0 (one fp16 scale per 32 int8 values along the input axis; not int8-channel,
+        which holds every linear weight per channel)
   int4: Q4_0 (fp16 d, 32 nibbles q: w = d (q - 8)) and Q4_1 (fp16 d and m:
         w = d q + m), as int4 values q - 8 with float16 scales d and mins -8 d
         (exact in float16) / m: the blocks' own numbers, bit for bit
 Any other quantized type asked for as a quantization is dequantized and
-requantized (per channel for int8 / fp8, per group of 32 for int4; logged
-once per type); float tensors are quantized without a log line. llama.cpp's
+requantized (in int8's asymmetric groups of 32, per channel for int8-channel
+and fp8, per group of 32 for int4; logged once per type); float tensors are quantized without a log line. llama.cpp's
 converter permutes the rows of attn_q / attn_k of 'llama' models into its
 interleaved RoPE layout; we undo it to get back Hugging Face's half-split
 layout, which our RoPE uses. Mixture-of-experts files (Mixtral as 'llama'
@@ -18,8 +19,9 @@ tensor per projection (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]
 in numpy order), read as they are; with a quantization, quantized expert
 tensors are dequantized and requantized per (expert, channel), the layout the
 grouped expert matmul takes (logged once per type). The LM head (or the embedding tied to it),
-which int8 and int4 hold in int8, is read as floats and quantized to int8 per
-channel by import_model.
+which int8 and int4 hold in int8, is read as floats and quantized to int8 by
+import_model (per group of 32 along the hidden axis: a Q8_0 table comes back
+exactly; per column under int8-channel).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def read_q4(data: np.ndarray, shape: tuple[int, int], qtype: Q) -> QuantizedWeig
 
 
 # The GGUF block types each quantization keeps as they are.
-KEPT = {"int8": (Q.Q8_0,), "int4": (Q.Q4_0, Q.Q4_1), "fp8": ()}
+KEPT = {"int8": (Q.Q8_0,), "int4": (Q.Q4_0, Q.Q4_1), "fp8": (), "int8-channel": ()}
 
 
 def _quantize_rows(w: np.ndarray, quantization: str, name: str) -> QuantizedWeight:
@@ -128,7 +130,7 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
   cfg = ModelConfig.from_gguf(meta, set(tensors))
   permuted = meta.get("general.architecture") == "llama"  # Mixtral GGUFs too
   # The tensors `quantization` applies to here. The head (int8 under int8 and int4) is read as
-  # floats and quantized per channel by import_model: Q8_0 blocks would be dequantized on every step.
+  # floats and quantized by import_model (quant.leaf_layout).
   # So are stacked experts (their grouped matmul takes per-channel scales only).
   linear, experts = set(), set()
   if quantization:
@@ -158,7 +160,8 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
         what = "expert tensors" if name in experts else "tensors"
         if (name in linear or name in experts) and qtype not in FLOAT_TYPES and (qtype.name, what) not in requantized:
           requantized.add((qtype.name, what))
-          how = "per group of 32" if quantization == "int4" else "per channel"
+          how = ("per channel" if name in experts or quantization in ("fp8", "int8-channel")
+                 else "per group of 32")
           log.warning("%s: %s %s are not loaded quantized as they are: dequantized to float32 "
                       "and requantized to %s %s", path.name, qtype.name, what, quantization, how)
         w = gguf.quants.dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
@@ -172,7 +175,7 @@ def read_gguf(path: str | Path, quantization: str | None = None) -> ImportedMode
                               for a in (w.values, w.scales, w.mins)))
       else:
         w = unpermute_rope_rows(w, heads)
-    if name in linear and not isinstance(w, QuantizedWeight) and quantization != "int8":
+    if name in linear and not isinstance(w, QuantizedWeight) and quantization in ("int4", "fp8"):
       # import_model's per-channel pass makes int8 only; the other formats are made here.
       w = _quantize_rows(w, quantization, name)
     return w

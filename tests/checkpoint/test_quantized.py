@@ -18,7 +18,7 @@ from jaxinfer.cli import main
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import is_spec, param_specs
 from jaxinfer.quant import (QuantizedWeight, dequantize, dequantize_weight, format_of, is_quantized, num_in_axes,
-                            quantize_tree, quantize_weight)
+                            quantize_leaf, quantize_tree)
 from jaxinfer.sharding import make_mesh, make_rules, param_shardings
 
 Q = gguf.GGMLQuantizationType
@@ -88,8 +88,9 @@ def test_converted_bfloat16_keeps_int8_and_float32_scales(tmp_path):
   assert main(["convert", str(tiny_dir("smollm2")), str(dst), "--quantize", "int8", "--dtype", "bfloat16"]) == 0
   params = load_model(dst, dtype="bfloat16").params
   assert params["final_norm"].dtype == "bfloat16"
-  # SmolLM2 ties its LM head to the embedding, which int8 quantizes per column (quant.head_logits).
-  assert params["embed"].values.dtype == np.int8 and params["embed"].scales.shape == (1, 64)
+  # SmolLM2 ties its LM head to the embedding, which int8 quantizes per vocab row in groups of
+  # 32 of its 64 values (quant.leaf_layout): scales [2, V].
+  assert params["embed"].values.dtype == np.int8 and params["embed"].scales.shape == (2, params["embed"].shape[0])
   assert params["layers"][1]["w_down"].values.dtype == np.int8
   assert params["layers"][1]["w_down"].scales.dtype == np.float32
 
@@ -135,9 +136,12 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
   leaves, num_layers = quantized_leaves(q8_0_file, "int8")
   assert len(leaves) == 7 * num_layers + 1
   (head_spec, head, table), = [(s, q, f) for s, q, f in leaves if s.head]
-  # The tied head is not kept as Q8_0 blocks (they would be dequantized every step): per column.
-  assert head_spec.axes == ("vocab", "embed") and head.scales.shape == (1, head_spec.shape[1])
-  np.testing.assert_array_equal(head.values, quantize_weight(head_spec, table, "int8").values)
+  # The tied head is made from the table's floats in int8's groups of 32 along D, symmetric: a
+  # Q8_0 table (d q, max |q| = 127 per block) comes back exactly.
+  V, D = head_spec.shape
+  assert head_spec.axes == ("vocab", "embed") and head.scales.shape == (D // 32, V) and head.mins is None
+  np.testing.assert_array_equal(head.values, quantize_leaf(head_spec, table, "int8").values)
+  np.testing.assert_array_equal(dequantize_weight(head_spec, head), table)
   for spec, q, f in leaves:
     if spec.head:
       continue
@@ -150,25 +154,25 @@ def test_q8_0_loads_as_its_own_int8_blocks(q8_0_file):
 
 def _float_reference_with_the_int8_table(path):
   """The float32 LLM of `path`, its tied table replaced by the dequantized int8 table that
-  int8 and int4 hold (per column, not a GGUF block), and that int8 table."""
+  int8 and int4 hold (groups of 32 along D, made from the floats), and that int8 table."""
   ref_llm = LLM(path, max_model_len=64, warmup=False)
   spec = param_specs(ref_llm.config)["embed"]
-  table = quantize_weight(spec, np.asarray(ref_llm.runner.params["embed"]), "int8")
+  table = quantize_leaf(spec, np.asarray(ref_llm.runner.params["embed"]), "int8")
   ref_llm.runner.params = {**ref_llm.runner.params, "embed": jnp.asarray(dequantize_weight(spec, table))}
   return ref_llm, table
 
 
 def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
-  # Group-wise weights run as their dequantized float32 values (quant.quantized_matmul), which are
-  # the float32 loader's exactly: only float32 rounding may differ (logits ~3.5 in size);
-  # a layout or scale mix-up would move them by whole units. The tied head is int8 per column
-  # (not a Q8_0 block), so the reference gets that table's dequantized values; the split
-  # activations carry 2^-16 of their row maximum, well inside the tolerance.
+  # Q8_0 blocks are the float32 loader's weights exactly; on the CPU the group kernel sums
+  # them against int16 activations (2^-15 of their row maximum), as int4's does: logits ~3.5
+  # in size agree to 1e-3 (4.0e-4 seen); a layout or scale mix-up moves them by whole units. The tied
+  # head is int8 in groups of 32 made from the floats, so the reference gets that table's
+  # dequantized values.
   ids = golden("smollm2")["token_ids"].tolist()
   ref_llm, table = _float_reference_with_the_int8_table(q8_0_file)
   got_llm = LLM(q8_0_file, max_model_len=64, warmup=False, quantization="int8")
   np.testing.assert_array_equal(np.asarray(got_llm.runner.params["embed"].values), table.values)
-  np.testing.assert_allclose(got_llm.logits(ids), ref_llm.logits(ids), atol=1e-4, rtol=0)
+  np.testing.assert_allclose(got_llm.logits(ids), ref_llm.logits(ids), atol=1e-3, rtol=0)
 
 
 def test_q8_0_int8_greedy_batch_invariance(q8_0_file):
@@ -197,9 +201,31 @@ def test_other_gguf_types_fall_back_with_one_log_line(tmp_path, caplog):
   with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint.gguf"):
     model = import_model(path, "int8")
   lines = [r.getMessage() for r in caplog.records if "not loaded quantized" in r.getMessage()]
-  assert len(lines) == 1 and "Q4_1" in lines[0] and "requantized to int8 per channel" in lines[0]
+  assert len(lines) == 1 and "Q4_1" in lines[0] and "requantized to int8 per group of 32" in lines[0]
   w = model.weights["layers"][0]["w_gate"]
-  assert isinstance(w, QuantizedWeight) and w.scales.shape[0] == 1
+  D = w.values.shape[-1]
+  assert isinstance(w, QuantizedWeight) and w.scales.shape[0] == w.mins.shape[0] == D // 32
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint.gguf"):
+    model = import_model(path, "int8-channel")
+  lines = [r.getMessage() for r in caplog.records if "not loaded quantized" in r.getMessage()]
+  assert len(lines) == 1 and "requantized to int8-channel per channel" in lines[0]
+  w = model.weights["layers"][0]["w_gate"]
+  assert w.scales.shape[0] == 1 and w.mins is None
+
+
+def test_q8_0_under_int8_channel_is_requantized_per_channel_and_round_trips(q8_0_file, tmp_path):
+  # The opt-in per-channel int8 does not keep Q8_0 blocks (its name says one scale per
+  # channel); its head is per column; a converted checkpoint says int8-channel and restores
+  # the same arrays.
+  model = import_model(q8_0_file, "int8-channel")
+  assert model.weights["layers"][0]["wq"].scales.shape[0] == 1
+  assert model.weights["embed"].scales.shape == (1, model.weights["embed"].values.shape[1])
+  dst = tmp_path / "ch"
+  assert main(["convert", str(q8_0_file), str(dst), "--quantize", "int8-channel"]) == 0
+  assert json.loads((dst / orbax_io.MANIFEST).read_text())["quantization"] == "int8-channel"
+  for a, b in zip(_leaves(model.weights), _leaves(load_model(dst).params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---- fp8 and int4 ------------------------------------------------------------------------------
@@ -287,9 +313,10 @@ def test_q4_loads_as_its_own_int4_blocks(gguf_files, qtype):
   leaves, num_layers = quantized_leaves(gguf_files[qtype], "int4")
   assert len(leaves) == 7 * num_layers + 1
   (head_spec, head, table), = [(s, q, f) for s, q, f in leaves if s.head]
-  # The tied head is int8 per column under int4 too (quant.leaf_format), made from its floats.
-  assert head.values.dtype == jax.numpy.int8 and head.scales.shape == (1, head_spec.shape[1]) and head.mins is None
-  np.testing.assert_array_equal(head.values, quantize_weight(head_spec, table, "int8").values)
+  # The tied head is int8 in groups of 32 along D under int4 too (quant.leaf_layout), made from its floats.
+  V, D = head_spec.shape
+  assert head.values.dtype == jax.numpy.int8 and head.scales.shape == (D // 32, V) and head.mins is None
+  np.testing.assert_array_equal(head.values, quantize_leaf(head_spec, table, "int4").values)
   for spec, q, f in leaves:
     if spec.head:
       continue

@@ -1,4 +1,4 @@
-"""cpu_kernels.int8_matmul and int4_matmul (XLA FFI kernels) against their int64 / float64 references."""
+"""cpu_kernels.int8_matmul, int8_group_matmul and int4_matmul (XLA FFI kernels) against their int64 / float64 references."""
 
 import os
 import platform
@@ -285,6 +285,78 @@ def test_int4_groups_the_kernel_cannot_take_are_value_errors():
     cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float32))
   with pytest.raises(ValueError, match=r"mins float32\[3, 3\]"):
     cpu_kernels.int4_matmul(x, q, jnp.ones((3, 3), jnp.float16), jnp.ones((3, 3), jnp.float32))
+
+
+# ---- int8 groups -----------------------------------------------------------------------------
+
+def _int8g_case(rng, R, I, O, G, with_mins=True):
+  x = (rng.standard_normal((R, I)) * rng.uniform(0.01, 30, (R, 1))).astype(np.float32)
+  q = rng.integers(-128, 128, (O, I)).astype(np.int8)
+  s = rng.uniform(0.001, 0.02, (G, O)).astype(np.float32)
+  m = rng.uniform(-0.1, 0.1, (G, O)).astype(np.float32) if with_mins else None
+  return x, q, s, m
+
+
+def _int8g(x, q, s, m):
+  m = None if m is None else jnp.asarray(m)
+  return np.asarray(jax.jit(cpu_kernels.int8_group_matmul)(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s), m))
+
+
+@needs_kernel
+@pytest.mark.parametrize("R,I,O,G,with_mins", [
+    (1, 576, 1536, 18, True),    # one token, groups of 32 with mins (jaxinfer's int8)
+    (6, 576, 33, 18, True),      # 2 x 4 tiles plus leftovers
+    (64, 1536, 576, 48, False),  # Q8_0: no mins
+    (5, 128, 7, 2, True),        # groups of 64: two 32-input chunks per group
+    (3, 1024, 9, 2, True),       # groups of 512, the largest
+])
+def test_int8_groups_equal_the_float64_reference(R, I, O, G, with_mins):
+  # Exact integer group sums, scaled and summed in float32: within float32 rounding of the
+  # float64 value x16 @ (q scale + min)^T.
+  x, q, s, m = _int8g_case(np.random.default_rng(R + I + O + G), R, I, O, G, with_mins)
+  got = _int8g(x, q, s, m)
+  ref = cpu_kernels.int8_group_matmul_reference(x, q, s, m)
+  assert got.dtype == np.float32 and got.shape == (R, O)
+  assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+@needs_kernel
+def test_int8_extreme_values_in_the_largest_group_do_not_overflow():
+  # 512 inputs of 32767 x -128: a group sum of -2147418112, just inside int32.
+  x = np.full((2, 512), 32767, np.float32)
+  x[1] = -32767
+  q = np.full((3, 512), -128, np.int8)
+  s = np.full((1, 3), 1e-3, np.float32)
+  got = _int8g(x, q, s, None)
+  np.testing.assert_allclose(got, cpu_kernels.int8_group_matmul_reference(x, q, s), rtol=1e-6)
+
+
+@needs_kernel
+def test_int8_group_rows_are_the_same_number_at_any_row_count():
+  # 43 outputs: one token runs 8-row tiles and three single cells, more tokens 2 x 4 tiles
+  # and single cells; every cell must come out the same number (greedy batch invariance).
+  for with_mins in (True, False):
+    x, q, s, m = _int8g_case(np.random.default_rng(12), 13, 576, 43, 18, with_mins)
+    together = _int8g(x, q, s, m)
+    for rows in (1, 2, 3, 4, 5, 8):
+      parts = [_int8g(x[i:i + rows], q, s, m) for i in range(0, 13, rows)]
+      np.testing.assert_array_equal(np.concatenate(parts), together)
+
+
+def test_int8_groups_the_kernel_cannot_take_are_value_errors():
+  x = jnp.ones((2, 96), jnp.float32)
+  q = jnp.ones((3, 96), jnp.int8)
+  with pytest.raises(ValueError, match="I / G a multiple of 32"):
+    cpu_kernels.int8_group_matmul(x, q, jnp.ones((2, 3), jnp.float32))  # groups of 48
+  with pytest.raises(ValueError, match="multiple of 32 up to 512"):  # past it the int32 group sums could overflow
+    cpu_kernels.int8_group_matmul(jnp.ones((1, 1024), jnp.float32), jnp.ones((3, 1024), jnp.int8),
+                                  jnp.ones((1, 3), jnp.float32))
+  with pytest.raises(ValueError, match=r"scales float16\[3, 3\]"):
+    cpu_kernels.int8_group_matmul(x, q, jnp.ones((3, 3), jnp.float16))
+  with pytest.raises(ValueError, match=r"mins float32\[3, 4\]"):
+    cpu_kernels.int8_group_matmul(x, q, jnp.ones((3, 3), jnp.float32), jnp.ones((3, 4), jnp.float32))
+  with pytest.raises(ValueError, match=r"q int4"):
+    cpu_kernels.int8_group_matmul(x, q.astype(jnp.int4), jnp.ones((3, 3), jnp.float32))
 
 
 # ---- fp8 (e4m3fn) -----------------------------------------------------------------------------

@@ -137,11 +137,11 @@ def test_ep_with_int8_experts_equals_the_single_program_moe_ffn(router):
   """int8 experts on the wide mesh: values and their [E, 1, out] scales split by expert, and
   w_gate / w_up's scales by F with their values ('model', tp 2), w_down's not (its output is
   D): the same output as the single-program moe_ffn over the same quantized layer."""
-  from jaxinfer.quant import is_quantized, quantizable, quantize_tree, quantized_spec
+  from jaxinfer.quant import is_quantized, leaf_spec, quantize_tree
   cfg = config(router)
   float_specs = moe_specs(cfg, 0)
   p = jax.tree.map(jnp.asarray, quantize_tree(float_specs, jax.tree.map(np.asarray, random_params(cfg)), "int8"))
-  specs = jax.tree.map(lambda s: quantized_spec(s) if quantizable(s, "int8") else s, float_specs, is_leaf=is_spec)
+  specs = jax.tree.map(lambda s: leaf_spec(s, "int8"), float_specs, is_leaf=is_spec)
   mesh, rules = make_mesh(2, 2, 2), make_rules(WIDE)
   shardings = jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), specs, is_leaf=is_spec)
   ps = jax.device_put(p, shardings)
