@@ -108,20 +108,32 @@ def int4_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array |
   x @ (q scale)^T, group by group (GGUF Q4_1's and Q4_0's blocks). Each element is the same
   fixed sequence of float32 operations at any row count.
   Raises RuntimeError when the kernel is not available()."""
+  _check_groups("int4_matmul", x, q, scales, mins, jnp.int4, jnp.float16, int4_groups_fit, INT4_MAX_GROUP)
+  return _group_call(INT4_TARGET, x, q, scales, mins)
+
+
+def _check_groups(name, x, q, scales, mins, q_dtype, scale_dtype, fits, max_group) -> None:
+  """ValueError unless x float32 [R, I], q q_dtype [O, I], scales (and mins) scale_dtype [G, O]
+  with `fits(I, G)` (groups of a multiple of 32 inputs, at most max_group)."""
   G = scales.shape[0]
-  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int4
-      or scales.shape != (G, q.shape[0]) or scales.dtype != jnp.float16
-      or (mins is not None and (mins.shape != scales.shape or mins.dtype != jnp.float16))
-      or not int4_groups_fit(q.shape[1], G)):
-    raise ValueError(f"int4_matmul: want x float32 [R, I], q int4 [O, I], float16 scales and mins [G, O] with I / G "
-                     f"a multiple of 32 up to {INT4_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, "
-                     f"scales {scales.dtype}{list(scales.shape)}, "
+  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != q_dtype
+      or scales.shape != (G, q.shape[0]) or scales.dtype != scale_dtype
+      or (mins is not None and (mins.shape != scales.shape or mins.dtype != scale_dtype))
+      or not fits(q.shape[1], G)):
+    q_name, s_name = jnp.dtype(q_dtype).name, jnp.dtype(scale_dtype).name
+    raise ValueError(f"{name}: want x float32 [R, I], q {q_name} [O, I], {s_name} scales and mins [G, O] with "
+                     f"I / G a multiple of 32 up to {max_group}, got x {x.dtype}{list(x.shape)}, "
+                     f"q {q.dtype}{list(q.shape)}, scales {scales.dtype}{list(scales.shape)}, "
                      f"mins {None if mins is None else f'{mins.dtype}{list(mins.shape)}'}")
+
+
+def _group_call(target: str, x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None) -> jax.Array:
+  """The group-wise kernels' FFI call (operands already checked): float32 [R, O]."""
   if not available():
     raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   # Without mins the scales stand in for them (not read): no zeros written per call.
-  return jax.ffi.ffi_call(INT4_TARGET, out, vmap_method="sequential")(
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
       x, q, scales, scales if mins is None else mins, has_mins=np.int32(mins is not None))
 
 
@@ -141,20 +153,8 @@ def int8_group_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.A
   the group: x @ (q scale + min)^T group by group (jaxinfer.quant's group-wise int8; GGUF
   Q8_0's blocks without mins). Each element is the same fixed sequence of float32 operations
   at any row count. Raises RuntimeError when the kernel is not available()."""
-  G = scales.shape[0]
-  if (x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or x.dtype != jnp.float32 or q.dtype != jnp.int8
-      or scales.shape != (G, q.shape[0]) or scales.dtype != jnp.float32
-      or (mins is not None and (mins.shape != scales.shape or mins.dtype != jnp.float32))
-      or not int8_groups_fit(q.shape[1], G)):
-    raise ValueError(f"int8_group_matmul: want x float32 [R, I], q int8 [O, I], float32 scales and mins [G, O] with "
-                     f"I / G a multiple of 32 up to {INT8_MAX_GROUP}, got x {x.dtype}{list(x.shape)}, "
-                     f"q {q.dtype}{list(q.shape)}, scales {scales.dtype}{list(scales.shape)}, "
-                     f"mins {None if mins is None else f'{mins.dtype}{list(mins.shape)}'}")
-  if not available():
-    raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(INT8_GROUP_TARGET, out, vmap_method="sequential")(
-      x, q, scales, scales if mins is None else mins, has_mins=np.int32(mins is not None))
+  _check_groups("int8_group_matmul", x, q, scales, mins, jnp.int8, jnp.float32, int8_groups_fit, INT8_MAX_GROUP)
+  return _group_call(INT8_GROUP_TARGET, x, q, scales, mins)
 
 
 def int8_group_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,

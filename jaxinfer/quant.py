@@ -365,6 +365,19 @@ def quantize_int8(w: np.ndarray, n_in: int) -> QuantizedWeight:
   return QuantizedWeight(to_values_layout(values, n_in), scale.reshape((1,) + w.shape[n_in:]))
 
 
+def _input_groups(w, n_in: int, group_size: int, fmt: str, name: str):
+  """(xp, w float32, G, w as [G, group_size, out]): w's first `n_in` (input) axes in G groups of
+  `group_size` consecutive inputs; ValueError naming the weight when they do not divide."""
+  xp = _xp(w)
+  w = xp.asarray(w, np.float32)
+  in_size = math.prod(w.shape[:n_in])
+  if group_size < 1 or in_size % group_size:
+    raise ValueError(f"{fmt} group size {group_size} does not divide the {in_size} inputs of {name} "
+                     f"{tuple(w.shape)}")
+  G = in_size // group_size
+  return xp, w, G, w.reshape(G, group_size, -1)
+
+
 def quantize_int8_groups(w: np.ndarray, n_in: int, group_size: int = INT8_GROUP, asymmetric: bool = True,
                          name: str = "weight") -> QuantizedWeight:
   """int8 per group of `group_size` consecutive inputs (over the first `n_in` axes), float32
@@ -372,14 +385,7 @@ def quantize_int8_groups(w: np.ndarray, n_in: int, group_size: int = INT8_GROUP,
   / scale) - 128 in [-128, 127] and mins = min + 128 scale, so w = values scale + mins (the
   group's range in 255 steps). Symmetric (GGUF Q8_0's): scale = max|w| / 127, values in
   [-127, 127], no mins. A constant group gets scale 1."""
-  xp = _xp(w)
-  w = xp.asarray(w, np.float32)
-  in_size = math.prod(w.shape[:n_in])
-  if group_size < 1 or in_size % group_size:
-    raise ValueError(f"int8 group size {group_size} does not divide the {in_size} inputs of {name} "
-                     f"{tuple(w.shape)}")
-  G = in_size // group_size
-  grouped = w.reshape(G, group_size, -1)
+  xp, w, G, grouped = _input_groups(w, n_in, group_size, "int8", name)
   out = (G,) + w.shape[n_in:]
   if asymmetric:
     lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
@@ -408,14 +414,7 @@ def quantize_fp8(w: np.ndarray, n_in: int) -> QuantizedWeight:
 
 def quantize_int4(w: np.ndarray, n_in: int, group_size: int = INT4_GROUP, name: str = "weight") -> QuantizedWeight:
   """Asymmetric int4 per group of `group_size` consecutive inputs (GGUF Q4_1's scheme)."""
-  xp = _xp(w)
-  w = xp.asarray(w, np.float32)
-  in_size = math.prod(w.shape[:n_in])
-  if group_size < 1 or in_size % group_size:
-    raise ValueError(f"int4 group size {group_size} does not divide the {in_size} inputs of {name} "
-                     f"{tuple(w.shape)}")
-  G = in_size // group_size
-  grouped = w.reshape(G, group_size, -1)
+  xp, w, G, grouped = _input_groups(w, n_in, group_size, "int4", name)
   lo, hi = grouped.min(axis=1), grouped.max(axis=1)  # [G, O]
   if not float(xp.maximum(hi.max(), -lo.min())) <= F16_MAX:  # (also NaN)
     raise ValueError(f"{name} {tuple(w.shape)} has weights past float16's range (+-{F16_MAX:g}), or NaN: int4's "
