@@ -339,21 +339,26 @@ def time_split(llm, T_seqs: list[tuple[str, int, int, int]], reps: int, ablate: 
     def stand_in(x, ids, weights, *w):
       return x * jnp.sum(weights, axis=-1, keepdims=True).astype(x.dtype)
 
-    base = r._step.__wrapped__
+    from jaxinfer.engine.runner import SamplerInputs, to_buffers
+    base = r._step.__wrapped__  # the forward program (the sampler is a program of its own)
 
-    def stubbed(params, cache, history, batch, *, prompt_logprobs):  # a new function: traced anew
-      return base(params, cache, history, batch, prompt_logprobs=prompt_logprobs)
+    def stubbed(layout, params, cache, history, ints, floats, *, prompt_logprobs):  # traced anew
+      return base(layout, params, cache, history, ints, floats, prompt_logprobs=prompt_logprobs)
 
-    step = jax.jit(stubbed, static_argnames=("prompt_logprobs",), donate_argnums=(1, 2))
+    step = jax.jit(stubbed, static_argnums=(0,), static_argnames=("prompt_logprobs",), donate_argnums=(2,))
     T, lp, batch = r.pack_step(seqs)
+    ints, floats, layout = to_buffers(batch)
+    mode, fused = r.sampler_mode(batch)
 
     def dots(fn) -> int:
-      text = fn.lower(r.params, r.cache, r.history, batch, prompt_logprobs=lp).as_text()
+      text = fn.lower(layout, r.params, r.cache, r.history, ints, floats, prompt_logprobs=lp).as_text()
       return text.count("dot_general") + text.count("ragged_dot")
 
-    def run():
-      r.cache, r.history, out = step(r.params, r.cache, r.history, batch, prompt_logprobs=lp)
-      return jax.device_get(out)
+    def run():  # the stubbed forward, then the step's own sampler: what r.execute runs, less the experts
+      r.cache, logits, expert_tokens, _ = step(layout, r.params, r.cache, r.history, ints, floats,
+                                               prompt_logprobs=lp)
+      results, _, _ = r._run_sampler(SamplerInputs.of(batch), mode, fused, logits, expert_tokens)
+      return jax.device_get(results)
 
     counts = {"dots_in_step": dots(r._step)}
     real = moe_mod.grouped_swiglu

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import (ALL_WORK, MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
+from jaxinfer.sampling import (ALL_WORK, CANDIDATES, MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
                                _bits_are_per_index,
                                _gumbel_at, apply_penalties, candidate_thresholds, first_argmax, sample,
                                sort_descending, validate_per_request)
@@ -61,7 +61,7 @@ def run(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, posi
     args = jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   # The mode the engine would pick: read off the host rows.
   mode = SamplerMode.of(jax.device_get(sp), V)
-  out = jax.jit(functools.partial(sample, mode=mode))(*args)
+  out = sampler(CANDIDATES, mode)(*args)  # one jitted sampler per mode (a fresh partial would recompile)
   out = tuple(np.asarray(o) for o in out)
   return out if full_output else out[:2]
 
