@@ -1006,9 +1006,8 @@ def _feed(batch: StepBatch, history, page_size: int) -> tuple[jax.Array, StepBat
   drafts their in-flight step accepted, which the host did not know when it packed them
   (`_feed_drafts` does the same for their draft ids and sampling positions). Returns
   (tokens [T], batch)."""
-  S, k = batch.draft_ids.shape
-  K1 = k + 1
-  nxt = jnp.concatenate([history["last"][:, None], history["drafts"]], axis=1).reshape(-1)  # [rows * K1]
+  S = batch.draft_ids.shape[0]
+  nxt = jnp.concatenate([history["last"][:, None], history["drafts"]], axis=1).reshape(-1)  # [rows * (k + 1)]
   tokens = jnp.where(batch.feed >= 0, nxt[jnp.maximum(batch.feed, 0)], batch.tokens)
   if not page_size:
     return tokens, batch
