@@ -222,15 +222,10 @@ def int16_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def int4_matmul_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray,
                           mins: np.ndarray | None = None) -> np.ndarray:
   """The same product in float64 over int16_rows_reference(x) (int64 group sums): what
-  int4_matmul rounds."""
-  x16, a = int16_rows_reference(x)
-  x, q = np.asarray(x16, np.int64), np.asarray(q, np.int64)
-  G, (R, I) = scales.shape[0], x.shape
-  S = np.einsum("rgi,ogi->rgo", x.reshape(R, G, I // G), q.reshape(-1, G, I // G))
-  y = np.einsum("rgo,go->ro", S.astype(np.float64), np.asarray(scales, np.float64))
-  if mins is not None:  # w = (q + 8) scale + min
-    y += x.reshape(R, G, I // G).sum(-1).astype(np.float64) @ (8 * np.asarray(scales, np.float64) + np.asarray(mins, np.float64))
-  return y * a
+  int4_matmul rounds: the group-wise int8 reference with w = (q + 8) scale + min = q scale + min'."""
+  if mins is not None:
+    mins = 8 * np.asarray(scales, np.float64) + np.asarray(mins, np.float64)
+  return int8_group_matmul_reference(x, q, scales, mins)
 
 
 def int8_matmul_reference(x: np.ndarray, q: np.ndarray) -> np.ndarray:
