@@ -583,7 +583,7 @@ class ModelRunner:
     first warm mode that covers what its rows need (`SamplerMode`, sampling.WARM_MODES).
     rows_at_once: as on a GPU (True) or XLA:CPU (False); None: this backend's."""
     at_once = self.rows_at_once if rows_at_once is None else rows_at_once
-    warm = [m._replace(rows_at_once=at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+    warm = _warm_modes(at_once)
     need = SamplerMode.of(batch.sampling, self.cfg.vocab_size, masked=batch.allowed is not None,
                           rows_at_once=at_once)
     if self._can_fuse and not (need.truncate or need.process):
@@ -596,7 +596,7 @@ class ModelRunner:
     """Every (mode, fused, masked) a step's sampler can run: what warm-up compiles per row bucket."""
     # A grammar's mask comes with every kind of work (structured output is rarer than sampling,
     # and each variant costs a compile per row bucket).
-    warm = [m._replace(rows_at_once=self.rows_at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+    warm = _warm_modes(self.rows_at_once)
     out = [(m, False, False) for m in warm] + [(warm[-1], False, True)]
     if self._can_fuse:
       out += [(SamplerMode(logprobs=lp), True, False) for lp in (False, True)]
@@ -611,7 +611,7 @@ class ModelRunner:
     """launch_packed, also returning the step's logits and expert counts (device arrays)."""
     order, self._result_order = self._result_order, None
     mode, fused = self.sampler_mode(batch)
-    ints, floats, layout = to_buffers(batch)
+    ints, floats, layout = to_buffers(_model_inputs(batch))
     self._programs.add(("forward", T, prompt_lp))
     self.cache, logits, expert_tokens, extras = self._step(layout, self.params, self.cache, self.history,
                                                            ints, floats, prompt_logprobs=prompt_lp)
@@ -636,7 +636,7 @@ class ModelRunner:
     T, lp, batch = self.pack_step(seqs)
     self._result_order = None
     mode, fused = self.sampler_mode(batch, rows_at_once)
-    ints, floats, layout = to_buffers(batch)
+    ints, floats, layout = to_buffers(_model_inputs(batch))
     fwd = self._step.trace(layout, self.params, self.cache, self.history, ints, floats, prompt_logprobs=lp)
     cache, logits, expert_tokens, extras = fwd.out_info
     s_ints, s_floats, s_layout = to_buffers(SamplerInputs.of(batch))
@@ -883,6 +883,17 @@ def _forward(dp, cfg, attention_impl, decode_q_len, params, tokens, positions, c
       in_specs=(param_specs, split, split, split, split),
       out_specs=(split, split, split))(params, tokens, positions, cache, paged)
   return hidden, cache, per_shard.sum(0)  # [shards, layers, E] -> the whole step's
+
+
+def _warm_modes(rows_at_once: bool) -> list[SamplerMode]:
+  """sampling.WARM_MODES with this backend's rows_at_once (only modes that draw have one)."""
+  return [m._replace(rows_at_once=rows_at_once and (m.draw or m.truncate)) for m in WARM_MODES]
+
+
+def _model_inputs(batch: StepBatch) -> StepBatch:
+  """What the forward and MTP programs read of a batch: the sampling rows and the grammar mask
+  cross to the device once, in the sampler's own buffers (SamplerInputs)."""
+  return batch._replace(sampling=None, allowed=None)
 
 
 def _sample_and_accept(logits, batch: SamplerInputs, history, attention_impl, relaxed, mode: SamplerMode,
