@@ -100,8 +100,15 @@ class Request:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-  scheduled: list[tuple[Request, int]]  # (request, new tokens this step), in batch order
+  """A step's plan. `schedule` has already counted its committed tokens as computed (their KV
+  is written by the step); `update_from_output` settles the rest once the step's ids are back."""
+
+  scheduled: list[tuple[Request, int]]  # (request, new tokens this step, drafts included), in batch order
   preempted: list[Request]
+  starts: list[int] = dataclasses.field(default_factory=list)  # each request's num_computed before the step
+  drafts: list[list[int]] = dataclasses.field(default_factory=list)  # the drafts each verifies
+  # Each request's step ends at its known tokens, so it samples (else: a prefill chunk).
+  samples: list[bool] = dataclasses.field(default_factory=list)
 
   @property
   def num_tokens(self) -> int:
@@ -139,11 +146,45 @@ class Scheduler:
   # ---- one step -------------------------------------------------------------------
 
   def schedule(self) -> SchedulerOutput:
+    """The next step: who runs, how many tokens each, and who was preempted for it. Its
+    committed tokens count as computed from here on; its samples as in flight."""
     out = SchedulerOutput([], [])
     budget = self._schedule_running(out, self.max_num_batched_tokens)
     if not out.preempted:
       self._schedule_waiting(out, budget)
+    for req, n in out.scheduled:
+      drafts = req.spec_token_ids
+      # A caught-up request's one token may be the one the step in flight samples (async).
+      samples = req.num_computed + n - len(drafts) >= len(req.token_ids)
+      out.starts.append(req.num_computed)
+      out.drafts.append(drafts)
+      out.samples.append(samples)
+      req.num_computed += n - len(drafts)
+      req.num_inflight += samples
+      req.num_inflight_drafts += len(drafts)
     return out
+
+  def update_from_output(self, out: SchedulerOutput, ids: Any = None, num_committed: Any = None) -> list[list[int]]:
+    """Settles a step that `schedule` planned, once its sampled ids [S, k + 1] and each
+    sequence's committed count [S] are on the host (None: the step failed). Its samples are
+    no longer in flight; of a running request, the drafts the step accepted become computed
+    and the blocks its known tokens complete are cached (rejected drafts' KV stays in the
+    pages past num_computed: overwritten later, never cached). Returns each request's
+    accepted drafts; the output processor commits them and the token after them."""
+    accepted_all = []
+    for i, (req, _) in enumerate(out.scheduled):
+      req.num_inflight -= out.samples[i]
+      req.num_inflight_drafts -= len(out.drafts[i])
+      c = int(num_committed[i]) if num_committed is not None else 0
+      accepted = ids[i, :c - 1].tolist() if c > 1 else []
+      accepted_all.append(accepted)
+      if num_committed is None or req.status is not Status.RUNNING:
+        continue  # failed, ended or preempted meanwhile: nothing of it is computed
+      req.num_computed += len(accepted)
+      # Under async scheduling num_computed may count a token still in flight.
+      known = req.token_ids + accepted if accepted else req.token_ids
+      self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
+    return accepted_all
 
   def shard_loads(self) -> list[int]:
     """Running tokens (prompt + output so far) of the sequences on each KV shard."""
