@@ -150,7 +150,8 @@ def _route(args: argparse.Namespace) -> None:
   import logging
 
   from jaxinfer.errors import InvalidRequestError
-  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions, expand_addresses, named_workers
+  from jaxinfer.frontend import Frontend
+  from jaxinfer.serving.router import RouterBackend, RouterOptions, expand_addresses, named_workers
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -180,7 +181,7 @@ def _route(args: argparse.Namespace) -> None:
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name)
   # Tokenizer and config only: the workers hold the weights.
-  code = serve(RouterBackend(ModelFrontend.load(args.model), options), config)
+  code = serve(RouterBackend(Frontend.load(args.model), options), config)
   if code:
     raise SystemExit(code)
 

@@ -179,9 +179,9 @@ def main() -> None:
   args = p.parse_args()
 
   from bench_peers import write_results
-  from jaxinfer.serving.router import ModelFrontend
+  from jaxinfer.frontend import Frontend
 
-  vocab = ModelFrontend.load(args.model).config.vocab_size
+  vocab = Frontend.load(args.model).config.vocab_size
   model = ["--model", str(args.model)] if args.model else []
   engine = [*model, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--page-size", str(args.page_size)]

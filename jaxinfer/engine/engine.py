@@ -38,7 +38,6 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.grammar import GrammarCompiler
 from jaxinfer.engine.kv_connector import KVConnector, KVTransferError
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.output import OutputProcessor, RequestOutput
@@ -46,6 +45,7 @@ from jaxinfer.engine.runner import LaunchedStep, ModelRunner, ScheduledSeq
 from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.frontend import Frontend, ValidRequest
 from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
 from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
@@ -200,8 +200,10 @@ class LLMEngine:
     self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
     log.info("KV cache: %s", self.kv_summary())
-    self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
-    self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
+    self.frontend = Frontend(cfg, tokenizer, str(model_path) if model_path is not None else "<params>",
+                             self.max_model_len)
+    self.eos_ids = self.frontend.eos_ids
+    self.grammars = self.frontend.grammars
     self.outputs = OutputProcessor(tokenizer, self.eos_ids)
     self._requests: dict[str, Request] = {}
     self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
@@ -250,7 +252,7 @@ class LLMEngine:
     loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn, quantization=quantization)
     engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
                  sharding_rules=sharding_rules, progress=progress, model_path=model)
-    engine.source = loaded.source
+    engine.source = engine.frontend.source = loaded.source
     return engine
 
   def warmup(self, progress: bool = False) -> None:
@@ -262,36 +264,14 @@ class LLMEngine:
 
   # ---- requests ------------------------------------------------------------------------
 
-  def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-    """The prompt's ids, or InvalidRequestError naming what is wrong."""
-    if not isinstance(params, SamplingParams):
-      raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    ids = self.check_token_ids(prompt_token_ids)
-    if len(ids) + params.max_tokens > self.max_model_len:
-      raise InvalidRequestError(
-          f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
-          f"max_model_len={self.max_model_len}")
-    if params.structured is not None:
-      self.grammars.check(params.structured)  # compiled once (cached): a bad schema fails here
-    return ids
-
-  def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
-    """Token ids as Python ints, or InvalidRequestError: empty, not ints, out of the vocab."""
-    ids = list(token_ids)
-    if not ids:
-      raise InvalidRequestError("prompt is empty")
-    V = self.config.vocab_size
-    for t in ids:
-      if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-        raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-      if not 0 <= t < V:
-        raise InvalidRequestError(f"prompt token id {t} is out of range [0, {V})")
-    return [int(t) for t in ids]
-
-  def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                  params: SamplingParams = SamplingParams(), *, prompt: str | None = None,
+  def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | ValidRequest,
+                  params: SamplingParams | None = None, *, prompt: str | None = None,
                   hold_kv: bool = False, kv_source: str | None = None) -> None:
     """Queues a request; raises InvalidRequestError (and queues nothing) on bad input.
+
+    A `ValidRequest` from this engine's `frontend` (ids, params and prompt text checked where
+    the request entered) is taken as it is; token ids are checked here, with `params`
+    (default: SamplingParams()).
 
     hold_kv: when it finishes, its pages stay allocated (for `export_kv`) until `release_kv`.
     kv_source: for a KV connector that imports prompts' KV, the worker to import it from
@@ -299,7 +279,10 @@ class LLMEngine:
     """
     if request_id in self._requests or request_id in self.scheduler.held:
       raise InvalidRequestError(f"request id {request_id!r} is already in use")
-    ids = self.validate(prompt_token_ids, params)
+    if isinstance(prompt_token_ids, ValidRequest) and params not in (None, prompt_token_ids.params):
+      raise InvalidRequestError("add_request: a ValidRequest carries its own sampling params")
+    valid = self.frontend.validate(prompt_token_ids, params if params is not None else SamplingParams(), prompt)
+    ids, params, prompt = valid.prompt_token_ids, valid.params, valid.prompt
     seed = params.seed if params.seed is not None else secrets.randbits(32)
     req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
     self.outputs.start(req, self.grammars.matcher(params.structured) if params.structured is not None else None)
@@ -407,7 +390,7 @@ class LLMEngine:
       raise KVTransferError(f"request {request_id!r}: every token's KV is remote, so the remote "
                             f"worker must send the first token")
     if first_token is not None:
-      self.check_token_ids([first_token])
+      self.frontend.check_token_ids([first_token])
     self.scheduler.kv_arrived(req)
     # The imported blocks are final prompt KV: later requests may share them.
     self.kv.cache_blocks(request_id, req.token_ids, req.num_computed)
