@@ -90,6 +90,15 @@ class Frontend:
     """(text or None, token ids) for one prompt: text, token ids, or a chat (a list of
     {'role', 'content'} dicts, rendered with the model's chat template). Token ids are
     checked; a text's are the tokenizer's."""
+    text, ids = self._encode(prompt, apply_chat_template)
+    return text, ids if text is not None else self.check_token_ids(ids)
+
+  def request(self, prompt: Prompt, params: SamplingParams, apply_chat_template: bool = False) -> ValidRequest:
+    """`encode_prompt` then `validate`, each check made once."""
+    text, ids = self._encode(prompt, apply_chat_template)
+    return self.validate(ids, params, text)
+
+  def _encode(self, prompt: Prompt, apply_chat_template: bool) -> tuple[str | None, list]:
     if isinstance(prompt, str):
       if not prompt:
         raise InvalidRequestError("prompt is empty")
@@ -102,7 +111,7 @@ class Frontend:
       tok = self.tokenizer_or_error("a chat prompt")
       text = tok.apply_chat_template(prompt)
       return text, tok.encode(text, add_special_tokens=False)
-    return None, self.check_token_ids(prompt)
+    return None, prompt
 
   def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
     """Token ids as Python ints, or InvalidRequestError: empty, not ints, out of the vocab."""
@@ -121,8 +130,11 @@ class Frontend:
     """The request, checked: ids in the vocabulary, prompt + max_tokens within
     max_model_len, a structured-output grammar that compiles (cached); else
     InvalidRequestError naming what is wrong."""
-    if isinstance(prompt_token_ids, ValidRequest) and prompt_token_ids.frontend is self:
-      return prompt_token_ids
+    if isinstance(prompt_token_ids, ValidRequest):
+      if prompt_token_ids.frontend is self:
+        return prompt_token_ids
+      # Another frontend's (a router's, a different context): checked again here.
+      prompt_token_ids, prompt = prompt_token_ids.prompt_token_ids, prompt_token_ids.prompt
     if not isinstance(params, SamplingParams):
       raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     ids = self.check_token_ids(prompt_token_ids)

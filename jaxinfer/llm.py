@@ -107,11 +107,10 @@ class LLM:
     """Validates every prompt first (a bad one queues nothing), then queues them all."""
     plist = self._as_prompt_list(prompts)
     params = validate_per_request(sampling_params, len(plist))
-    encoded = [self.frontend.encode_prompt(p, apply_chat_template) for p in plist]
     valid = []
-    for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
+    for i, (p, sp) in enumerate(zip(plist, params)):
       try:
-        valid.append(self.frontend.validate(ids, sp, prompt=text))
+        valid.append(self.frontend.request(p, sp, apply_chat_template))
       except InvalidRequestError as e:
         raise InvalidRequestError(f"prompt {i}: {e}") from None
     ids = []

@@ -339,8 +339,8 @@ class PromptMixin:
   def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, ValidRequest, SamplingParams]:
     """(prompt text, the checked request, params) for text, token ids or chat messages, or
     InvalidRequestError / TokenizerError naming what is wrong."""
-    text, ids = self.encode(prompt)
-    return text, self.validate(ids, params, text), params
+    request = self.frontend.request(prompt, params)
+    return request.prompt, request, params
 
   def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
     """(text or None, ids); a chat is rendered with the model's template. The
