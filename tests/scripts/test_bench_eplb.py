@@ -44,7 +44,8 @@ def test_short_run_writes_json_and_png(tmp_path, capsys):
                      "--no-timing", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert out.with_suffix(".png").stat().st_size > 0
-  rows = result["rows"]
+  assert [r["layout"] for r in result["rows"]] == ["plain", "static", "online"]
+  rows = result["layouts"]
   assert set(rows) == {"plain", "static", "online"}
   assert rows["plain"]["slots_per_device"] == 2 and rows["online"]["slots_per_device"] == 3
   assert rows["online"]["replans_that_moved_experts"] >= 1
