@@ -273,3 +273,24 @@ def test_the_ragged_dispatch_lowers_to_ragged_all_to_all():
   assert lowered.as_text().count("ragged_all_to_all") == 3  # rows, their slots, and the results back
   with pytest.raises(Exception, match="ragged-all-to-all"):
     lowered.compile()
+
+
+def test_placed_wide_ep_nested_in_attention_dp_shard_map():
+  """Under attention DP the FFN runs inside the runner's shard_map over 'data': each data shard
+  holds its block of slots (S / 2), routes its own tokens, and reaches every slot of the 4
+  (data, expert) devices; the replica choice uses the device's index over both axes."""
+  from jax.sharding import PartitionSpec as P
+  pl = placements(4)["planned"]
+  p = random_params(CFG)
+  _, placed = placed_ffn(p, pl, "wide_2x2x2", "fixed")
+  mesh = make_mesh(2, 2, 2)
+  x = jax.random.normal(jax.random.key(3), (2 * 13, CFG.hidden_size))
+  ref = np.concatenate([jax.jit(moe.moe_ffn, static_argnums=1)(p, CFG, x[i * 13:(i + 1) * 13])[0] for i in range(2)])
+  pspec = {k: P("data") if k.startswith("w_") else P() for k in placed}
+  pspec["shared"] = jax.tree.map(lambda _: P(), placed["shared"])
+
+  def shard(p, x):
+    return ep_moe_ffn(p, CFG, x, mesh=mesh, expert_axes=("data", "expert"), mlp_axes=("model",))[0]
+  f = jax.jit(jax.shard_map(shard, mesh=mesh, axis_names={"data"}, check_vma=False,
+                            in_specs=(pspec, P("data")), out_specs=P("data")))
+  np.testing.assert_allclose(f(placed, x), ref, atol=1e-5, rtol=0)
