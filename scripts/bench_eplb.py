@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                           text=True).stdout.strip()
   result = {
       "benchmark": "eplb", "date": date, "commit": commit, "command": " ".join(["python"] + sys.argv),
-      "cpu_model": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
+      "cpu": {"cpu_model": cpu_model(), "cpus": os.cpu_count()}, "jax": jax.__version__,
       "device": "cpu",
       "ep_devices": f"{args.devices} fake XLA:CPU devices (--xla_force_host_platform_device_count)",
       "load_average_before": [round(x, 2) for x in load_before],
