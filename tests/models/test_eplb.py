@@ -255,7 +255,7 @@ def test_placed_ffn_on_one_device_and_replicas_really_share_rows():
 
 
 def test_xla_cpu_has_no_ragged_all_to_all_so_the_fixed_dispatch_is_chosen():
-  devices = tuple(jax.devices())
+  devices = tuple(jax.devices("cpu"))
   assert not supports_ragged_all_to_all(devices)
   assert choose_dispatch(devices) == "fixed"
   ep = ExpertParallelism.from_rules(make_mesh(1, 8, 1), make_rules(None))
