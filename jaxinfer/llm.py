@@ -61,7 +61,9 @@ class LLM:
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,
-    speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}).
+    speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}; eplb,
+    MoE expert placement: a file from `jaxinfer eplb plan`, or e.g.
+    {"num_redundant_experts": 8, "replan_interval": 100}, see jaxinfer.models.eplb).
     """
     known = set(EngineConfig.__dataclass_fields__)
     unknown = sorted(set(engine_options) - known)

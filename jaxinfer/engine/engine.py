@@ -46,7 +46,9 @@ from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.frontend import Frontend, ValidRequest
+from jaxinfer.models import eplb
 from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
+from jaxinfer.models.eplb import EplbConfig
 from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
@@ -93,9 +95,14 @@ class EngineConfig:
   # hides the host's part of a step (scheduling, packing, the dispatch), a sizable share of a
   # batch-1 decode step on the CPU (the exposed host time: docs/performance.md).
   async_scheduling: bool = True
+  # Expert-parallel load balancing (MoE): None (off), an EplbConfig, a placement file's path
+  # (`jaxinfer eplb plan`), or a dict of EplbConfig's fields, e.g. {"num_redundant_experts": 8,
+  # "replan_interval": 100} (jaxinfer.models.eplb).
+  eplb: EplbConfig | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+    object.__setattr__(self, "eplb", EplbConfig.parse(self.eplb))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
       if v is None and name.startswith("max_num"):
@@ -190,6 +197,8 @@ class LLMEngine:
     # spec_proposed[0] counts the sequence-steps that verified drafts.
     self.spec_proposed = np.zeros(k, np.int64)
     self.spec_accepted = np.zeros(k, np.int64)
+    # EPLB: the experts laid out by slot; `_rebalance` swaps in re-planned ones between steps.
+    params, self.eplb = eplb.setup(ec.eplb, cfg, params, mesh, make_rules(sharding_rules))
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -432,6 +441,7 @@ class LLMEngine:
       inflight = None
     if self.drafter is not None:
       self._propose_drafts()
+    self._rebalance()
     sched, launched, error = self._launch()
     if inflight is not None:
       outputs += self._postprocess(inflight)
@@ -445,6 +455,16 @@ class LLMEngine:
     # Idle: nothing ran and a preemption cannot admit anyone next time; only a new command can change that.
     self.last_step_idle = not sched.scheduled and not sched.preempted and inflight is None
     return outputs
+
+  def _rebalance(self) -> None:
+    """EPLB online re-planning, between steps: when due, the expert weights re-laid out from the
+    recent counts are swapped in whole (built before the swap; a step in flight keeps the
+    arrays it was launched with)."""
+    if self.eplb is None:
+      return
+    params = self.eplb.maybe_replan(self.runner.params)
+    if params is not None:
+      self.runner.params = params
 
   def _launch(self) -> tuple[SchedulerOutput, "_Launched | None", Exception | None]:
     """Schedules and dispatches a step (the device runs it while the host goes on); a
@@ -488,6 +508,8 @@ class LLMEngine:
       return self._fail_step([req for req, _ in sched.scheduled if req.finish_reason is None], e)
     if self.expert_tokens.size:
       self.expert_tokens += result.expert_tokens
+      if self.eplb is not None:
+        self.eplb.observe(result.expert_tokens)
     accepted = self.scheduler.update_from_output(sched, result.ids, result.num_committed)
     outputs = []
     t = 0
@@ -621,8 +643,12 @@ class LLMEngine:
     per_layer = self.expert_tokens
     mean = per_layer.mean(axis=1)
     imbalance = float(np.max(np.where(mean > 0, per_layer.max(axis=1) / np.maximum(mean, 1e-9), 0.0)))
-    return {"moe_routed_tokens": int(per_layer.sum()), "moe_expert_imbalance": imbalance,
-            "moe_expert_tokens": per_layer.sum(axis=0).tolist()}
+    stats = {"moe_routed_tokens": int(per_layer.sum()), "moe_expert_imbalance": imbalance,
+             "moe_expert_tokens": per_layer.sum(axis=0).tolist()}
+    if self.eplb is not None:
+      stats.update(eplb_slots=self.eplb.placement.num_slots, eplb_replans=self.eplb.replans,
+                   eplb_replan_seconds=self.eplb.replan_seconds)
+    return stats
 
   def _spec_stats(self) -> dict[str, float]:
     """Speculative decoding: mean committed tokens per verifying sequence-step
