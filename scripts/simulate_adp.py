@@ -186,7 +186,7 @@ def plot(results: dict[str, dict], path: Path, ranks: int, load: float) -> None:
   np.atleast_1d(axes)[0].legend(loc="upper right", fontsize=7, ncol=ranks)
   np.atleast_1d(axes)[-1].set_xlabel(f"step (arrivals at {load:g} x the budget's rate)")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=80)
   plt.close(fig)
 
 
@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         if s[w]["steps"])
       print(f"load {load:g} {pol:>12}: {line} | {s['total_steps']} steps", file=sys.stderr)
     runs.append({"load": load, "last_arrival_step": trace[-1][0],
+                 # The PNG has every step; the seeded script remakes them.
                  "policies": {pol: {"summary": r["summary"], "preemptions": r["preemptions"],
-                                    "rank_tokens_per_step": r["tokens"]} for pol, r in results.items()}})
+                                    "first_steps_rank_tokens": r["tokens"][:8]} for pol, r in results.items()}})
     first = first or results
   payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot")},
              "load_average_before": load_before, "load_average_after": os.getloadavg(), "runs": runs}

@@ -32,8 +32,8 @@ def test_a_seeded_trace_balances_and_is_recorded(tmp_path):
   assert result["commit"] and result["cpu"] and len(result["load_average_before"]) == 3
   (run,) = result["runs"]
   old, balanced = run["policies"]["least_loaded"], run["policies"]["balanced"]
-  assert old["rank_tokens_per_step"][0] == [191, 176, 326, 906]  # one budget: rank 3 takes 906 of 2048
-  assert balanced["rank_tokens_per_step"][:2] == [[191, 176, 326, 512], [512] * 4]
+  assert old["first_steps_rank_tokens"][0] == [191, 176, 326, 906]  # one budget: rank 3 takes 906 of 2048
+  assert balanced["first_steps_rank_tokens"][:2] == [[191, 176, 326, 512], [512] * 4]
   assert old["summary"]["saturated"]["mean"] == 2.2966
   assert balanced["summary"]["saturated"] == {"steps": 7, "mean": 1.0, "p50": 1.0, "p95": 1.0, "step_weighted": 1.0}
   assert out.with_suffix(".png").stat().st_size > 10_000
