@@ -241,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                  "policies": {pol: {"summary": r["summary"], "preemptions": r["preemptions"],
                                     "first_steps_rank_tokens": r["tokens"][:8]} for pol, r in results.items()}})
     first = first or results
+  # One row per (load, policy): the figures docs/performance.md shows.
+  rows = [{"load": run["load"], "policy": pol, "saturated_max_over_mean": s["saturated"].get("mean"),
+           "arrivals_max_over_mean": s["arrivals"]["mean"], "arrivals_p95": s["arrivals"]["p95"],
+           "arrivals_step_weighted": s["arrivals"]["step_weighted"], "all_max_over_mean": s["all"]["mean"],
+           "all_step_weighted": s["all"]["step_weighted"], "steps": s["total_steps"],
+           "padded_over_useful_tokens": round(s["padded_tokens"] / s["tokens"], 4)}
+          for run in runs for pol, r in run["policies"].items() for s in [r["summary"]]]
   payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot")},
-             "load_average_before": load_before, "load_average_after": os.getloadavg(), "runs": runs}
+             "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows,
+             "runs": runs}
   path = write_results("adp-sim", payload, args.out)
   print(f"wrote {path}", file=sys.stderr)
   if not args.no_plot:

@@ -36,4 +36,6 @@ def test_a_seeded_trace_balances_and_is_recorded(tmp_path):
   assert balanced["first_steps_rank_tokens"][:2] == [[191, 176, 326, 512], [512] * 4]
   assert old["summary"]["saturated"]["mean"] == 2.2966
   assert balanced["summary"]["saturated"] == {"steps": 7, "mean": 1.0, "p50": 1.0, "p95": 1.0, "step_weighted": 1.0}
+  assert [(r["policy"], r["saturated_max_over_mean"]) for r in result["rows"]] == [
+      ("least_loaded", 2.2966), ("split", 1.0), ("balanced", 1.0)]
   assert out.with_suffix(".png").stat().st_size > 10_000
