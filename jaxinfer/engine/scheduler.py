@@ -107,7 +107,8 @@ def split_budget(total: int, num_ranks: int) -> list[int]:
   first `total % num_ranks` ranks get one more), so no rank's tokens exceed the mean
   by more than one."""
   if num_ranks < 1 or total < num_ranks:
-    raise ValueError(f"a budget of {total} tokens cannot give each of {num_ranks} data ranks one")
+    raise ValueError(f"a step budget of {total} tokens (max_num_batched_tokens) cannot give each of "
+                     f"{num_ranks} data ranks one")
   return [total // num_ranks + (r < total % num_ranks) for r in range(num_ranks)]
 
 
@@ -163,6 +164,7 @@ class Scheduler:
     self.connector = connector
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
+    split_budget(max_num_batched_tokens, kv.num_shards)  # each data rank needs a token a step
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.waiting_for_kv: dict[str, Request] = {}

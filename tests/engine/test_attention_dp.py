@@ -83,6 +83,8 @@ def test_budgets_split_evenly_and_ranks_rank_by_predicted_load():
   assert split_budget(10, 4) == [3, 3, 2, 2] and split_budget(8, 1) == [8]
   with pytest.raises(ValueError, match="cannot give each of 4 data ranks one"):
     split_budget(3, 4)
+  with pytest.raises(ValueError, match=r"a step budget of 3 tokens \(max_num_batched_tokens\) cannot give each of 4"):
+    Scheduler(KVManager(num_pages=16, page_size=4, num_shards=4), max_num_seqs=4, max_num_batched_tokens=3)
   # Rank 2's prefix hit makes it the cheapest though it is among the busiest; ties: lowest index.
   assert rank_by_load([100, 90, 100, 90], [64, 64, 16, 64]) == [2, 1, 3, 0]  # 164, 154, 116, 154
   assert rank_by_load([5, 5], [3, 3]) == [0, 1]
