@@ -632,7 +632,15 @@ class LLMEngine:
         "compiled_programs": self.runner.compiled_programs(),
         **self._spec_stats(),
         **self._moe_stats(),
+        **self._dp_stats(),
     }
+
+  def _dp_stats(self) -> dict[str, Any]:
+    """Attention DP: the last step's scheduled tokens per data rank and their imbalance
+    (the busiest rank's over the mean; every rank's step is padded to the busiest's)."""
+    if self.kv.num_shards == 1:
+      return {}
+    return {"dp_rank_tokens": list(self.scheduler.rank_tokens), "dp_rank_imbalance": self.scheduler.rank_imbalance}
 
   def _moe_stats(self) -> dict[str, Any]:
     """MoE models: routed token copies, the worst layer's expert imbalance (its busiest

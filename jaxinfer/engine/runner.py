@@ -443,7 +443,12 @@ class ModelRunner:
         self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules))))
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
     self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
+    # Exported pages come back whole on every process: a multi-host pool's shards are not
+    # all addressable from one process, which device_get needs (jaxinfer.distributed).
     self._gather = jax.jit(gather_pages)
+    if mesh is not None:
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      self._gather = jax.jit(gather_pages, out_shardings=replicated)
     # The imported pool keeps the pool's sharding (not whatever the scatter would propagate).
     self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,), out_shardings=self._cache_shardings(num_pages))
     self._programs: set[tuple] = set()
