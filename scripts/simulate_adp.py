@@ -138,11 +138,12 @@ def simulate(args, policy: str, trace) -> dict[str, Any]:
     # Saturated: a request still waits after this step's admission, so there was work
     # to give every rank (whether the ranks got it is the scheduler's doing).
     saturated.append(bool(s.waiting))
-    for req, n in out.scheduled:
-      req.num_computed += n
-      if req.num_computed == len(req.token_ids):
-        req.token_ids.append(1 + len(req.token_ids) % 30000)  # a sampled token
-      kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
+    # The step's sampled tokens, settled as the engine settles them (update_from_output).
+    ids = np.array([[1 + len(req.token_ids) % 30000] for req, _ in out.scheduled], np.int32).reshape(-1, 1)
+    s.update_from_output(out, ids, np.array(out.samples, np.int32))
+    for (req, _), sampled, row in zip(out.scheduled, out.samples, ids):
+      if sampled:
+        req.token_ids.append(int(row[0]))
       if len(req.output_token_ids) >= req.params.max_tokens:
         s.finish(req, "length")
     steps.append(list(s.rank_tokens))
