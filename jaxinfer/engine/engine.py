@@ -552,7 +552,7 @@ class LLMEngine:
       if req.num_uncomputed != 1 or not _speculates(req.params):
         continue
       # Never draft past max_tokens: the bonus token needs one slot of its own.
-      room = min(k, req.params.max_tokens - len(req.output_token_ids) - req.num_inflight - 1)
+      room = min(k, req.params.max_tokens - req.num_output_tokens - req.num_inflight - 1)
       if req.num_inflight:
         room = min(room, self.max_model_len - 1 - req.num_computed - req.num_inflight_drafts)
         req.spec_token_ids = [0] * max(room, 0)

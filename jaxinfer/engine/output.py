@@ -133,7 +133,7 @@ class OutputProcessor:
       reason = "stop"
     elif reason is None and out.grammar is not None and out.grammar.finished:
       reason = "stop"  # only EOS could follow
-    elif reason is None and len(req.output_token_ids) >= p.max_tokens:
+    elif reason is None and req.num_output_tokens >= p.max_tokens:
       reason = "length"
     return reason
 

@@ -92,6 +92,10 @@ class Request:
     return self.token_ids[self.num_prompt_tokens:]
 
   @property
+  def num_output_tokens(self) -> int:
+    return len(self.token_ids) - len(self.prompt_token_ids)
+
+  @property
   def num_uncomputed(self) -> int:
     return len(self.token_ids) + self.num_inflight - self.num_computed
 
@@ -99,7 +103,7 @@ class Request:
   def last_token_inflight(self) -> bool:
     """Its next step can only finish the request (max_tokens is reached by the tokens in
     flight); if one of them is a stop token instead, the postprocess ends it anyway."""
-    return bool(self.num_inflight) and len(self.output_token_ids) + self.num_inflight >= self.params.max_tokens
+    return bool(self.num_inflight) and self.num_output_tokens + self.num_inflight >= self.params.max_tokens
 
 
 def split_budget(total: int, num_ranks: int) -> list[int]:
@@ -303,7 +307,8 @@ class Scheduler:
       # this step's on; none goes past max_model_len (runner._feed sends those to no page).
       need = req.num_computed + n + req.num_inflight_drafts
       need = min(need, self.max_model_len) if self.max_model_len else need
-      while not self.kv.can_allocate(req.request_id, need):
+      grow = self.kv.pages_needed(req.request_id, need) > 0  # (most decode steps fit their pages)
+      while grow and not self.kv.can_allocate(req.request_id, need):
         shard = self.kv.request_shard(req.request_id)
         victim = next(r for r in reversed(self.running) if self.kv.request_shard(r.request_id) == shard)
         self._preempt(victim)
@@ -312,7 +317,8 @@ class Scheduler:
           break
       if req.status is not Status.RUNNING:
         break  # preempted itself: nobody after it is running either
-      self.kv.allocate(req.request_id, need)
+      if grow:
+        self.kv.allocate(req.request_id, need)
       out.scheduled.append((req, n))
       budget.take(rank, n)
       i += 1
