@@ -28,11 +28,18 @@ def free_port() -> int:
 
 def test_a_two_process_server_serves_and_its_follower_leaves_on_drain(tmp_path):
   """`serve` on two hosts: the leader warms both up through the broadcast (the
-  server warms up after start), answers, and on SIGTERM releases the follower."""
+  server warms up after start), answers, and on SIGTERM releases the follower.
+
+  Slow (~45 s on two busy cores): two fresh processes each import jax, load the model and
+  compile every warm-up program (collectives across the two), which is the broadcast path
+  the follower's >= 16 device calls check."""
   from jaxinfer.serving.client import Client
   from jaxinfer.serving.process import JaxinferProcess
   g = json.loads((DATA / "golden" / f"batch_{FAMILY}.json").read_text())
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  # 4 devices per process, and the suite's cheapest LLVM pipeline (tests/conftest.py): both
+  # processes compile every warm-up program, most of this test's time.
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
   flags = ["serve", "--model", str(tiny_dir(FAMILY)), "--mesh", MESH, "--coordinator",
            f"127.0.0.1:{free_port()}", "--num-processes", "2", "--max-model-len", "128",
            "--max-num-seqs", "4", "--max-num-batched-tokens", "8"]  # 4 step buckets to warm up
