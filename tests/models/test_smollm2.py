@@ -16,6 +16,9 @@ def test_chat_prompt_token_ids_match_transformers(smollm, smollm_golden):
 
 
 def test_greedy_ids_identical_to_transformers(smollm, smollm_golden):
+  """Slow (~25-35 s on two busy cores): the first test to run a step on the session's
+  SmolLM2, so it compiles the step programs its batch needs (each of the 30 unrolled layers
+  is in every program), and the point is the real model's ids, not a tiny one's."""
   records = smollm_golden["records"]
   chats = [[{"role": "user", "content": r["prompt"]}] for r in records]
   outputs = smollm.generate(chats, SamplingParams(temperature=0.0, max_tokens=32))
@@ -65,7 +68,9 @@ def test_eight_chats_with_drafts_match_transformers(default_checkpoint, method, 
   drafts and acceptance kept on the device by async scheduling, and with prompt lookup.
   k = 2; a 16-token step budget keeps it to five programs per method. Eight, not all
   sixteen: the other eight's 1240 prompt tokens would add ~80 sixteen-token steps of a
-  30-layer model per method to CI and no new case."""
+  30-layer model per method to CI and no new case. Slow all the same (~35-45 s per method
+  on two busy cores): an engine of its own per method (speculation changes the programs),
+  and a tiny model's drafts would not be the shipped head's."""
   from jaxinfer import LLM
   g = batch_golden()
   records = g["records"][:8]
