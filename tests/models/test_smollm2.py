@@ -46,7 +46,10 @@ def batch_golden():
 
 def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(smollm):
   """On the session's default-config LLM: its programs are the ones the quickstart's
-  warm-up compiles, so CI compiles SmolLM2's step once per bucket for the whole suite."""
+  warm-up compiles, so CI compiles SmolLM2's step once per bucket for the whole suite.
+  Slow (~30 s on two busy cores): sixteen prompts of 35-189 tokens run twice through
+  the 30-layer model (the second time from the prefix cache), compiling the larger step
+  buckets the first time."""
   g = batch_golden()
   prompts = [r["prompt_ids"] for r in g["records"]]
   llm = smollm
