@@ -45,12 +45,18 @@ def test_a_two_process_decode_worker_takes_kv_from_a_prefill_worker(tmp_path):
   warms both hosts up through the broadcast (the server warms up after start); every
   prompt's KV comes from the prefill worker, and the greedy tokens equal one process's.
   A request cancelled mid-decode leaves both pools empty (full size again). On SIGTERM
-  the leader releases the follower."""
+  the leader releases the follower.
+
+  Slow (over 30 s on two busy cores): three fresh processes each import jax, load the model
+  and compile every warm-up program (the two decode hosts with collectives across them)."""
   from jaxinfer.serving.client import Client, build_request
   from jaxinfer.serving.process import JaxinferProcess
   from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
   g = json.loads((DATA / "golden" / f"batch_{FAMILY}.json").read_text())
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  # 4 devices per process, and the suite's cheapest LLVM pipeline (tests/conftest.py): the
+  # processes compile every warm-up program, most of this test's time.
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
   engine = ["--model", str(tiny_dir(FAMILY)), "--max-model-len", "128", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "8", "--metrics-port", "0"]  # 4 step buckets to warm up
   prefill_port = free_port()
