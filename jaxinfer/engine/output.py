@@ -93,7 +93,7 @@ class OutputProcessor:
     req.output = OutputState(req, self.tokenizer, self.eos_ids)
     req.output.grammar = grammar
 
-  def commit(self, req: Request, ids: np.ndarray, logprobs: np.ndarray, top_ids: np.ndarray,
+  def commit(self, req: Request, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray,
              top_logprobs: np.ndarray, count: int, num_drafts: int = 0) -> str | None:
     """Appends up to `count` of the sampled tokens ids[:count] (the first `num_drafts` of them
     accepted drafts), stopping at the first that finishes the request; returns its finish
@@ -101,7 +101,7 @@ class OutputProcessor:
     before = len(req.token_ids)
     reason = None
     for j in range(count):
-      reason = self.commit_one(req, int(ids[j]), float(logprobs[j]), top_ids[j], top_logprobs[j])
+      reason = self.commit_one(req, ids[j], logprobs[j], top_ids[j], top_logprobs[j])
       if reason is not None:
         break
     # The committed run is the accepted drafts, then one token; a stop inside it keeps some.

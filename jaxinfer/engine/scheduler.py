@@ -230,13 +230,14 @@ class Scheduler:
     pages past num_computed: overwritten later, never cached). Returns each request's
     accepted drafts; the output processor commits them and the token after them."""
     accepted_all = []
+    committed = num_committed.tolist() if num_committed is not None else None  # (one conversion, not S)
     for i, (req, _) in enumerate(out.scheduled):
       req.num_inflight -= out.samples[i]
       req.num_inflight_drafts -= len(out.drafts[i])
-      c = int(num_committed[i]) if num_committed is not None else 0
+      c = committed[i] if committed is not None else 0
       accepted = ids[i, :c - 1].tolist() if c > 1 else []
       accepted_all.append(accepted)
-      if num_committed is None or req.status is not Status.RUNNING:
+      if committed is None or req.status is not Status.RUNNING:
         continue  # failed, ended or preempted meanwhile: nothing of it is computed
       req.num_computed += len(accepted)
       # Under async scheduling num_computed may count a token still in flight.
