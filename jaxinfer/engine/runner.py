@@ -374,15 +374,13 @@ class ModelRunner:
     `kv_cache_dtype`: the cache's dtype name (None: the model's; 'int8' / 'float8_e4m3fn'
     quantize it, jaxinfer.models.cache). `relaxed_acceptance`: (top_n, delta) of
     SpeculativeConfig's relaxed acceptance, or None (exact verification)."""
-    from jaxinfer.sharding import make_rules
+    from jaxinfer.sharding import make_rules, runtime_params
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
     self.dtype = model_dtype(params)
     self.mtp = mtp_params is not None
     if self.mtp and num_speculative_tokens < 1:
       raise ValueError("an MTP module drafts num_speculative_tokens >= 1 tokens")
-    # The module rides in the params tree under 'mtp' (the decoder never reads it).
-    self.params = {**params, "mtp": mtp_params} if self.mtp else params
     self.cache_spec = CacheSpec.from_config(cfg, kv_cache_dtype or self.dtype, draft_layers=int(self.mtp))
     self.page_size = page_size
     self.num_pages = num_pages
@@ -397,6 +395,10 @@ class ModelRunner:
       from jaxinfer.errors import ShardingError
       raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     self.sharding_rules = make_rules(sharding_rules)
+    # q/k/v and gate/up joined into one weight each (jaxinfer.params.FUSED): four matmuls a layer.
+    params = runtime_params(cfg, params, mesh, self.sharding_rules)
+    # The MTP module rides in the params tree under 'mtp' (the decoder never reads it).
+    self.params = {**params, "mtp": mtp_params} if self.mtp else params
     # Attention data parallelism: the rules split the pool's pages over mesh axes ('data'),
     # each shard owning a contiguous block; each sequence lives on one shard (the KVManager
     # and scheduler see to that) and the step runs the model per shard (see `_step`).

@@ -10,9 +10,12 @@ layer (Qwen3-MoE's mlp_only_layers and DeepSeek's first dense layers mix both
 in one stack). DeepSeek-V3 swaps the attention for MLA (jaxinfer.models.mla).
 GPT-OSS adds attention sinks, an output bias and per-layer windows
 (`cfg.layer_sliding_window(i)`: sliding and full layers alternate).
+The engine runs dense layers on fused q/k/v and gate/up weights (one matmul
+each, jaxinfer.params.FUSED); a layer in checkpoint layout runs as well.
 
 Legend: T new tokens (of many sequences, packed), S sequences, N pages,
-p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
+p page size, D hidden, H query heads, K kv heads, G = H / K query heads per kv
+head, d head_dim, V vocab.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.cache import Cache, write
-from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
+from jaxinfer.models.layers import (apply_rope, fused_swiglu_mlp, rms_norm, rope_attention_factor, rope_inv_freq,
+                                    swiglu_mlp)
 from jaxinfer.models.moe import RouterStats, moe_ffn
 from jaxinfer.params import model_dtype
 from jaxinfer.quant import embed_lookup, head_logits, linear
@@ -46,11 +50,7 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GQA attention of decoder layer number `layer` (which picks its window, see cfg.layer_types)."""
   window = cfg.layer_sliding_window(layer)
-  q = linear("TD,DHd->THd", x, p["wq"])
-  k = linear("TD,DKd->TKd", x, p["wk"])
-  v = linear("TD,DKd->TKd", x, p["wv"])
-  if cfg.attention_bias:
-    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+  q, k, v = qkv_projection(p, cfg, x)
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -72,7 +72,30 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
   return out, new_cache
 
 
+def qkv_projection(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x [T, D] -> q [T, H, d], k and v [T, K, d] (with Qwen2's biases): one matmul over the fused
+  wqkv [D, K, G + 2, d] (jaxinfer.params.FUSED), or three over a checkpoint-layout layer."""
+  if "wqkv" not in p:
+    q = linear("TD,DHd->THd", x, p["wq"])
+    k = linear("TD,DKd->TKd", x, p["wk"])
+    v = linear("TD,DKd->TKd", x, p["wv"])
+    if cfg.attention_bias:
+      q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    return q, k, v
+  qkv = linear("TD,DKGd->TKGd", x, p["wqkv"])
+  if cfg.attention_bias:
+    qkv = qkv + p["bqkv"]
+  G = cfg.num_heads // cfg.num_kv_heads
+  # Slots G and G + 1 of kv group k are its key and value; the G before them its query heads,
+  # k G .. k G + G - 1 in HF's order. Sliced along an axis no mesh splits: local under TP.
+  q = qkv[:, :, :G].reshape(x.shape[0], cfg.num_heads, cfg.head_dim)
+  return q, qkv[:, :, G], qkv[:, :, G + 1]
+
+
 def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  if "w_gate_up" in p:
+    return fused_swiglu_mlp(x, p["w_gate_up"], p["w_down"])
   return swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"])
 
 
