@@ -137,19 +137,81 @@ def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arr
     stats.append(layer_stats)
     return out
 
-  new_cache = []
-  for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
-    x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch,
-                                   ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
-                                   attention_impl=attention_impl, decode_q_len=decode_q_len,
-                                   layer=i)
-    new_cache.append(layer_cache)
+  def layer(i, p, x, layer_cache, batch):
+    return decoder_layer(p, cfg, x, positions, layer_cache, batch,
+                         ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
+                         attention_impl=attention_impl, decode_q_len=decode_q_len, layer=i)
+
+  if is_stacked(params["layers"]):
+    x, new_cache = _scan(layer, params["layers"], cfg, x, cache, batch)
+  else:
+    new_cache = []
+    for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
+      x, layer_cache = layer(i, layer_params, x, layer_cache, batch)
+      new_cache.append(layer_cache)
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if not return_router_stats:
     return hidden, new_cache
   per_expert = (jnp.stack([s.tokens_per_expert for s in stats]) if stats
                 else jnp.zeros((0, max(cfg.num_experts, 1)), jnp.int32))
   return hidden, new_cache, RouterStats(per_expert)
+
+
+# ---- scanned layers ------------------------------------------------------------------------------
+#
+# With stacked layers (`stack_layers`: one tree whose leaves lead with a layer axis L) the step runs
+# the same decoder_layer once, under lax.scan, so its program (and its compile time) does not grow
+# with depth. The cache is then one pool of L * N pages (`stack_cache`): layer i's page j is page
+# i N + j, so each layer attends and writes through the whole pool with its page ids and slots
+# moved by i N: no layer's cache is sliced out (which would copy it) and the writes stay in place
+# in the scan's carry. The weights are sliced per layer (lax.scan's xs).
+
+
+def is_stacked(layers: Any) -> bool:
+  """Whether params["layers"] is stack_layers' one stacked tree (not a list of layers)."""
+  return isinstance(layers, dict)
+
+
+def scannable(cfg: ModelConfig) -> str | None:
+  """None if every layer runs the same program (stackable), else why not."""
+  if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+    return "it has MoE layers (their router statistics are gathered per layer in Python)"
+  if len({cfg.layer_sliding_window(i) for i in range(cfg.num_layers)}) > 1:
+    return "its layers have different attention windows"
+  return None
+
+
+def stack_layers(cfg: ModelConfig, params: Any) -> Any:
+  """params with its list of layers as one tree [L, ...] (what forward scans over)."""
+  why = scannable(cfg)
+  if why:
+    raise ValueError(f"{cfg.architecture}: layers cannot be scanned: {why}")
+  return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
+
+
+def stack_cache(cache: Cache) -> Cache:
+  """The per-layer pools [N, p, ...] as one pool [L * N, p, ...] (layer i's pages at i N)."""
+  return [jax.tree.map(lambda *xs: jnp.concatenate(xs), *cache)]
+
+
+def _scan(layer, stacked: Any, cfg: ModelConfig, x: jax.Array, cache: Cache, batch: PagedBatch):
+  pool = cache[0]
+  L = jax.tree.leaves(stacked)[0].shape[0]
+  N = jax.tree.leaves(pool)[0].shape[0] // L
+  p = jax.tree.leaves(pool)[0].shape[1]
+
+  def body(carry, xs):
+    x, pool = carry
+    i, layer_params = xs
+    slots = batch.slot_mapping
+    inside = (slots >= 0) & (slots < N * p)  # an out-of-range slot (dropped) stays out of the pool
+    moved = batch._replace(slot_mapping=jnp.where(inside, slots + i * N * p, L * N * p),
+                           page_indices=batch.page_indices + i * N)
+    x, pool = layer(0, layer_params, x, pool, moved)  # every layer alike (scannable): layer 0's window
+    return (x, pool), None
+
+  (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(L, dtype=jnp.int32), stacked))
+  return x, [pool]
 
 
 def compute_logits(params: Any, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
