@@ -9,7 +9,7 @@
 
 Each variant's decode step (forward over B sequences of one new token each, `ctx` tokens of
 context in the paged cache, plus the LM head) is compiled, then the variants are timed in
-interleaved rounds (rounds x steps each) and the median step reported with its spread, so a
+interleaved rounds (rounds x steps each, the order reversed every other round) and the median step reported with its spread, so a
 change in the machine's load hits both alike. The load average is recorded before and after.
 
   python scripts/bench_layers.py fuse --batch 1 64 --quantization none int8 \
@@ -92,8 +92,10 @@ def time_variants(variants: dict, cfg, batch: int, ctx: int, rounds: int, steps:
     out[name]["logits"] = np.asarray(logits)
     caches[name], steps_fn[name] = cache, compiled
   times = {name: [] for name in variants}
-  for _ in range(rounds):
-    for name, params in variants.items():
+  order = list(variants)
+  for r in range(rounds):
+    for name in (order if r % 2 == 0 else order[::-1]):  # ABBA: neither variant always runs first
+      params = variants[name]
       cache, fn = caches[name], steps_fn[name]
       for _ in range(steps):
         t = time.perf_counter()
