@@ -6,7 +6,9 @@ Face and GGUF checkpoints. From that one tree come random init
 (`init_params`), allocation-free shapes (`abstract_params`, for
 `jax.eval_shape`-style checks and orbax restore targets), shardings
 (`jaxinfer.sharding.param_shardings`) and checkpoint import
-(`jaxinfer.checkpoint`).
+(`jaxinfer.checkpoint`). That tree is the checkpoints' layout; the engine runs
+on one with q/k/v and gate/up joined per dense layer (`fuse_params`,
+`runtime_specs`: "fused projections" below).
 
 Layout legend: V vocab, D hidden (embed), H query heads, K kv heads,
 Dh head_dim, F mlp (intermediate) width, E experts. Linear weights are stored
@@ -371,7 +373,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
 
 FUSED: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
                                      "w_gate_up": ("w_gate", "w_up")}
-FUSED_AXIS = {"wqkv": "qkv", "bqkv": "qkv", "w_gate_up": "gate_up"}
 
 
 def fused_groups(layer: dict[str, Any], names=tuple(FUSED)) -> dict[str, tuple[str, ...]]:
@@ -440,7 +441,7 @@ def _fuse_leaves(name: str, leaves: list, specs: list[WeightSpec], K: int) -> An
     # GGUF Q8_0 blocks kept beside requantized int8 groups: a zero min is the symmetric group's.
     zeros = (jnp.zeros_like if isinstance(leaves[0].scales, jax.Array) else np.zeros_like)
     mins = _join([x.mins if x.mins is not None else zeros(x.scales) for x in leaves],
-                      [q.scales for q in layouts], name, K)
+                 [q.scales for q in layouts], name, K)
   return QuantizedWeight(values, scales, mins)
 
 

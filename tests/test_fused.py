@@ -114,3 +114,36 @@ def test_mixed_formats_cannot_be_one_weight_and_say_which():
   layer["wv"] = QuantizedWeight(wv.values, wv.scales)  # mins dropped
   fused = fuse_layers(cfg, {"layers": [layer]})["layers"][0]["wqkv"]
   assert is_quantized(fused) and np.all(np.asarray(fused.mins)[:, :, -1] == 0)
+
+
+def test_each_tensor_parallel_shard_holds_its_kv_heads_with_their_query_heads():
+  """qwen3 (H = 4, K = 2) over model=2: device d's wqkv block is kv head d's [q 2d, q 2d + 1, k d,
+  v d]; gate_up's block is gate and up columns of the same F half. With kv heads replicated on
+  purpose, q/k/v stay three weights (query heads still split) and gate/up is still fused."""
+  from jaxinfer.sharding import make_mesh, make_rules, param_shardings, runtime_params
+  cfg = read_config(tiny_dir("qwen3"))
+  host = jax.device_get(init_params(cfg, jax.random.key(2)))
+  p = host["layers"][0]
+  mesh = make_mesh(model=2)
+
+  def loaded(rules):  # placed as load_model places a checkpoint's weights, then joined as the runner does
+    return runtime_params(cfg, jax.device_put(host, param_shardings(cfg, mesh, rules=rules)), mesh, rules)
+
+  params = loaded(make_rules())
+  w, gu = params["layers"][0]["wqkv"], params["layers"][0]["w_gate_up"]
+  G, F = 2, cfg.intermediate_size
+  for shard in w.addressable_shards:
+    d = shard.index[1].start  # the kv head this device holds
+    got = np.asarray(shard.data)
+    assert got.shape == (cfg.hidden_size, 1, G + 2, cfg.head_dim)
+    np.testing.assert_array_equal(got[:, 0, :G], p["wq"][:, d * G:(d + 1) * G])
+    np.testing.assert_array_equal(got[:, 0, G], p["wk"][:, d])
+    np.testing.assert_array_equal(got[:, 0, G + 1], p["wv"][:, d])
+  for shard in gu.addressable_shards:
+    cols = shard.index[2]
+    assert np.asarray(shard.data).shape == (cfg.hidden_size, 2, F // 2)
+    np.testing.assert_array_equal(np.asarray(shard.data)[:, 0], p["w_gate"][:, cols])
+    np.testing.assert_array_equal(np.asarray(shard.data)[:, 1], p["w_up"][:, cols])
+  layer = loaded(make_rules({"kv_heads": None}))["layers"][0]
+  assert "wqkv" not in layer and "w_gate_up" in layer
+  assert layer["wq"].sharding.shard_shape(layer["wq"].shape) == (cfg.hidden_size, 2, cfg.head_dim)
