@@ -195,8 +195,10 @@ def stack_cache(cache: Cache) -> Cache:
 
 
 def _scan(layer, stacked: Any, cfg: ModelConfig, x: jax.Array, cache: Cache, batch: PagedBatch):
-  pool = cache[0]
   L = jax.tree.leaves(stacked)[0].shape[0]
+  # A per-layer cache (a scratch pool, e.g. the runner's logits pass) is stacked here: a copy,
+  # which the step's own pool, stacked once when allocated, never pays.
+  pool = (cache if len(cache) == 1 else stack_cache(cache))[0]
   N = jax.tree.leaves(pool)[0].shape[0] // L
   p = jax.tree.leaves(pool)[0].shape[1]
 
