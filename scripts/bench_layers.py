@@ -6,6 +6,8 @@
         pool of L x N pages, lax.scan: models/transformer.py), the same weights: step and compile
         time of the default model, and of a Llama-3-8B-shaped model with random weights (step time
         at --llama-layers layers; compile time, from shapes alone, at each of --compile-layers).
+  warmup: the engine's warm-up (every step program compiled, the persistent compilation cache
+        off) of the default model, EngineConfig.scan_layers False vs True, alternating.
 
 Each variant's decode step (forward over B sequences of one new token each, `ctx` tokens of
 context in the paged cache, plus the LM head) is compiled, then the variants are timed in
@@ -15,6 +17,7 @@ change in the machine's load hits both alike. The load average is recorded befor
   python scripts/bench_layers.py fuse --batch 1 64 --quantization none int8 \
       --out benchmarks/results/layers-fuse-2026-11-28.json
   python scripts/bench_layers.py scan --batch 1 64 --out benchmarks/results/layers-scan-2026-11-28.json
+  python scripts/bench_layers.py warmup --rounds 2 --out benchmarks/results/layers-scan-warmup-2026-11-28.json
 """
 
 from __future__ import annotations
@@ -212,9 +215,31 @@ def run_scan(args) -> dict:
           "rows": rows, "compile_vs_depth": compile_rows}
 
 
+def run_warmup(args) -> dict:
+  from jaxinfer import LLM
+  from jaxinfer.default_model import default_checkpoint
+  opts = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, compilation_cache_dir="")
+  times = {False: [], True: []}
+  programs = {}
+  for r in range(args.rounds):
+    for scan in ((False, True) if r % 2 == 0 else (True, False)):
+      t = time.perf_counter()
+      llm = LLM(default_checkpoint(), scan_layers=scan, **opts)
+      times[scan].append(round(time.perf_counter() - t, 2))
+      programs[scan] = len(llm.runner._programs) if hasattr(llm.runner, "_programs") else None
+      print(f"== scan_layers={scan}: {times[scan][-1]} s", file=sys.stderr, flush=True)
+      del llm
+      jax.clear_caches()
+  return {"what": "LLM(default model, warmup=True) construction time, load + every step program compiled, "
+                  "no persistent compilation cache; the test suite's LLMs compile these programs lazily",
+          "engine_options": opts,
+          "rows": [{"scan_layers": scan, "seconds": ts, "median_s": float(np.median(ts))} for scan, ts in times.items()],
+          "load_average": os.getloadavg()}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("what", choices=["fuse", "scan"])
+  ap.add_argument("what", choices=["fuse", "scan", "warmup"])
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
   ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
   ap.add_argument("--ctx", type=int, default=128, help="tokens of context each sequence has in the cache")
@@ -227,7 +252,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   load_before = os.getloadavg()
-  body = run_fuse(args) if args.what == "fuse" else run_scan(args)
+  body = {"fuse": run_fuse, "scan": run_scan, "warmup": run_warmup}[args.what](args)
   result = {"benchmark": f"layers-{args.what}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "commit": git_commit(), "command": " ".join(["python", "scripts/bench_layers.py"] + (argv or sys.argv[1:])),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
