@@ -220,13 +220,11 @@ def run_warmup(args) -> dict:
   from jaxinfer.default_model import default_checkpoint
   opts = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, compilation_cache_dir="")
   times = {False: [], True: []}
-  programs = {}
   for r in range(args.rounds):
     for scan in ((False, True) if r % 2 == 0 else (True, False)):
       t = time.perf_counter()
       llm = LLM(default_checkpoint(), scan_layers=scan, **opts)
       times[scan].append(round(time.perf_counter() - t, 2))
-      programs[scan] = len(llm.runner._programs) if hasattr(llm.runner, "_programs") else None
       print(f"== scan_layers={scan}: {times[scan][-1]} s", file=sys.stderr, flush=True)
       del llm
       jax.clear_caches()
