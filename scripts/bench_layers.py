@@ -128,7 +128,7 @@ def run_fuse(args) -> dict:
       r = time_variants({"unfused": unfused, "fused": fused}, cfg, batch, args.ctx, args.rounds, args.steps)
       same = bool(np.array_equal(r["unfused"].pop("logits"), r["fused"].pop("logits")))
       row = {"quantization": quantization, "batch": batch, "ctx": args.ctx, **{f"{k}": v for k, v in r.items()},
-             "fused_over_unfused": round(r["fused"]["median_ms"] / r["unfused"]["median_ms"], 3),
+             "ratio_fused_vs_unfused": round(r["fused"]["median_ms"] / r["unfused"]["median_ms"], 3),
              "logits_identical": same, "load_average": os.getloadavg()}
       print(json.dumps(row), file=sys.stderr, flush=True)
       rows.append(row)
@@ -176,8 +176,8 @@ def run_scan(args) -> dict:
     print(f"== default model, batch {batch}", file=sys.stderr, flush=True)
     r = time_variants({"unrolled": unrolled, "scanned": scanned}, cfg, batch, args.ctx, args.rounds, args.steps)
     same = bool(np.array_equal(r["unrolled"].pop("logits"), r["scanned"].pop("logits")))
-    rows.append({"model": "default (SmolLM2-135M, 30 layers, float32)", "batch": batch, "ctx": args.ctx, **r,
-                 "scanned_over_unrolled": round(r["scanned"]["median_ms"] / r["unrolled"]["median_ms"], 3),
+    rows.append({"case": "default (SmolLM2-135M, 30 layers, float32)", "batch": batch, "ctx": args.ctx, **r,
+                 "ratio_scanned_vs_unrolled": round(r["scanned"]["median_ms"] / r["unrolled"]["median_ms"], 3),
                  "logits_identical": same, "load_average": os.getloadavg()})
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   del unrolled, scanned, loaded
@@ -191,10 +191,10 @@ def run_scan(args) -> dict:
     r = time_variants({"unrolled": unrolled, "scanned": scanned}, cfg, batch, args.ctx, args.rounds,
                       max(2, args.steps // 4))
     same = bool(np.array_equal(r["unrolled"].pop("logits"), r["scanned"].pop("logits")))
-    rows.append({"model": f"Llama-3-8B layer shapes, {args.llama_layers} layers, vocab 32000, random float32 weights",
+    rows.append({"case": f"Llama-3-8B layers x{args.llama_layers}, vocab 32000, float32 random",
                  "batch": batch,
                  "ctx": args.ctx, **r,
-                 "scanned_over_unrolled": round(r["scanned"]["median_ms"] / r["unrolled"]["median_ms"], 3),
+                 "ratio_scanned_vs_unrolled": round(r["scanned"]["median_ms"] / r["unrolled"]["median_ms"], 3),
                  "logits_identical": same, "load_average": os.getloadavg()})
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   del unrolled, scanned
@@ -204,7 +204,7 @@ def run_scan(args) -> dict:
     cfg = llama3_8b(layers)
     unrolled = jax.eval_shape(lambda p: fuse_layers(cfg, p), abstract_params(cfg, dtype))
     scanned = jax.eval_shape(lambda p: stack_layers(cfg, p), unrolled)
-    row = {"model": "Llama-3-8B shape, float32", "layers": layers, "batch": args.compile_batch,
+    row = {"case": "Llama-3-8B shape, float32", "layers": layers, "batch": args.compile_batch,
            "unrolled_compile_s": compile_seconds(cfg, unrolled, args.compile_batch, args.ctx, dtype),
            "scanned_compile_s": compile_seconds(cfg, scanned, args.compile_batch, args.ctx, dtype),
            "load_average": os.getloadavg()}
