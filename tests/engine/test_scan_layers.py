@@ -42,3 +42,14 @@ def test_scanned_engine_gives_the_unrolled_logits_and_tokens():
 def test_what_cannot_scan_is_refused_naming_why():
   with pytest.raises(InvalidRequestError, match=r"scan_layers=True: .* cannot be scanned here: it has MoE layers"):
     LLM(tiny_dir("mixtral"), scan_layers=True, **ENGINE)
+
+
+def test_scanned_on_a_tensor_parallel_mesh_keeps_the_splits_and_the_golden_logits():
+  import jax
+  from jaxinfer.sharding import make_mesh
+  llm = LLM(tiny_dir("qwen3"), mesh=make_mesh(model=2), scan_layers=True, **ENGINE)
+  w, k = llm.engine.runner.params["layers"]["wqkv"], llm.engine.runner.cache[0]["k"]
+  assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")  # [L, D, K, G + 2, d]: K split
+  assert k.sharding.shard_shape(k.shape)[2] == 1  # [L * N, p, K, d]: one kv head per device
+  g = golden("qwen3")
+  np.testing.assert_allclose(llm.logits(g["token_ids"].tolist()), g["logits"], atol=1e-4, rtol=0)
