@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "scripts"))
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.default_model import default_checkpoint
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.params import param_specs, is_spec
+from jaxinfer.params import is_spec, runtime_specs
 from jaxinfer.quant import num_in_axes
 import eval_quality as eq
 
@@ -69,7 +69,7 @@ def main():
   H = [tok.encode_chat([{"role": "user", "content": q}]) for q in HELD_OUT]
   llm = LLM(ckpt, "float32", max_model_len=512, max_num_seqs=8, warmup=False)
   base = jax.device_get(llm.runner.params)
-  specs = param_specs(llm.runner.cfg)
+  specs = runtime_specs(llm.runner.cfg)  # the fused tree the runner holds (params.FUSED)
   windows = [ids[i:i + 512] for i in range(0, len(ids), 512)]; windows = [w for w in windows if len(w) > 1]
   ref = [llm.logits(w) for w in windows]
   sp48 = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -99,6 +99,10 @@ class EngineConfig:
   # (`jaxinfer eplb plan`), or a dict of EplbConfig's fields, e.g. {"num_redundant_experts": 8,
   # "replan_interval": 100} (jaxinfer.models.eplb).
   eplb: EplbConfig | None = None
+  # Layers scanned (stacked weights and one KV pool, lax.scan: the step's program and its compile
+  # time stay flat in depth) or unrolled. None: the backend's (BACKEND_SCAN_LAYERS). Not with
+  # MoE layers, per-layer windows, an MTP module, attention DP or KV transfer (refused).
+  scan_layers: bool | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
@@ -119,17 +123,26 @@ class EngineConfig:
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
     if not isinstance(self.async_scheduling, bool):
       raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+    if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+      raise InvalidRequestError(f"scan_layers must be a bool or None, got {self.scan_layers!r}")
 
 
   def for_backend(self, platform: str) -> "EngineConfig":
     """This config with the sizes it leaves to the backend filled in (BACKEND_DEFAULTS)."""
     seqs, tokens = BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["gpu"])
+    scan = self.scan_layers if self.scan_layers is not None else BACKEND_SCAN_LAYERS.get(
+        platform, BACKEND_SCAN_LAYERS["gpu"])
     return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+                               max_num_batched_tokens=self.max_num_batched_tokens or tokens, scan_layers=scan)
 
 
 # (max_num_seqs, max_num_batched_tokens) by device platform; any other accelerator takes 'gpu''s.
 BACKEND_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192)}
+# scan_layers by platform. The CPU unrolls: scanned, its step slices each layer's weights out of
+# the stack (a copy per layer per step), 1.4x the default model's batch-1 step and 4.5x a
+# Llama-3-8B layer's, for compile time flat in depth (benchmarks/results/layers-scan-2026-11-28.json).
+# A GPU has not measured it yet: unrolled, as before.
+BACKEND_SCAN_LAYERS = {"cpu": False, "gpu": False}
 
 
 @dataclasses.dataclass
@@ -204,7 +217,7 @@ class LLMEngine:
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k,
-                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype,
+                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype, scan_layers=ec.scan_layers,
                               relaxed_acceptance=self.spec.relaxed if self.spec is not None else None)
     self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
