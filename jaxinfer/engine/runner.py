@@ -73,7 +73,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
-from jaxinfer.models import mtp
+from jaxinfer.models import eplb, mtp
 from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
@@ -398,7 +398,9 @@ class ModelRunner:
       raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     self.sharding_rules = make_rules(sharding_rules)
     # q/k/v and gate/up joined into one weight each (jaxinfer.params.FUSED): four matmuls a layer.
-    params = runtime_params(cfg, params, mesh, self.sharding_rules)
+    # (An EPLB placement's slot tables are not weights: they pass around the spec-driven fusion.)
+    params, eplb_tables = eplb.split_tables(params)
+    params = eplb.join_tables(runtime_params(cfg, params, mesh, self.sharding_rules), eplb_tables)
     self.scan_layers = scan_layers
     if scan_layers:
       params = _stacked(cfg, params, mtp_params, self.cache_spec.page_shards(mesh, self.sharding_rules))

@@ -364,6 +364,35 @@ def relayout(params: Mapping[str, Any], placement: Placement, source_slots: np.n
   return out
 
 
+def split_tables(params: Any) -> tuple[Any, dict[int, tuple[Any, Any]]]:
+  """(params without the placement's slot tables, {MoE layer index: (slots, replicas)}): the
+  tree the spec-driven transforms (sharding.runtime_params) know, and what `join_tables` puts
+  back after them."""
+  layers = params.get("layers") if isinstance(params, Mapping) else None
+  if not isinstance(layers, (list, tuple)):
+    return params, {}
+  tables, out_layers = {}, list(layers)
+  for i, layer in enumerate(layers):
+    moe = layer.get("moe") if isinstance(layer, Mapping) else None
+    if isinstance(moe, Mapping) and SLOTS_KEY in moe:
+      tables[i] = (moe[SLOTS_KEY], moe[REPLICAS_KEY])
+      rest = {k: v for k, v in moe.items() if k not in (SLOTS_KEY, REPLICAS_KEY)}
+      out_layers[i] = dict(layer, moe=rest)
+  if not tables:
+    return params, {}
+  return dict(params, layers=type(layers)(out_layers)), tables
+
+
+def join_tables(params: Any, tables: Mapping[int, tuple[Any, Any]]) -> Any:
+  """`split_tables`' inverse."""
+  if not tables:
+    return params
+  layers = list(params["layers"])
+  for i, (slots, replicas) in tables.items():
+    layers[i] = dict(layers[i], moe=dict(layers[i]["moe"], **{SLOTS_KEY: slots, REPLICAS_KEY: replicas}))
+  return dict(params, layers=type(params["layers"])(layers))
+
+
 def _leaves(tree: Mapping[str, Any]):
   for k, v in tree.items():
     for leaf in jax.tree.leaves(v):
