@@ -164,8 +164,12 @@ def default_checkpoint():
 
 @pytest.fixture(scope="session")
 def smollm(default_checkpoint):
+  """The default model with its 30 layers scanned: its programs compile in a fraction of the
+  unrolled time (benchmarks/results/layers-scan-2026-11-28.json), most of a cold run of its
+  goldens; scanned and unrolled logits are equal bit for bit (tests/models/test_scan.py), and
+  the notebook and test_default_model run it unrolled, as CPU users do."""
   from jaxinfer import LLM
-  return LLM(default_checkpoint, warmup=False)
+  return LLM(default_checkpoint, warmup=False, scan_layers=True)
 
 
 @pytest.fixture(scope="session")
