@@ -202,7 +202,7 @@ def main() -> int:
   ap.add_argument("--dram-layers", type=int, default=150, help="distinct weights for the DRAM rows")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
-  import bench_peers
+  from jaxinfer.bench import harness as bench_peers
   rows = []
   with tempfile.TemporaryDirectory() as d:
     exe, isa = build(Path(d))

@@ -72,7 +72,7 @@ def main() -> None:
   if args.worker:
     print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
     return
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
   load_before = os.getloadavg()
   rows = []
   for kv in args.dtypes.split(","):

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_peers  # noqa: E402
+from jaxinfer.bench import harness as bench_peers  # noqa: E402
 from bench_serving import start_server  # noqa: E402
 
 

@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_peers  # noqa: E402
+from jaxinfer.bench import peers as bench_peers  # noqa: E402
+from jaxinfer.bench.harness import write_results  # noqa: E402
 
 
 def run_jaxinfer(lens: list[int], repeats: int, dtype: str, budget: int) -> dict:
@@ -156,7 +157,7 @@ def main() -> int:
         f"{it['per_step_token_budget']} tokens/step): ITL p50 {it['itl_p50_s'] * 1e3:.0f} ms, "
         f"p99 {it['itl_p99_s'] * 1e3:.0f} ms, max {it['itl_max_s'] * 1e3:.0f} ms; "
         f"its TTFT {it['long_ttft_s']:.1f} s")
-  out = bench_peers.write_results("long-prompt", dict(dtype=args.dtype, repeats=args.repeats, results=results,
+  out = write_results("long-prompt", dict(dtype=args.dtype, repeats=args.repeats, results=results,
                                                      jaxinfer_fit=f), args.out)
   print(f"wrote {out}")
   return 0

@@ -42,7 +42,7 @@ int8 activations ('int8 x int8') patched in, the measurement that chose the spli
 --e2e also times LLM.generate on the default model, float32, bfloat16, int8, fp8 and int4
 weights, and float32 weights over an int8 / fp8 KV cache (kv-int8, kv-fp8; --e2e-formats
 picks some), each in
-its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
+its own process (`jaxinfer bench offline`'s worker, token budget 512 as there): batch 1 and 64 prompts,
 128 new tokens, EOS ignored.
 
   python scripts/bench_quant_matmul.py              # matmuls only
@@ -200,7 +200,7 @@ E2E_FORMATS = ("float32", "bfloat16", "int8", "fp8", "int4", "kv-int8", "kv-fp8"
 
 
 def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float, formats=E2E_FORMATS) -> list[dict]:
-  import bench_offline
+  from jaxinfer.bench import offline as bench_offline
   prompts = bench_offline.prompts_token_ids(num_prompts)
   rows = []
   for n in (1, num_prompts):
@@ -223,7 +223,7 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
   patched in."""
   import numpy as np
 
-  import bench_offline
+  from jaxinfer.bench import offline as bench_offline
   import jaxinfer.quant as quant
   from jaxinfer import LLM
   prompts = bench_offline.prompts_token_ids(num_prompts)
@@ -272,7 +272,7 @@ def main() -> None:
   p.add_argument("--timeout", type=float, default=1800)
   p.add_argument("--out", default=None)
   args = p.parse_args()
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
 
   load_before = os.getloadavg()
   only = args.forms.split(",") if args.forms else None

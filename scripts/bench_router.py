@@ -178,7 +178,7 @@ def main() -> None:
   p.add_argument("--out", default=None)
   args = p.parse_args()
 
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
   from jaxinfer.serving.router import ModelFrontend
 
   vocab = ModelFrontend.load(args.model).config.vocab_size

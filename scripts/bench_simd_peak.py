@@ -182,7 +182,7 @@ def main() -> None:
   print("| form | instructions | multiply-adds / ns (one thread) | vs fp32 FMA | where |\n|---|---|---:|---:|---|")
   for r in rows:
     print(f"| {r['form']} | {r['instructions']} | {r['macs_per_ns']:.1f} | {r['vs_fp32_fma']:.2f}x | {r['use']} |")
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
   print(f"wrote {write_results('simd-peak', dict(rows=rows), args.out)}")
 
 

@@ -116,7 +116,7 @@ def main() -> int:
           f"{r['steps']} | {r['ms_per_step']:.1f} | {r['step_cost_vs_none']:.2f}x | {mal} | {acc} | {r['same_tokens_as_without']} |")
   for r in rows:
     del r["ids"]
-  import bench_peers
+  from jaxinfer.bench import harness as bench_peers
   print(f"load average (1, 5, 15 min) before and after each configuration: {load}")
   out = bench_peers.write_results("spec", dict(dtype=args.dtype, max_tokens=args.max_tokens, rows=rows,
                                                load_average=load), args.out)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
 
-from bench_peers import write_results  # noqa: E402
+from jaxinfer.bench.harness import write_results  # noqa: E402
 from jaxinfer.engine.grammar import fill_bitmasks, mask_words  # noqa: E402
 from jaxinfer.structured import StructuredOutput  # noqa: E402
 

@@ -101,7 +101,7 @@ def main():
     print(json.dumps(row), f"{time.time()-t:.0f}s", flush=True)
     rows.append(row)
   if len(sys.argv) > 2:
-    import bench_peers
+    from jaxinfer.bench import harness as bench_peers
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     Path(sys.argv[2]).write_text(json.dumps(dict(

@@ -3,7 +3,7 @@
 # "GPU"). Each section has its own time limit, so one that hangs does not cost the others;
 # logs and JSON go to $OUT (default /tmp/gpu-check).
 #   1. the Pallas kernels' tests, compiled (tests/conftest.py: PALLAS_INTERPRET is off on a GPU);
-#   2. bench_offline.py --gpu: a Llama-3-8B-shaped model, bf16 vs fp8 weights (KVS=auto,fp8 adds
+#   2. jaxinfer bench offline --gpu: a Llama-3-8B-shaped model, bf16 vs fp8 weights (KVS=auto,fp8 adds
 #      an fp8 KV cache), batch-1 decode against the bandwidth roofline and 256-prompt
 #      throughput, the compiled HLO of one fp8 / bf16 linear (is a full-precision weight copy
 #      written?), and with PROFILE=1 a traced batch-1 run (GPU busy vs wall time per step);
@@ -49,9 +49,9 @@ timeout -k 5 "${MARKED_TESTS_S:-120}" python3 -m pytest -v -p no:cacheprovider -
   -m "gpu or triton_lowering" tests/pallas_kernels > "$OUT/pytest-marked.log" 2>&1
 echo "rc=$?"; grep -cE " PASSED" "$OUT/pytest-marked.log"; grep -E " FAILED| ERROR|passed|failed|not run" "$OUT/pytest-marked.log" | tail -n 12
 
-section "bench_offline --gpu"
+section "jaxinfer bench offline --gpu"
 mkdir -p "$OUT/hlo"
-timeout -k 5 "${OFFLINE_S:-240}" python3 scripts/bench_offline.py --gpu --concurrent-compile ${PROFILE:+--profile} \
+timeout -k 5 "${OFFLINE_S:-240}" python3 -m jaxinfer bench offline --gpu --concurrent-compile ${PROFILE:+--profile} \
   --attention-impls pallas --gpu-formats "${FORMATS:-bf16,fp8}" --kv-cache-dtypes "${KVS:-auto}" \
   --num-prompts 256 --kv-cache-gb 9 --timeout "${OFFLINE_S:-240}" \
   --hlo-dir "$OUT/hlo" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1

@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     print("mlperf.py needs mlcommons-loadgen: pip install -e '.[test]' (or pip install mlcommons-loadgen)",
           file=sys.stderr)
     return 2
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
   from jaxinfer import LLM, SamplingParams
 
   engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

