@@ -48,6 +48,7 @@ MOVED_SCRIPTS = {
     "bench_offline.py": "offline",
     "bench_peers.py": "peer",
     "bench_spec.py": "spec",
+    "bench_long_prompt.py": "long-prompt",
 }
 # (script, the recorded arguments) -> the subcommand and flags that do the same run today.
 _BATCH1_INTERLEAVED = re.compile(r"(?:\S*/)?bench_batch1_interleaved\.py(?:\s+(\d+))?(?:\s+(\S+))?")

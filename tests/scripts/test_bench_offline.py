@@ -13,6 +13,7 @@ import pytest
 from conftest import DATA
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
+from jaxinfer import bench
 from jaxinfer.bench import offline as bench_offline
 from jaxinfer.params import abstract_params
 
@@ -40,8 +41,8 @@ def test_xla_cpus_dequantized_copy_is_a_weight_copy():
 
 def test_gpu_smoke_row_runs_the_quantized_model(tmp_path, capsys):
   out = tmp_path / "gpu.json"
-  # The row itself runs in its own process (`python -m jaxinfer.bench.offline --gpu-worker`).
-  assert bench_offline.main(["--gpu", "--smoke", "--gpu-formats", "fp8", "--attention-impls", "xla",
+  # The row itself runs in its own process (`python -m jaxinfer bench offline --gpu-worker`).
+  assert bench.main(["offline", "--gpu", "--smoke", "--gpu-formats", "fp8", "--attention-impls", "xla",
                              "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert result["failures"] == [] and len(result["rows"]) == 1
