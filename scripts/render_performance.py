@@ -48,6 +48,13 @@ MOVED_SCRIPTS = {
     "bench_offline.py": "offline",
     "bench_peers.py": "peer",
     "bench_spec.py": "spec",
+    "trace_step.py": "trace",
+    "profile_step.py": "profile",
+    "mlperf.py": "mlperf",
+    "simulate_router.py": "router-sim",
+    "bench_router.py": "router",
+    "bench_kv_transfer.py": "kv-transfer",
+    "bench_serving.py": "serving",
     "bench_long_prompt.py": "long-prompt",
 }
 # (script, the recorded arguments) -> the subcommand and flags that do the same run today.

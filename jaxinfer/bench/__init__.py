@@ -26,10 +26,23 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("offline", "offline throughput and TTFT against peers, every dtype and weight format "
                            "(--interleaved: batch-1 rounds side by side; --gpu: the GPU rows)"),
+    "serving": ("serving", "the gRPC server against the engine in-process (overhead ratio), then under a Poisson "
+                           "load: TTFT, TPOT, ITL"),
+    "kv-transfer": ("kv_transfer", "prefill/decode disaggregation: bytes and time to move a prompt's KV between "
+                                   "workers, and the TTFT it adds"),
     "long-prompt": ("long_prompt", "time to first token of 1k-4k-token prompts against peers, and what a long "
                                    "prefill does to streams already running"),
     "spec": ("spec", "speculative decoding: decode tok/s without, with n-gram and with MTP drafts, "
                      "batch 1 and 16"),
+    "mlperf": ("mlperf", "MLPerf Inference LoadGen: Offline, Server and Interactive over the engine in-process or "
+                         "a `jaxinfer serve` process; JSON and a plot"),
+    "router": ("router", "`jaxinfer route` in front of real workers: KV-aware vs round-robin vs disaggregated, "
+                         "on a multi-turn shared-prefix workload"),
+    "router-sim": ("router_sim", "the router's index and cost over 8-512 simulated workers (no model): hit rate, "
+                                 "balance, decision time"),
+    "profile": ("profile", "where a decode step's time goes: attention, sampling, the rest, and the host's "
+                           "share (schedule, pack, postprocess); a table, a JSON and a picture"),
+    "trace": ("trace", "a decode step's device time per XLA operation kind, from a jax.profiler trace"),
     "peer": ("peers", "run one peer (vLLM-CPU, llama.cpp, transformers) alone and print its result"),
 }
 

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxinfer.bench.harness import ROOT, cpu_info, git_commit  # noqa: F401  (re-exported)
+from jaxinfer.bench.harness import ROOT, cpu_info
 
 WORKER = Path(__file__).resolve().parent / "_peer_worker.py"  # run by each peer's own Python
 RESULT_PREFIX = "JAXINFER_PEER_RESULT "
