@@ -48,6 +48,9 @@ MOVED_SCRIPTS = {
     "bench_offline.py": "offline",
     "bench_peers.py": "peer",
     "bench_spec.py": "spec",
+    "bench_quant_matmul.py": "quant",
+    "bench_simd_peak.py": "simd-peak",
+    "bench_cpu_tiles.py": "cpu-tiles",
     "trace_step.py": "trace",
     "profile_step.py": "profile",
     "mlperf.py": "mlperf",
@@ -56,6 +59,10 @@ MOVED_SCRIPTS = {
     "bench_kv_transfer.py": "kv-transfer",
     "bench_serving.py": "serving",
     "bench_long_prompt.py": "long-prompt",
+}
+# Scripts that served one investigation and were removed after it: the commit that still has them.
+REMOVED_SCRIPTS = {
+    "eval_int8_layouts.py": "4d584e8",
 }
 # (script, the recorded arguments) -> the subcommand and flags that do the same run today.
 _BATCH1_INTERLEAVED = re.compile(r"(?:\S*/)?bench_batch1_interleaved\.py(?:\s+(\d+))?(?:\s+(\S+))?")
@@ -233,6 +240,9 @@ def section(run: Run, older: list[Run]) -> list[str]:
   today = current_command(run.command)
   if today:
     out.append(f"- the same run today: `{today}`")
+  for script, commit in REMOVED_SCRIPTS.items():
+    if script in run.command:
+      out.append(f"- the script was removed after this investigation: `git show {commit}:scripts/{script}`")
   if older:
     out.append("- older runs of it on this machine class: "
                + ", ".join(f"[`{o.path.name}`]({LINK_PREFIX}{o.path.name})" for o in older))
