@@ -7,7 +7,7 @@
 #      an fp8 KV cache), batch-1 decode against the bandwidth roofline and 256-prompt
 #      throughput, the compiled HLO of one fp8 / bf16 linear (is a full-precision weight copy
 #      written?), and with PROFILE=1 a traced batch-1 run (GPU busy vs wall time per step);
-#   3. bench_kernels.py: the attention kernels against the copy / matmul ceilings.
+#   3. jaxinfer bench kernels: the attention kernels against the copy / matmul ceilings.
 # Budget: on an H200 the four bench_offline rows compile side by side in about two minutes and
 # the whole takes a few; each test file tens of seconds (each case compiles its kernel).
 # The GPU image has jax 0.11 and no network: wheels it lacks (llguidance, gguf) travel in .whl/:
@@ -60,8 +60,8 @@ pkill -f -- "--gpu-worker" 2>/dev/null; sleep 1
 (cd "$OUT/hlo" && tar czf ../hlo.tgz . 2>/dev/null) && rm -rf "$OUT/hlo"
 
 if [ "${KERNELS_S:-90}" != 0 ]; then
-  section "bench_kernels"
-  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/bench_kernels.py --gpu --reps 5 --sections "${SECTIONS:-decode,prefill}" \
+  section "jaxinfer bench kernels"
+  timeout -k 5 "${KERNELS_S:-90}" python3 -m jaxinfer bench kernels --gpu --reps 5 --sections "${SECTIONS:-decode,prefill}" \
     --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
   echo "rc=$?"; tail -n 25 "$OUT/kernels.log"
 fi

@@ -48,6 +48,10 @@ MOVED_SCRIPTS = {
     "bench_offline.py": "offline",
     "bench_peers.py": "peer",
     "bench_spec.py": "spec",
+    "bench_structured.py": "structured",
+    "bench_kv_cache.py": "kv-cache",
+    "bench_mosaic.py": "mosaic",
+    "bench_kernels.py": "kernels",
     "bench_quant_matmul.py": "quant",
     "bench_simd_peak.py": "simd-peak",
     "bench_cpu_tiles.py": "cpu-tiles",
@@ -63,6 +67,7 @@ MOVED_SCRIPTS = {
 # Scripts that served one investigation and were removed after it: the commit that still has them.
 REMOVED_SCRIPTS = {
     "eval_int8_layouts.py": "4d584e8",
+    "bench_sampling.py": "4d584e8",
 }
 # (script, the recorded arguments) -> the subcommand and flags that do the same run today.
 _BATCH1_INTERLEAVED = re.compile(r"(?:\S*/)?bench_batch1_interleaved\.py(?:\s+(\d+))?(?:\s+(\S+))?")

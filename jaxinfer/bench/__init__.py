@@ -34,12 +34,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                    "prefill does to streams already running"),
     "spec": ("spec", "speculative decoding: decode tok/s without, with n-gram and with MTP drafts, "
                      "batch 1 and 16"),
+    "kv-cache": ("kv_cache", "decode speed and pool capacity of each KV cache dtype (float32, int8, fp8) at long "
+                             "contexts"),
+    "structured": ("structured", "structured output's per-step costs: host masks (llguidance; xgrammar in its own "
+                                 "venv) and the device-side mask"),
     "quant": ("quant", "quantized matmul forms (int8, fp8, int4) against float32 at the default model's decode "
                        "shapes; --e2e: LLM.generate per format; --accuracy: float32 vs int8 logits"),
     "cpu-tiles": ("cpu_tiles", "the CPU kernels' one-token int8 / int4 row blocks on one thread, weights in cache "
                                "against from DRAM (compiles a C++ harness around cpu_kernels/int8_matmul.cc)"),
     "simd-peak": ("simd_peak", "this CPU's multiply-add ceilings per instruction form (fp32 FMA, int16 / int8 "
                                "madd, VNNI), measured by a small C++ program"),
+    "kernels": ("kernels", "the Pallas attention and acceptance kernels against measured copy / matmul ceilings, "
+                           "the XLA reference and cuDNN (GPU; --smoke on CPU)"),
+    "mosaic": ("mosaic", "decode attention: the Mosaic GPU kernel against the Triton one, as K/V read bandwidth "
+                         "(sm_90, jax >= 0.11; --smoke on CPU)"),
     "mlperf": ("mlperf", "MLPerf Inference LoadGen: Offline, Server and Interactive over the engine in-process or "
                          "a `jaxinfer serve` process; JSON and a plot"),
     "router": ("router", "`jaxinfer route` in front of real workers: KV-aware vs round-robin vs disaggregated, "
