@@ -34,13 +34,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 TEXT = ROOT / "scripts" / "data" / "eval_quality_text.txt"
 PROMPTS = [
