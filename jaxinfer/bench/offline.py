@@ -62,8 +62,8 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import peers as bench_peers
-from jaxinfer.bench.harness import (ROOT, UsageError, environment, markdown_table, prompts_token_ids, subcommand_argv,
-                                    write_results)
+from jaxinfer.bench.harness import (ROOT, UsageError, Workload, environment, markdown_table, prompts_token_ids,
+                                    subcommand_argv, write_results)
 
 __all__ = ["prompts_token_ids", "run_jaxinfer", "table"]
 
@@ -560,7 +560,8 @@ def run_interleaved(args: argparse.Namespace) -> int:
   env = environment(args.command)
   formats = [] if args.formats == "none" else args.formats.split(",")
   peers = [] if args.peers == "none" else args.peers.split(",")
-  prompt = prompts_token_ids(1)
+  workload = Workload(num_prompts=1, max_tokens=args.max_tokens)
+  prompt = workload.token_ids()
   sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
   timers: dict[tuple[str, str], object] = {}  # (system, precision) -> () -> tokens/s
   info: dict[tuple[str, str], dict] = {}
@@ -602,7 +603,7 @@ def run_interleaved(args: argparse.Namespace) -> int:
         runs[k].append(timers[k]())
       print(f"round {r + 1}/{args.interleaved}: "
             + ", ".join(f"{k[0]} {k[1]} {runs[k][-1]:.1f}" for k in systems), file=sys.stderr, flush=True)
-  label = f"1 prompts x {args.max_tokens}"
+  label = workload.label
   median = {k: statistics.median(v) for k, v in runs.items()}
   f32 = median[("jaxinfer", "float32")]
   rows = []
@@ -640,9 +641,10 @@ def run(args: argparse.Namespace) -> int:
   if args.interleaved is not None:
     return run_interleaved(args)
   env = environment(args.command)  # the CPUs may be shared: its load average is the one before the run
-  prompts = prompts_token_ids(args.num_prompts)
   peers = [] if args.peers == "none" else args.peers.split(",")
-  workloads = {"batch": prompts, "batch1": prompts[:1]}
+  # batch 1 is the batch's first prompt: the same chat prompt for every system
+  workloads = {"batch": Workload(args.num_prompts, args.max_tokens), "batch1": Workload(1, args.max_tokens)}
+  prompts = {name: w.token_ids() for name, w in workloads.items()}
   rows, notes = [], []
   # (precision, jaxinfer dtype, quantization, peers): each dtype against every peer, each
   # quantized format against llama.cpp on the matching GGUF type (the only peer that has one).
@@ -653,7 +655,7 @@ def run(args: argparse.Namespace) -> int:
   cases = ([(d, d, None, peers) for d in args.dtypes.split(",")]
            + [(f, "float32", f, [p for p in peers if p == "llama.cpp"]) for f in formats])
   for wl in args.workloads.split(","):
-    label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
+    label = workloads[wl].label
     float32 = None  # jaxinfer's float32 row of this workload, when the run has one
 
     def add(r: dict, ours: dict) -> None:
@@ -667,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
       ours = None
       for sched in schedulings:
         print(f"== {label}, {precision}: jaxinfer ({sched or 'default'} scheduling)", file=sys.stderr, flush=True)
-        r = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
+        r = run_jaxinfer(dtype, prompts[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
                          quantization=quantization, scheduling=sched)
         if len(schedulings) > 1:
           r["system"] = f"jaxinfer ({sched})"
@@ -678,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
       for peer in case_peers:
         print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
         try:
-          r = bench_peers.run_peer(peer, precision, workloads[wl], args.max_tokens, timeout_s=args.timeout)
+          r = bench_peers.run_peer(peer, precision, prompts[wl], args.max_tokens, timeout_s=args.timeout)
         except Exception as e:  # a peer failing must not lose the rest of the run
           notes.append(f"{peer} {precision} {label}: failed: {str(e)[:300]}")
           continue
