@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # The repository checkout this package lives in (editable installs and `PYTHONPATH=.` runs):
-# benchmarks/results/, tests/data/ and the peers' venvs in .peers/ are found from here.
-ROOT = Path(__file__).resolve().parents[2]
+# benchmarks/results/, tests/data/ and the peers' venvs in .peers/ are found from here. An
+# installed wheel has no checkout around it: then the directory it runs in takes its place.
+_CHECKOUT = Path(__file__).resolve().parents[2]
+ROOT = _CHECKOUT if (_CHECKOUT / "benchmarks").is_dir() else Path.cwd()
 RESULTS = ROOT / "benchmarks" / "results"
 
 
