@@ -367,6 +367,12 @@ def _llamacpp_precision(spec: dict[str, Any]) -> str:
   return {"F32": "float32", "F16": "float16", "Q8_0": "Q8_0", "Q4_1": "Q4_1"}[spec["gguf_type"]]
 
 
+def _llamacpp_kv_cache(spec: dict[str, Any]) -> str:
+  """The KV cache's type as _LlamaCpp sets it: F16 for the F16 file, else F32 (the weights'
+  Q8_0 / Q4_1 blocks are not the cache's)."""
+  return "float16" if spec["gguf_type"] == "F16" else "float32"
+
+
 def _llamacpp_session(spec: dict[str, Any]) -> tuple[Callable[[int], tuple[list[list[int]], float, float]],
                                                      dict[str, Any], Callable[[], None]]:
   """llama.cpp loaded for the spec's prompts: (generate(n_new) -> (outputs, ttft_s, wall_s),
@@ -407,7 +413,7 @@ def _llamacpp_session(spec: dict[str, Any]) -> tuple[Callable[[int], tuple[list[
     return out, ttft, time.perf_counter() - t0
 
   precision = _llamacpp_precision(spec)
-  meta = {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
+  meta = {"precision": precision, "kv_cache": _llamacpp_kv_cache(spec), "version": lm.lc.__version__,
           "model": spec["model"], "n_threads": lm.n_threads}
   return generate, meta, lm.close
 
@@ -601,7 +607,7 @@ def ttft_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   cases = _ttft_cases(spec, first_token, mem)
   lm.close()
   precision = _llamacpp_precision(spec)
-  return {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
+  return {"precision": precision, "kv_cache": _llamacpp_kv_cache(spec), "version": lm.lc.__version__,
           "cases": cases, "model": spec["model"], "n_threads": lm.n_threads,
           "n_ubatch": lm.n_ubatch}
 

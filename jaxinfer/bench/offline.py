@@ -577,7 +577,7 @@ def run_interleaved(args: argparse.Namespace) -> int:
       out = llm.generate(prompt, sp)
       return len(out[0].token_ids) / (time.perf_counter() - t)
     timers[("jaxinfer", f or "float32")] = timed
-    info[("jaxinfer", f or "float32")] = {"version": _version()}
+    info[("jaxinfer", f or "float32")] = {"version": _version(), "kv_cache": str(llm.engine.kv_cache_dtype)}
   with contextlib.ExitStack() as stack:
     if "llama.cpp" in peers:
       for f in ["float32", *formats]:
@@ -610,7 +610,7 @@ def run_interleaved(args: argparse.Namespace) -> int:
   for (system, precision), m in median.items():
     ours = median.get(("jaxinfer", precision))
     rows.append({"workload": label, "system": system, "dtype": "float32", "precision": precision,
-                 **{k: v for k, v in info[(system, precision)].items() if k in ("version", "model")},
+                 **{k: v for k, v in info[(system, precision)].items() if k in ("version", "kv_cache", "n_threads")},
                  "tokens_per_s": m, "tokens_per_s_rounds": runs[(system, precision)],
                  "ratio_to_jaxinfer": m / ours if ours else None, "ratio_to_float32": m / f32})
   out = write_results("offline", {
