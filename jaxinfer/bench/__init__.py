@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="subcommands:\n" + "\n".join(f"  {n:12s} {h}" for n, (_, h) in SUBCOMMANDS.items())
       + "\n\n`jaxinfer bench SUBCOMMAND --help` lists its options.")
-  ap.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
+  ap.add_argument("subcommand", nargs="?", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
   ap.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
   return ap
 
@@ -85,7 +85,11 @@ def subcommand_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
 def main(argv: Sequence[str] | None = None) -> int:
   from jaxinfer.bench.harness import UsageError, command_line
   argv = list(sys.argv[1:] if argv is None else argv)
-  top = build_parser().parse_args(argv)
+  parser = build_parser()
+  top = parser.parse_args(argv)
+  if top.subcommand is None:  # `jaxinfer bench` alone: the list of subcommands
+    parser.print_help()
+    return 0
   ap, module = subcommand_parser(top.subcommand)
   args = ap.parse_args(top.args)
   args.command = command_line(argv)

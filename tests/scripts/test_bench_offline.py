@@ -84,7 +84,9 @@ def test_cli_dispatches_bench_subcommands_and_reports_bad_flags(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["bench", "offline", "--interleaved", "0"])
   assert e.value.code == 2 and "--interleaved: ROUNDS must be >= 1" in capsys.readouterr().err
+  assert cli.main(["bench"]) == 0  # the list of subcommands
+  listed = capsys.readouterr().out
+  assert all(f"\n  {name} " in listed for name in bench.SUBCOMMANDS)
   with pytest.raises(SystemExit) as e:
-    cli.main(["bench", "--help"])
-  assert e.value.code == 0
-  assert "offline " in capsys.readouterr().out
+    cli.main(["bench", "nope"])
+  assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
