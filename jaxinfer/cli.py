@@ -12,6 +12,8 @@
   jaxinfer generate --mesh 1,1,8 "Hi"                          # tensor parallel over 8 devices
   jaxinfer serve --mesh 2,1,8 --coordinator HOST0:1234 --num-processes 2 --process-id I  # 2 hosts
   jaxinfer convert path/to/hf_dir_or.gguf [checkpoints/name]
+  jaxinfer eplb plan --counts counts.json --devices 8 --redundant 8 -o placement.json  # MoE expert placement
+  jaxinfer serve --mesh 1,8,1 --eplb placement.json                                  # ... served with it
 
 Errors a user can cause print one line (`jaxinfer: error: ...`) and exit 1.
 """
@@ -80,6 +82,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
                              "relaxed_delta": args.speculative_relaxed_delta}
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
+  if args.eplb is not None or args.eplb_redundant is not None or args.eplb_replan_interval:
+    engine["eplb"] = {"placement": args.eplb, "num_redundant_experts": args.eplb_redundant or 0,
+                      "replan_interval": args.eplb_replan_interval, "window": args.eplb_window}
   return engine
 
 
@@ -150,7 +155,8 @@ def _route(args: argparse.Namespace) -> None:
   import logging
 
   from jaxinfer.errors import InvalidRequestError
-  from jaxinfer.serving.router import ModelFrontend, RouterBackend, RouterOptions, expand_addresses, named_workers
+  from jaxinfer.frontend import Frontend
+  from jaxinfer.serving.router import RouterBackend, RouterOptions, expand_addresses, named_workers
   from jaxinfer.serving.server import ServerConfig, serve
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -180,7 +186,7 @@ def _route(args: argparse.Namespace) -> None:
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name)
   # Tokenizer and config only: the workers hold the weights.
-  code = serve(RouterBackend(ModelFrontend.load(args.model), options), config)
+  code = serve(RouterBackend(Frontend.load(args.model), options), config)
   if code:
     raise SystemExit(code)
 
@@ -217,6 +223,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                       "the top token's probability")
   p.add_argument("--speculative-relaxed-delta", type=float, default=0.0, metavar="P",
                  help="with --speculative-relaxed-top-n: how far below the top probability a draft may be")
+  p.add_argument("--eplb", default=None, metavar="PLACEMENT.json",
+                 help="MoE expert-parallel load balancing: lay the experts out by this placement "
+                      "(`jaxinfer eplb plan`; redundant copies of hot experts over the EP devices)")
+  p.add_argument("--eplb-redundant", type=int, default=None, metavar="N",
+                 help="EPLB without a placement file: N redundant expert slots, planned from even load "
+                      "and then from measured load with --eplb-replan-interval")
+  p.add_argument("--eplb-replan-interval", type=int, default=0, metavar="STEPS",
+                 help="EPLB: re-plan the placement every STEPS engine steps from the last --eplb-window "
+                      "steps' expert counts and move the expert weights between steps (default 0: never)")
+  p.add_argument("--eplb-window", type=int, default=256, metavar="STEPS",
+                 help="EPLB: steps of expert counts each re-plan looks at (default 256)")
   p.add_argument("--mesh", default=None, metavar="DATA,EXPERT,MODEL",
                  help="shard over a (data, expert, model) device mesh, e.g. 1,1,8 (default: one device)")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -236,6 +253,23 @@ def _convert(args: argparse.Namespace) -> None:
   dst = args.dst or checkpoints_dir() / Path(args.src).stem.lower()
   path = convert(args.src, dst, dtype=args.dtype, overwrite=args.overwrite, quantize=args.quantize)
   print(f"wrote {path}")
+
+
+def _eplb_plan(args: argparse.Namespace) -> None:
+  import numpy as np
+
+  from jaxinfer.models.eplb import load_counts, plan
+
+  counts = load_counts(args.counts)
+  placement = plan(counts, args.devices, args.redundant, num_hosts=args.hosts, num_groups=args.groups)
+  placement.save(args.output)
+  loads = placement.device_loads(counts)  # [L, n]
+  plain = counts.reshape(len(counts), args.devices, -1).sum(axis=2) if counts.shape[1] % args.devices == 0 else None
+  ratio = lambda l: float(np.max(l.max(axis=1) / np.maximum(l.mean(axis=1), 1e-12)))
+  before = f"{ratio(plain):.3f} with one expert per slot in order, " if plain is not None else ""
+  print(f"wrote {args.output}: {placement.num_layers} layer(s), {placement.num_slots} slots over {args.devices} "
+        f"devices; busiest device / mean (worst layer, from these counts): {before}{ratio(loads):.3f} placed",
+        file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,6 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
   rt.add_argument("--grace-period", type=float, default=30.0,
                   help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
   rt.set_defaults(func=_route)
+
+  ep = sub.add_parser("eplb", help="MoE expert-parallel load balancing: plan an expert placement")
+  ep_sub = ep.add_subparsers(dest="eplb_command", required=True)
+  pl = ep_sub.add_parser("plan", help="write a placement (redundant slots for hot experts, packed by load) "
+                                      "from recorded expert counts")
+  pl.add_argument("--counts", required=True,
+                  help='JSON: {"expert_tokens": [[...], ...]} ([MoE layers, experts]: LLMEngine.expert_tokens '
+                       'as a list), the same list bare, or {"moe_expert_tokens": [...]} (LLMEngine.stats(), '
+                       'summed over layers: one placement for every layer)')
+  pl.add_argument("--devices", type=int, required=True, help="expert-parallel devices (the mesh's 'experts' split)")
+  pl.add_argument("--redundant", type=int, default=0, help="extra expert slots (experts + redundant must "
+                                                           "divide by --devices)")
+  pl.add_argument("--hosts", type=int, default=1, help="hosts the devices span: expert groups are packed onto "
+                                                       "hosts first (default 1)")
+  pl.add_argument("--groups", type=int, default=1, help="expert groups (DeepSeek-V3's n_group) for --hosts > 1")
+  pl.add_argument("-o", "--output", required=True, help="the placement JSON to write")
+  pl.set_defaults(func=_eplb_plan)
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file into a jaxinfer (orbax) checkpoint")
   conv.add_argument("src")

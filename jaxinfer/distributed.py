@@ -8,9 +8,18 @@ processes (followers) have no scheduler, tokenizer work or server. Each
 time the leader's engine touches the devices it goes through the runner, and
 `LeaderRunner` broadcasts that call first: for a step, the packed
 `StepBatch` arrays (the step's inputs exactly as the leader built them);
-for the rest (warm-up, sampler-history rows, KV page export/import, the
-logits of a prompt), the call's arguments. `follow` is the followers' loop:
-receive a call, run it on the local runner, repeat until the leader closes.
+for the rest (warm-up, sampler-history rows, KV page and token
+export/import, the logits of a prompt), the call's arguments. `follow` is
+the followers' loop: receive a call, run it on the local runner, repeat
+until the leader closes.
+
+`LeaderRunner` is an explicit interface, not a pass-through: each runner
+call the engine makes is named once, in `MIRRORED` (it launches device
+programs or changes the cache or sampler state, so every process runs it)
+or in `LOCAL` (a host-only read of the leader's runner). Any other name is
+an AttributeError, so a new cache-changing call cannot silently run on the
+leader alone (the way a decode worker's imported KV once would have: its
+`import_tokens` was forwarded to the leader's runner only).
 
     leader (process 0)                      follower (process i)
     engine.step()                           follow(runner)
@@ -41,9 +50,20 @@ from jaxinfer.errors import InvalidRequestError, JaxinferError
 
 log = logging.getLogger(__name__)
 
-# The runner calls that launch device programs, and so must run on every host.
-# (Host-only calls such as kv_layout or compiled_programs stay local.)
-MIRRORED = ("warmup", "set_history", "export_pages", "import_pages", "reset_state", "logits")
+# The ModelRunner calls the leader's engine makes, each named once (tests/test_distributed.py
+# checks that every public ModelRunner method is in one of these or in UNUSED).
+# Mirrored: they launch device programs (the processes' collectives must meet) or change
+# the KV cache or sampler history, so the followers run them too, in the leader's order,
+# with its arguments. (Steps are mirrored as "run_batch", see LeaderRunner.launch.)
+MIRRORED = ("warmup", "reset_state", "set_history", "export_pages", "export_tokens", "import_pages",
+            "import_tokens", "logits")
+# Local: host-only reads of the leader's runner (no device program, no state change;
+# `collect` fetches a step's results, which every process holds in full).
+LOCAL = ("collect", "kv_layout", "num_import_pages", "state_lost", "compiled_programs", "max_programs",
+         "step_bucket", "num_seqs_bucket", "cache_spec", "token_buckets")
+# Never reached through a LeaderRunner: the step's halves (`launch` sends the packed batch)
+# and single-host tools (`jaxinfer bench trace`).
+UNUSED = ("pack_step", "launch_packed", "run_batch", "sampler_mode", "trace_step")
 _MIN_BYTES = 4096  # the smallest message bucket: a decode step's call fits
 _CLOSE = "__close__"
 _KEEPALIVE = "__keepalive__"
@@ -107,10 +127,8 @@ def _bucket(n: int) -> int:
 
 
 class LeaderRunner:
-  """The leader's view of its ModelRunner: every device-touching call is sent to the followers first.
-
-  Anything else (attributes, host-only methods) is the local runner's.
-  """
+  """The leader's view of its ModelRunner: the calls in MIRRORED are sent to the followers
+  first, those in LOCAL are the local runner's, any other is an AttributeError."""
 
   def __init__(self, runner: Any, channel: Channel | None = None):
     self._runner = runner
@@ -146,16 +164,27 @@ class LeaderRunner:
       raise JaxinferError("the multi-host runner is closed: the followers have left")
     self._channel.send((name, args, kwargs))
 
-  def __getattr__(self, name: str) -> Any:
-    attr = getattr(self._runner, name)
-    if name not in MIRRORED:
-      return attr
 
-    def mirrored(*args, **kwargs):
-      self._call(name, *args, **kwargs)
-      return attr(*args, **kwargs)
+def _mirrored(name: str):
+  def call(self: LeaderRunner, *args, **kwargs):
+    self._call(name, *args, **kwargs)
+    return getattr(self._runner, name)(*args, **kwargs)
+  call.__name__ = call.__qualname__ = name
+  call.__doc__ = f"ModelRunner.{name}, run by the followers first (mirrored)."
+  return call
 
-    return mirrored
+
+def _local(name: str) -> property:
+  return property(lambda self: getattr(self._runner, name),
+                  doc=f"The leader's ModelRunner.{name} (host-only, not mirrored).")
+
+
+for _name in MIRRORED:
+  if _name not in vars(LeaderRunner):  # warmup keeps its progress bar on the leader
+    setattr(LeaderRunner, _name, _mirrored(_name))
+for _name in LOCAL:
+  setattr(LeaderRunner, _name, _local(_name))
+del _name
 
 
 def follow(runner: Any, channel: Channel | None = None, on_call: Callable[[str], None] | None = None) -> int:

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxinfer.errors import InvalidRequestError, TokenizerError
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.frontend import Prompt
 from jaxinfer.sampling import SamplingParams, validate_per_request
 from jaxinfer.tokenizer import Tokenizer
-
-Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
@@ -62,7 +61,9 @@ class LLM:
     `engine_options` are `EngineConfig` fields (max_model_len, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages, kv_cache_bytes,
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,
-    speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}).
+    speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}; eplb,
+    MoE expert placement: a file from `jaxinfer eplb plan`, or e.g.
+    {"num_redundant_experts": 8, "replan_interval": 100}, see jaxinfer.models.eplb).
     """
     known = set(EngineConfig.__dataclass_fields__)
     unknown = sorted(set(engine_options) - known)
@@ -72,6 +73,7 @@ class LLM:
                                        sharding_rules=sharding_rules, progress=progress,
                                        quantization=quantization)
     self.config = self.engine.config
+    self.frontend = self.engine.frontend
     self.tokenizer: Tokenizer | None = self.engine.tokenizer
     self.source = self.engine.source
     self.dtype = dtype
@@ -84,26 +86,11 @@ class LLM:
 
   def tokenizer_or_error(self, what: str) -> Tokenizer:
     """The tokenizer, or TokenizerError saying that `what` needs one (the model shipped none)."""
-    if self.tokenizer is None:
-      raise TokenizerError(f"{self.source} has no tokenizer files: {what} needs one "
-                           "(pass token ids instead)")
-    return self.tokenizer
+    return self.frontend.tokenizer_or_error(what)
 
   def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = False) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) for one prompt, validated."""
-    if isinstance(prompt, str):
-      if not prompt:
-        raise InvalidRequestError("prompt is empty")
-      tok = self.tokenizer_or_error("a text prompt")
-      if apply_chat_template and tok.chat_template:
-        return prompt, tok.encode_chat([{"role": "user", "content": prompt}])
-      return prompt, tok.encode(prompt)
-    prompt = list(prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-      tok = self.tokenizer_or_error("a chat prompt")
-      text = tok.apply_chat_template(prompt)
-      return text, tok.encode(text, add_special_tokens=False)
-    return None, self.engine.check_token_ids(prompt)
+    """(text or None, token ids) for one prompt, validated (jaxinfer.frontend)."""
+    return self.frontend.encode_prompt(prompt, apply_chat_template)
 
   @staticmethod
   def _as_prompt_list(prompts: Any) -> list[Prompt]:
@@ -122,16 +109,16 @@ class LLM:
     """Validates every prompt first (a bad one queues nothing), then queues them all."""
     plist = self._as_prompt_list(prompts)
     params = validate_per_request(sampling_params, len(plist))
-    encoded = [self.encode_prompt(p, apply_chat_template) for p in plist]
-    for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+    valid = []
+    for i, (p, sp) in enumerate(zip(plist, params)):
       try:
-        self.engine.validate(ids, sp)
+        valid.append(self.frontend.request(p, sp, apply_chat_template))
       except InvalidRequestError as e:
         raise InvalidRequestError(f"prompt {i}: {e}") from None
     ids = []
-    for (text, tokens), sp in zip(encoded, params):
+    for request in valid:
       rid = f"llm-{next(self._ids)}"
-      self.engine.add_request(rid, tokens, sp, prompt=text)
+      self.engine.add_request(rid, request)
       ids.append(rid)
     return ids
 

@@ -6,7 +6,9 @@ Face and GGUF checkpoints. From that one tree come random init
 (`init_params`), allocation-free shapes (`abstract_params`, for
 `jax.eval_shape`-style checks and orbax restore targets), shardings
 (`jaxinfer.sharding.param_shardings`) and checkpoint import
-(`jaxinfer.checkpoint`).
+(`jaxinfer.checkpoint`). That tree is the checkpoints' layout; the engine runs
+on one with q/k/v and gate/up joined per dense layer (`fuse_params`,
+`runtime_specs`: "fused projections" below).
 
 Layout legend: V vocab, D hidden (embed), H query heads, K kv heads,
 Dh head_dim, F mlp (intermediate) width, E experts. Linear weights are stored
@@ -37,6 +39,7 @@ odd ones (`WeightSpec.interleave`), its bias [E, 2F] alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -345,3 +348,194 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
     return quantize_leaf(spec, w, quantization) if fmt else w.astype(dtype)
 
   return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(leaves, keys)])
+
+
+# ---- fused projections: the tree the model runs on ----------------------------------------------
+#
+# Checkpoints (HF, GGUF, our orbax) keep q, k, v and gate, up as separate weights under their
+# Hugging Face names, and `param_specs` describes that tree. The engine runs on a tree where each
+# dense (non-MLA, non-MoE) layer holds each group as one weight, so a decoder layer is four matmuls
+# (qkv, o, gate_up, down) instead of seven: fewer, larger GEMVs per step at small batch.
+#
+#   wqkv      [D, K, G + 2, Dh]  ('embed', 'kv_heads', 'qkv', 'head_dim'), G = H / K: slot g < G of
+#                                kv group k is query head k G + g (HF's GQA order: query head h reads
+#                                kv head h // G), slot G its key, slot G + 1 its value
+#   bqkv      [K, G + 2, Dh]     Qwen2's biases, alike
+#   w_gate_up [D, 2, F]          ('embed', 'gate_up', 'mlp'): gate, then up
+#
+# Splitting 'kv_heads' (or 'mlp') over the 'model' mesh axis hands each device its kv heads
+# together with exactly the query heads that read them (its gate and up columns), as the split of
+# the separate weights did; the new axes 'qkv' and 'gate_up' are never split (sharding.RULES).
+# Fusing concatenates along output axes only, and every format's scales (and mins) are per output
+# channel or per (input group, output channel), so a quantized fused weight is the parts' values,
+# scales and mins side by side: bit for bit what quantizing the fused float weight would give, and
+# each output of the fused matmul is computed from the same numbers as in its part's own matmul.
+
+FUSED: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
+                                     "w_gate_up": ("w_gate", "w_up")}
+
+
+def fused_groups(layer: dict[str, Any], names=tuple(FUSED)) -> dict[str, tuple[str, ...]]:
+  """The fused weights (of `names`) a checkpoint-layout layer (specs or arrays) makes: every
+  FUSED group all of whose parts it has. MLA layers (their own 'wq', no 'wk') and MoE layers
+  (their FFN under 'moe') keep their weights as they are."""
+  return {name: parts for name, parts in FUSED.items() if name in names and all(p in layer for p in parts)}
+
+
+def _fuse_at(axes: tuple, name: str) -> int:
+  """Where a part's axes (float, values or scales) have the axis the fused one splits: the
+  query or kv heads, or 'mlp'."""
+  if name == "w_gate_up":
+    return axes.index("mlp")
+  return next(i for i, a in enumerate(axes) if a in ("heads", "kv_heads"))
+
+
+def _part_shape(shape: tuple, axes: tuple, name: str, K: int) -> tuple[tuple, int]:
+  """A part's shape with its heads axis as [K, heads / K] (or a size-1 axis before 'mlp'), and the
+  axis the parts are concatenated along."""
+  i = _fuse_at(axes, name)
+  if name == "w_gate_up":
+    return shape[:i] + (1,) + shape[i:], i
+  return shape[:i] + (K, shape[i] // K) + shape[i + 1:], i + 1
+
+
+def _fused_axes(axes: tuple, name: str) -> tuple:
+  i = _fuse_at(axes, name)
+  if name == "w_gate_up":
+    return axes[:i] + ("gate_up",) + axes[i:]
+  return axes[:i] + ("kv_heads", "qkv") + axes[i + 1:]
+
+
+def _fuse_spec(parts: list[WeightSpec], name: str, K: int) -> WeightSpec:
+  first = parts[0]
+  shapes = [_part_shape(p.shape, p.axes, name, K) for p in parts]
+  at = shapes[0][1]
+  shape = shapes[0][0][:at] + (sum(s[at] for s, _ in shapes),) + shapes[0][0][at + 1:]
+  return dataclasses.replace(first, shape=shape, axes=_fused_axes(first.axes, name),
+                             hf=" + ".join(p.hf for p in parts), gguf=" + ".join(p.gguf for p in parts))
+
+
+def _fuse_leaves(name: str, leaves: list, specs: list[WeightSpec], K: int) -> Any:
+  """One fused weight from its parts: float arrays, QuantizedWeights, or (spec trees) WeightSpecs
+  or QuantizedWeights of WeightSpecs. `specs` are the parts' float specs (their logical axes)."""
+  from jaxinfer.quant import QuantizedWeight, format_of, is_quantized, quantized_spec
+  where = f"{name} ({' + '.join(s.hf for s in specs)})"
+  if all(is_spec(x) for x in leaves):
+    return _fuse_spec(leaves, name, K)
+  if not any(is_quantized(x) for x in leaves):
+    return _join(leaves, specs, name, K)
+  if not all(is_quantized(x) for x in leaves):
+    raise ValueError(f"{where}: some parts are quantized and some not; they cannot be one weight")
+  if all(is_spec(x.values) for x in leaves):
+    fuse = lambda xs: _fuse_spec(xs, name, K)
+    mins = None if leaves[0].mins is None else fuse([x.mins for x in leaves])
+    return QuantizedWeight(fuse([x.values for x in leaves]), fuse([x.scales for x in leaves]), mins)
+  if len({format_of(x) for x in leaves}) > 1 or len({x.scales.shape[0] for x in leaves}) > 1:
+    raise ValueError(f"{where}: its parts are held in different formats or groups "
+                     f"({[(format_of(x), x.scales.shape[0]) for x in leaves]}); they cannot be one weight")
+  layouts = [quantized_spec(s) for s in specs]  # the values' and scales' axes
+  values = _join([x.values for x in leaves], [q.values for q in layouts], name, K)
+  scales = _join([x.scales for x in leaves], [q.scales for q in layouts], name, K)
+  mins = None
+  if any(x.mins is not None for x in leaves):
+    # GGUF Q8_0 blocks kept beside requantized int8 groups: a zero min is the symmetric group's.
+    zeros = (jnp.zeros_like if isinstance(leaves[0].scales, jax.Array) else np.zeros_like)
+    mins = _join([x.mins if x.mins is not None else zeros(x.scales) for x in leaves],
+                 [q.scales for q in layouts], name, K)
+  return QuantizedWeight(values, scales, mins)
+
+
+def _join(arrays: list, specs: list[WeightSpec], name: str, K: int):
+  """The parts (numpy or jax arrays of one component: float weights, values, scales or mins) side
+  by side along the fused axis, each located by its own spec's axes (wq's 'heads', wk's
+  'kv_heads')."""
+  xp = jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+  shaped, at = [], 0
+  for a, s in zip(arrays, specs):
+    shape, at = _part_shape(tuple(a.shape), s.axes, name, K)
+    shaped.append(a.reshape(shape))
+  return xp.concatenate(shaped, axis=at)
+
+
+def fuse_layers(cfg: ModelConfig, tree: Any, names=tuple(FUSED)) -> Any:
+  """A checkpoint-layout tree (param_specs' layout: specs, or arrays numpy or jax, float or
+  quantized) -> the tree the model runs on, each dense layer's FUSED groups (of `names`) joined.
+  Layers already fused, MLA and MoE layers pass as they are; the rest of the tree too."""
+  K = cfg.num_kv_heads
+  float_specs = param_specs(cfg)["layers"]
+  layers = []
+  for layer, specs in zip(tree["layers"], float_specs):
+    layer = dict(layer)
+    for name, parts in fused_groups(layer, names).items():
+      layer[name] = _fuse_leaves(name, [layer.pop(p) for p in parts], [specs[p] for p in parts], K)
+    layers.append(layer)
+  return {**tree, "layers": layers}
+
+
+def runtime_specs(cfg: ModelConfig, quantization: str | None = None, names=tuple(FUSED)) -> dict[str, Any]:
+  """param_specs in the layout the model runs on (fuse_layers)."""
+  return fuse_layers(cfg, param_specs(cfg, quantization), names)
+
+
+def fuse_params(cfg: ModelConfig, params: Any, shardings: Any = None, names=tuple(FUSED)) -> Any:
+  """fuse_layers over weights. jax arrays: the parts are joined in one program whose results are
+  placed by `shardings` (a tree like the fused params, e.g. sharding.param_shardings(...,
+  fused=True), of which only the fused weights' entries are read; None: XLA's default device).
+  Every other weight keeps its buffer, and the parts stay where they are (the caller owns them)."""
+  if not any(isinstance(a, jax.Array) for a in jax.tree.leaves(params)):
+    return fuse_layers(cfg, params, names)
+  K = cfg.num_kv_heads
+  float_specs = param_specs(cfg)["layers"]
+  groups = [fused_groups(layer, names) for layer in params["layers"]]
+  parts = [{name: {p: layer[p] for p in group} for name, group in g.items()}
+           for layer, g in zip(params["layers"], groups)]
+
+  def join(parts):  # (dicts come back key-sorted from the trace: parts are read by name)
+    return [{name: _fuse_leaves(name, [d[p] for p in FUSED[name]], [specs[p] for p in FUSED[name]], K)
+             for name, d in layer.items()} for layer, specs in zip(parts, float_specs)]
+
+  out_shardings = None
+  if shardings is not None:
+    out_shardings = [{name: sh[name] for name in g} for g, sh in zip(groups, shardings["layers"])]
+  joined = jax.jit(join, out_shardings=out_shardings)(parts)
+  layers = []
+  for layer, g, fused in zip(params["layers"], groups, joined):
+    gone = {p for group in g.values() for p in group}
+    layers.append({**{k: v for k, v in layer.items() if k not in gone}, **fused})
+  return {**params, "layers": layers}
+
+
+def unfuse_layer(cfg: ModelConfig, layer: dict[str, Any], i: int) -> dict[str, Any]:
+  """Layer i of the runtime tree back in checkpoint layout (what writing it under its Hugging
+  Face names needs, e.g. scripts/train_mtp.py's head): the inverse of fuse_layers. numpy or jax,
+  float or quantized."""
+  from jaxinfer.quant import QuantizedWeight, is_quantized, quantized_spec
+  specs = layer_specs(cfg, i)
+  K = cfg.num_kv_heads
+  out = dict(layer)
+
+  def split(a, parts: list[WeightSpec], name: str) -> list:
+    _, at = _part_shape(parts[0].shape, parts[0].axes, name, K)
+    sizes = [_part_shape(p.shape, p.axes, name, K)[0][at] for p in parts]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    xp = jnp if isinstance(a, jax.Array) else np
+    pieces = xp.split(a, cuts, axis=at)
+    if name == "w_gate_up":  # drop the size-1 axis
+      return [p.reshape(p.shape[:at] + p.shape[at + 1:]) for p in pieces]
+    return [p.reshape(p.shape[:at - 1] + (-1,) + p.shape[at + 1:]) for p in pieces]  # [K, n] -> heads
+
+  for name, parts in FUSED.items():
+    if name not in layer:
+      continue
+    w = out.pop(name)
+    part_specs = [specs[p] for p in parts]
+    if is_quantized(w):
+      layouts = [quantized_spec(s) for s in part_specs]
+      values = split(w.values, [q.values for q in layouts], name)
+      scales = split(w.scales, [q.scales for q in layouts], name)
+      mins = [None] * len(parts) if w.mins is None else split(w.mins, [q.scales for q in layouts], name)
+      pieces = [QuantizedWeight(v, s, m) for v, s, m in zip(values, scales, mins)]
+    else:
+      pieces = split(w, part_specs, name)
+    out.update(zip(parts, pieces))
+  return out

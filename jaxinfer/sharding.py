@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.errors import ShardingError
-from jaxinfer.params import WeightSpec, is_spec, param_specs
+from jaxinfer.params import FUSED, WeightSpec, fuse_layers, fuse_params, is_spec, param_specs
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -46,6 +46,10 @@ RULES: Mapping[str, Rule] = {
     "kv_heads": "model",
     "head_dim": None,
     "mlp": "model",
+    # The fused projections' part axes (params.FUSED): q / k / v slots of a kv group and gate /
+    # up. Each device's kv heads (mlp columns) carry all their parts, so these stay whole.
+    "qkv": None,
+    "gate_up": None,
     "experts": "expert",  # wide expert parallelism: ("data", "expert")
     "q_lora": None,  # MLA's low-rank q / kv bottlenecks (DeepSeek): small, replicated
     "kv_lora": None,
@@ -142,14 +146,47 @@ def spec_sharding(spec: WeightSpec, mesh: Mesh, rules: Mapping[str, Rule] | None
 
 
 def param_shardings(cfg, mesh: Mesh, quantization: str | None = None,
-                    rules: Mapping[str, Rule] | None = None) -> Any:
+                    rules: Mapping[str, Rule] | None = None, *, fused: bool = False) -> Any:
   """NamedShardings for every weight of `cfg`, from the weights' logical axes and `rules`
   (RULES with the caller's overrides, see `make_rules`); ShardingError names the first
-  weight that the mesh cannot split as the rules ask.
+  weight that the mesh cannot split as the rules ask (by its checkpoint name, the fused tree
+  too). `fused`: for the tree the model runs on (params.runtime_specs: wqkv, w_gate_up), else
+  the checkpoint layout (params.param_specs).
 
   Quantized values shard like the float weight; scales like its output axes
   (their group axis stays replicated, so one tree fits any group count).
   """
+  specs = param_specs(cfg, quantization)
+  shardings = jax.tree_util.tree_map_with_path(
+      lambda path, s: spec_sharding(s, mesh, rules, jax.tree_util.keystr(path)), specs, is_leaf=is_spec)
+  if not fused:
+    return shardings
   return jax.tree_util.tree_map_with_path(
       lambda path, s: spec_sharding(s, mesh, rules, jax.tree_util.keystr(path)),
-      param_specs(cfg, quantization), is_leaf=is_spec)
+      fuse_layers(cfg, specs, fused_names(rules)), is_leaf=is_spec)
+
+
+def fused_names(rules: Mapping[str, Rule] | None = None) -> tuple[str, ...]:
+  """The params.FUSED weights the model runs on under `rules`: all of them, except q/k/v where the
+  rules split query heads and kv heads differently (kv heads replicated on purpose, K below the
+  tensor-parallel size): wqkv's grouped layout can only be split along its kv heads, which would
+  replicate the query projection too, so those layers keep their three matmuls."""
+  rules = RULES if rules is None else rules
+  if rules.get("heads") == rules.get("kv_heads"):
+    return tuple(FUSED)
+  return tuple(n for n in FUSED if n not in ("wqkv", "bqkv"))
+
+
+def runtime_params(cfg, params: Any, mesh: Mesh | None = None,
+                   rules: Mapping[str, Rule] | None = None) -> Any:
+  """Checkpoint-layout weights (what load_model and init_params give) -> the tree the model runs
+  on (params.fuse_params), the fused weights placed by the rules on `mesh` (None: one device).
+  Already fused layers pass as they are."""
+  if mesh is None:
+    return fuse_params(cfg, params)
+  from jaxinfer.quant import quantization_of, with_mins
+  names = fused_names(rules)
+  fused = jax.eval_shape(lambda p: fuse_layers(cfg, p, names), params)  # shapes and dtypes only
+  q = quantization_of(fuse_layers(cfg, param_specs(cfg), names), fused)
+  shardings = with_mins(param_shardings(cfg, mesh, q, rules, fused=True), fused)
+  return fuse_params(cfg, params, shardings, names)

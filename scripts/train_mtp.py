@@ -122,7 +122,11 @@ def init_head(cfg, params, seed: int):
   eh = np.zeros((2 * D, D), np.float32)
   eh[:D] = rng.normal(size=(D, D)) * 0.02  # the embedding half: small, so the block sees h at first
   eh[D:] = np.eye(D)
-  last = jax.tree.map(lambda a: np.array(a, np.float32), jax.device_get(params["layers"][-1]))
+  from jaxinfer.params import unfuse_layer
+  # The engine runs on fused q/k/v and gate/up (jaxinfer.params.FUSED); the head is written
+  # under the checkpoint's Hugging Face names, so its block takes the separate weights.
+  last = unfuse_layer(cfg, jax.device_get(params["layers"][-1]), cfg.num_layers - 1)
+  last = jax.tree.map(lambda a: np.array(a, np.float32), last)
   return {"enorm": np.ones(D, np.float32), "hnorm": np.ones(D, np.float32), "eh_proj": eh,
           "norm": np.array(params["final_norm"], np.float32), "block": last}
 

@@ -59,7 +59,35 @@ def _cuda_lowering_unavailable() -> str | None:
   return None
 
 
+# ---- xdist: the longest files first -------------------------------------------------------
+# The README runs the suite as `-n 2 --dist loadfile`: a worker runs whole files, taking the
+# next one when it is done. xdist's own order is by number of tests, which puts the slowest
+# files last (the one-test notebook, the four-test wheel install, the six SmolLM2 goldens):
+# one worker then runs them while the other idles. Handed out longest first (by the
+# per-file seconds of a full run, tests/data/file_durations.json), the short files fill the
+# end instead. Each file's tests keep their order (some files end with the test that kills
+# a worker).
+FILE_DURATIONS = DATA / "file_durations.json"
+SECONDS_PER_UNLISTED_TEST = 2.0  # the suite's mean: ~1800 s over ~900 tests
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False  # xdist: hand files out in the order collected
+
+
+def _longest_files_first(items) -> None:
+  seconds = json.loads(FILE_DURATIONS.read_text())["seconds"]
+  by_file: dict[str, list] = {}
+  for item in items:
+    by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+  estimate = lambda f: max(seconds.get(f, 0.0), SECONDS_PER_UNLISTED_TEST * len(by_file[f]))
+  items[:] = [item for f in sorted(by_file, key=estimate, reverse=True) for item in by_file[f]]
+
+
 def pytest_collection_modifyitems(config, items):
+  if hasattr(config, "workerinput"):  # an xdist worker: the controller schedules files in this order
+    _longest_files_first(items)
   reasons = {"gpu": None if ON_GPU else f"no GPU (JAX backend {jax.default_backend()!r})"}
   not_run = {}
   for item in items:
@@ -74,7 +102,28 @@ def pytest_collection_modifyitems(config, items):
   config.stash[_NOT_RUN] = {m: (len(ids), reasons[m]) for m, ids in not_run.items()}
 
 
+def _file_seconds(terminalreporter) -> dict[str, float]:
+  """{test file: seconds of its setups, calls and teardowns} for this run."""
+  seconds: dict[str, float] = {}
+  for reports in terminalreporter.stats.values():
+    for r in reports:
+      if isinstance(r, pytest.TestReport):
+        f = r.nodeid.split("::")[0]
+        seconds[f] = seconds.get(f, 0.0) + r.duration
+  return seconds
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  seconds = _file_seconds(terminalreporter)
+  if len(seconds) > 1:
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_line("slowest files: " + ", ".join(f"{f} {s:.0f} s" for f, s in slowest))
+  out = os.environ.get("JAXINFER_WRITE_FILE_DURATIONS")  # refreshes tests/data/file_durations.json
+  if out:
+    run = " ".join(config.invocation_params.args)
+    Path(out).write_text(json.dumps({"source": f"per-file seconds of `pytest {run}` (tests/conftest.py)",
+                                     "seconds": {f: round(s, 1) for f, s in sorted(seconds.items())}},
+                                    indent=1) + "\n")
   for marker, (n, reason) in config.stash.get(_NOT_RUN, {}).items():
     terminalreporter.write_line(f"{n} {marker}-marked tests not run: {reason} (scripts/gpu_check.sh runs "
                                 f"them on a GPU)", yellow=True, bold=True)

@@ -9,6 +9,12 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb
 
 @pytest.mark.slow
 def test_quickstart_notebook_executes(default_checkpoint, tmp_path):
+  """Slow (~60-75 s on two busy cores, the suite's slowest): the notebook runs as a user runs
+  it, in a fresh kernel whose `LLM()` is the real default model with its default warm-up,
+  46 SmolLM2 programs compiled or read back from the compilation cache (that cell alone:
+  ~106 s of CPU with a cold cache, ~36 s with a warm one, measured here). A kernel is its
+  own process, so no engine of the suite's can stand in, and a smaller model would not
+  answer the chat cell's Paris."""
   import nbformat
   from nbclient import NotebookClient
   nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -500,7 +500,7 @@ def test_int8_logits_close_to_float32(int8_llms, family):
   # a wrong scale or layout moves them by whole units.
   g = golden(family)
   llm = int8_llms[family]
-  assert isinstance(llm.runner.params["layers"][0]["w_up"], QuantizedWeight)
+  assert isinstance(llm.runner.params["layers"][0]["w_gate_up"], QuantizedWeight)  # gate/up fused (params.FUSED)
   logits = llm.logits(g["token_ids"].tolist())
   np.testing.assert_allclose(logits, g["logits"], atol=0.2, rtol=0)
   assert np.mean(logits.argmax(-1) == g["logits"].argmax(-1)) >= 0.9
@@ -525,7 +525,7 @@ def test_int8_sharded_over_a_mesh_matches_one_device(int8_llms):
   mesh = make_mesh(model=2)
   sharded = LLM(tiny_dir("smollm2"), max_model_len=256, max_num_seqs=8, warmup=False, quantization="int8",
                 mesh=mesh, sharding_rules={"kv_heads": None})  # 1 KV head: replicated on purpose
-  w = sharded.runner.params["layers"][0]["w_gate"]
-  assert w.values.sharding.spec == jax.sharding.PartitionSpec("model", None)
+  w = sharded.runner.params["layers"][0]["w_gate_up"]  # values [2, F, D]: gate and up, F split
+  assert w.values.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
   ids = golden("smollm2")["token_ids"].tolist()
   np.testing.assert_allclose(sharded.logits(ids), int8_llms["smollm2"].logits(ids), atol=1e-3, rtol=0)

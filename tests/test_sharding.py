@@ -47,14 +47,15 @@ def test_weights_and_kv_pages_split_over_model(data, expert, model):
   mesh = make_mesh(data, expert, model)
   llm = LLM(tiny_dir("qwen3"), mesh=mesh, **ENGINE)
   layer = llm.runner.params["layers"][0]
-  assert shard_shape(layer["wq"]) == (64, 2, 32)  # [D, H, d]: heads halved
-  assert shard_shape(layer["wk"]) == (64, 1, 32)  # [D, K, d]: kv heads halved
+  # Fused q/k/v [D, K, G + 2, d] (jaxinfer.params.FUSED): kv heads halved, each with its G = 2
+  # query heads, its key and its value; gate/up [D, 2, F]: F halved.
+  assert shard_shape(layer["wqkv"]) == (64, 1, 4, 32)
   assert shard_shape(layer["wo"]) == (2, 32, 64)
-  assert shard_shape(layer["w_up"]) == (64, 64) and shard_shape(layer["w_down"]) == (64, 64)
+  assert shard_shape(layer["w_gate_up"]) == (64, 2, 64) and shard_shape(layer["w_down"]) == (64, 64)
   assert shard_shape(llm.runner.params["embed"]) == (160, 64)
   assert shard_shape(llm.runner.params["lm_head"]) == (64, 160)
   assert shard_shape(layer["attn_norm"]) == (64,)
-  assert len(layer["wq"].sharding.device_set) == data * expert * model
+  assert len(layer["wqkv"].sharding.device_set) == data * expert * model
   N = llm.runner.num_pages
   for cache_layer in llm.runner.cache:
     for name in ("k", "v"):
@@ -76,9 +77,11 @@ def test_kv_heads_replicated_on_purpose_over_model_4():
   mesh = make_mesh(data=2, model=4)
   llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"kv_heads": None}, **ENGINE)
   layer = llm.runner.params["layers"][0]
+  # Query heads split and kv heads whole: no fused wqkv (it splits only along kv heads), so
+  # q, k and v stay three weights (sharding.fused_names); gate/up are one.
   assert shard_shape(layer["wq"]) == (64, 1, 32)
   assert shard_shape(layer["wk"]) == (64, 2, 32)  # whole on every device
-  assert shard_shape(layer["w_gate"]) == (64, 32)
+  assert "wqkv" not in layer and shard_shape(layer["w_gate_up"]) == (64, 2, 32)
   N = llm.runner.num_pages
   assert shard_shape(llm.runner.cache[0]["k"]) == (N, 16, 2, 32)
   g = golden("qwen3")

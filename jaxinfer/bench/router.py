@@ -172,10 +172,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default=None)
 
 
-def run(args: argparse.Namespace) -> int:
-  from jaxinfer.serving.router import ModelFrontend
 
-  vocab = ModelFrontend.load(args.model).config.vocab_size
+def run(args: argparse.Namespace) -> int:
+  from jaxinfer.frontend import Frontend
+
+  vocab = Frontend.load(args.model).config.vocab_size
   model = ["--model", str(args.model)] if args.model else []
   engine = [*model, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--page-size", str(args.page_size)]

@@ -38,14 +38,17 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.grammar import GrammarCompiler
 from jaxinfer.engine.kv_connector import KVConnector, KVTransferError
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
-from jaxinfer.engine.runner import LaunchedStep, ModelRunner, ScheduledSeq, StepResult
-from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput, Status
+from jaxinfer.engine.output import OutputProcessor, RequestOutput
+from jaxinfer.engine.runner import LaunchedStep, ModelRunner, ScheduledSeq
+from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.frontend import Frontend, ValidRequest
+from jaxinfer.models import eplb
 from jaxinfer.models.cache import CacheSpec, kv_cache_dtype
+from jaxinfer.models.eplb import EplbConfig
 from jaxinfer.params import model_dtype
 from jaxinfer.sharding import make_rules
 from jaxinfer.ops import ATTENTION_IMPLS
@@ -92,9 +95,18 @@ class EngineConfig:
   # hides the host's part of a step (scheduling, packing, the dispatch), a sizable share of a
   # batch-1 decode step on the CPU (the exposed host time: docs/performance.md).
   async_scheduling: bool = True
+  # Expert-parallel load balancing (MoE): None (off), an EplbConfig, a placement file's path
+  # (`jaxinfer eplb plan`), or a dict of EplbConfig's fields, e.g. {"num_redundant_experts": 8,
+  # "replan_interval": 100} (jaxinfer.models.eplb).
+  eplb: EplbConfig | None = None
+  # Layers scanned (stacked weights and one KV pool, lax.scan: the step's program and its compile
+  # time stay flat in depth) or unrolled. None: the backend's (BACKEND_SCAN_LAYERS). Not with
+  # MoE layers, per-layer windows, an MTP module, attention DP or KV transfer (refused).
+  scan_layers: bool | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+    object.__setattr__(self, "eplb", EplbConfig.parse(self.eplb))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
       if v is None and name.startswith("max_num"):
@@ -111,86 +123,33 @@ class EngineConfig:
     kv_cache_dtype(self.kv_cache_dtype, "float32")  # InvalidRequestError for an unknown name
     if not isinstance(self.async_scheduling, bool):
       raise InvalidRequestError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+    if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+      raise InvalidRequestError(f"scan_layers must be a bool or None, got {self.scan_layers!r}")
 
 
   def for_backend(self, platform: str) -> "EngineConfig":
     """This config with the sizes it leaves to the backend filled in (BACKEND_DEFAULTS)."""
     seqs, tokens = BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["gpu"])
+    scan = self.scan_layers if self.scan_layers is not None else BACKEND_SCAN_LAYERS.get(
+        platform, BACKEND_SCAN_LAYERS["gpu"])
     return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+                               max_num_batched_tokens=self.max_num_batched_tokens or tokens, scan_layers=scan)
 
 
 # (max_num_seqs, max_num_batched_tokens) by device platform; any other accelerator takes 'gpu''s.
 BACKEND_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192)}
-
-
-@dataclasses.dataclass
-class RequestOutput:
-  """A request's state after a step: cumulative text and ids, plus what is new.
-
-  `new_token_ids` / `new_text` are the delta since the previous output of
-  this request (what a stream sends). Text never ends inside a UTF-8
-  character or inside a possible stop string; it is complete once finished.
-  `finish_reason`: None while running, else 'stop' (EOS, stop id or stop
-  string), 'length' (max_tokens or the context), 'abort', or 'error' (this
-  request failed inside the engine: `error` says how; others went on).
-  """
-
-  request_id: str
-  prompt: str | None
-  prompt_token_ids: list[int]
-  text: str
-  token_ids: list[int]
-  logprobs: list[float]  # log-probability of each generated token
-  finish_reason: str | None = None
-  new_token_ids: list[int] = dataclasses.field(default_factory=list)
-  new_text: str = ""
-  top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
-  prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
-  num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-  num_remote_cached_tokens: int = 0  # remote KV: prompt tokens the remote worker had in its prefix cache
-  num_accepted_draft_tokens: int = 0  # speculative decoding: drafts the target accepted into the output
-  index: int = 0  # LLM.stream: the prompt's position in the call's prompts
-  error: str | None = None  # with finish_reason 'error'
-
-  @property
-  def finished(self) -> bool:
-    return self.finish_reason is not None
-
-
-class _Output:
-  """Per-request output state: ids, logprobs, detokenized text, stop checks."""
-
-  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
-    p = req.params
-    self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-    self.logprobs: list[float] = []
-    self.top: list[dict[int, float]] | None = [] if p.logprobs is not None else None
-    self.prompt_lp: list[dict[int, float] | None] | None = (
-        [None] if p.prompt_logprobs is not None else None)
-    self.detok = tokenizer.detokenizer() if tokenizer is not None else None
-    self.text = ""  # the final text once a stop string cut it; else detok.text
-    self.hold = max((len(s) for s in p.stop), default=1) - 1  # chars a stop string may still claim
-    self.sent_tokens = 0
-    self.sent_chars = 0
-    self.stopped_by_text = False
-    self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
-    self.accepted_drafts = 0  # speculative decoding: accepted drafts that joined the output
-
-  def visible_text(self, finished: bool) -> str:
-    if self.detok is None:
-      return ""
-    if self.stopped_by_text:
-      return self.text
-    text = self.detok.text
-    return text if finished else text[:max(self.sent_chars, len(text) - self.hold)]
+# scan_layers by platform. The CPU unrolls: scanned, its step slices each layer's weights out of
+# the stack (a copy per layer per step), 1.4x the default model's batch-1 step and 4.5x a
+# Llama-3-8B layer's, for compile time flat in depth (benchmarks/results/layers-scan-2026-11-28.json).
+# A GPU has not measured it yet: unrolled, as before.
+BACKEND_SCAN_LAYERS = {"cpu": False, "gpu": False}
 
 
 @dataclasses.dataclass
 class _Launched:
   """A dispatched step and what its postprocess needs."""
 
-  scheduled: list[tuple[Request, int]]
+  sched: SchedulerOutput
   seqs: list[ScheduledSeq]
   handle: LaunchedStep
   needs_host_tokens: bool  # a structured-output request sampled: the next mask needs its token
@@ -251,24 +210,28 @@ class LLMEngine:
     # spec_proposed[0] counts the sequence-steps that verified drafts.
     self.spec_proposed = np.zeros(k, np.int64)
     self.spec_accepted = np.zeros(k, np.int64)
+    # EPLB: the experts laid out by slot; `_rebalance` swaps in re-planned ones between steps.
+    params, self.eplb = eplb.setup(ec.eplb, cfg, params, mesh, make_rules(sharding_rules))
     self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=ec.page_size,
                               max_num_seqs=ec.max_num_seqs,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               max_model_len=self.max_model_len, mesh=mesh, sharding_rules=sharding_rules,
                               attention_impl=ec.attention_impl, num_speculative_tokens=k,
-                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype,
+                              mtp_params=mtp_params, kv_cache_dtype=kv_dtype, scan_layers=ec.scan_layers,
                               relaxed_acceptance=self.spec.relaxed if self.spec is not None else None)
     self.kv_cache_dtype = kv_dtype
     self.kv_cache_bytes = num_pages * per_page
     log.info("KV cache: %s", self.kv_summary())
-    self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
-    self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
+    self.frontend = Frontend(cfg, tokenizer, str(model_path) if model_path is not None else "<params>",
+                             self.max_model_len)
+    self.eos_ids = self.frontend.eos_ids
+    self.grammars = self.frontend.grammars
+    self.outputs = OutputProcessor(tokenizer, self.eos_ids)
     self._requests: dict[str, Request] = {}
     self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
     self._inflight: _Launched | None = None  # async scheduling: the step the device is running
     self.last_step_idle = False  # the last step() scheduled nothing: only a new command can change that
     self.num_computed_tokens = 0  # tokens run through the model (prefix hits excluded)
-    self.num_generated_tokens = 0
     self.num_steps = 0
     # MoE: token copies routed to each expert so far, per MoE layer (load monitoring).
     num_moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -311,7 +274,7 @@ class LLMEngine:
     loaded = load_model(model, dtype=dtype, shardings_fn=shardings_fn, quantization=quantization)
     engine = cls(loaded.config, loaded.params, loaded.tokenizer, engine_config, mesh=mesh,
                  sharding_rules=sharding_rules, progress=progress, model_path=model)
-    engine.source = loaded.source
+    engine.source = engine.frontend.source = loaded.source
     return engine
 
   def warmup(self, progress: bool = False) -> None:
@@ -323,36 +286,14 @@ class LLMEngine:
 
   # ---- requests ------------------------------------------------------------------------
 
-  def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-    """The prompt's ids, or InvalidRequestError naming what is wrong."""
-    if not isinstance(params, SamplingParams):
-      raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    ids = self.check_token_ids(prompt_token_ids)
-    if len(ids) + params.max_tokens > self.max_model_len:
-      raise InvalidRequestError(
-          f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceeds "
-          f"max_model_len={self.max_model_len}")
-    if params.structured is not None:
-      self.grammars.check(params.structured)  # compiled once (cached): a bad schema fails here
-    return ids
-
-  def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
-    """Token ids as Python ints, or InvalidRequestError: empty, not ints, out of the vocab."""
-    ids = list(token_ids)
-    if not ids:
-      raise InvalidRequestError("prompt is empty")
-    V = self.config.vocab_size
-    for t in ids:
-      if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-        raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-      if not 0 <= t < V:
-        raise InvalidRequestError(f"prompt token id {t} is out of range [0, {V})")
-    return [int(t) for t in ids]
-
-  def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                  params: SamplingParams = SamplingParams(), *, prompt: str | None = None,
+  def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | ValidRequest,
+                  params: SamplingParams | None = None, *, prompt: str | None = None,
                   hold_kv: bool = False, kv_source: str | None = None) -> None:
     """Queues a request; raises InvalidRequestError (and queues nothing) on bad input.
+
+    A `ValidRequest` from this engine's `frontend` (ids, params and prompt text checked where
+    the request entered) is taken as it is; token ids are checked here, with `params`
+    (default: SamplingParams()).
 
     hold_kv: when it finishes, its pages stay allocated (for `export_kv`) until `release_kv`.
     kv_source: for a KV connector that imports prompts' KV, the worker to import it from
@@ -360,12 +301,13 @@ class LLMEngine:
     """
     if request_id in self._requests or request_id in self.scheduler.held:
       raise InvalidRequestError(f"request id {request_id!r} is already in use")
-    ids = self.validate(prompt_token_ids, params)
+    if isinstance(prompt_token_ids, ValidRequest) and params not in (None, prompt_token_ids.params):
+      raise InvalidRequestError("add_request: a ValidRequest carries its own sampling params")
+    valid = self.frontend.validate(prompt_token_ids, params if params is not None else SamplingParams(), prompt)
+    ids, params, prompt = valid.prompt_token_ids, valid.params, valid.prompt
     seed = params.seed if params.seed is not None else secrets.randbits(32)
     req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
-    req.output = _Output(req, self.tokenizer, self.eos_ids)
-    if params.structured is not None:
-      req.output.grammar = self.grammars.matcher(params.structured)
+    self.outputs.start(req, self.grammars.matcher(params.structured) if params.structured is not None else None)
     self._requests[request_id] = req
     self.scheduler.add(req)
 
@@ -375,13 +317,13 @@ class LLMEngine:
     if req is None:
       return None
     self._finish(req, "abort")
-    return self._output(req)
+    return self.outputs.output(req)
 
   def has_unfinished(self) -> bool:
     """Whether a step() has anything left to do for a request. A step in flight whose requests
     have all ended (aborted meanwhile) is not: its work is dropped whenever the next step()
     collects it, and the pool it writes to is reused only by steps that run after it."""
-    inflight = self._inflight is not None and any(r.finish_reason is None for r, _ in self._inflight.scheduled)
+    inflight = self._inflight is not None and any(r.finish_reason is None for r, _ in self._inflight.sched.scheduled)
     return self.scheduler.has_unfinished() or bool(self._pending) or inflight
 
   # ---- KV transfer (disaggregation) -----------------------------------------------------
@@ -470,7 +412,7 @@ class LLMEngine:
       raise KVTransferError(f"request {request_id!r}: every token's KV is remote, so the remote "
                             f"worker must send the first token")
     if first_token is not None:
-      self.check_token_ids([first_token])
+      self.frontend.check_token_ids([first_token])
     self.scheduler.kv_arrived(req)
     # The imported blocks are final prompt KV: later requests may share them.
     self.kv.cache_blocks(request_id, req.token_ids, req.num_computed)
@@ -480,8 +422,10 @@ class LLMEngine:
     top_ids = np.array(list(top), np.int64)
     top_lps = np.array(list(top.values()), np.float64)
     try:
-      self._append_one(req, int(first_token), float(logprob), top_ids, top_lps)
-      self._pending.append(self._output(req))
+      reason = self.outputs.commit_one(req, int(first_token), float(logprob), top_ids, top_lps)
+      if reason is not None:
+        self._finish(req, reason)
+      self._pending.append(self.outputs.output(req))
     except Exception as e:  # like a step's postprocessing: this request fails, nobody else
       log.exception("request %s failed", request_id)
       self._pending.append(self._fail(req, e))
@@ -510,6 +454,7 @@ class LLMEngine:
       inflight = None
     if self.drafter is not None:
       self._propose_drafts()
+    self._rebalance()
     sched, launched, error = self._launch()
     if inflight is not None:
       outputs += self._postprocess(inflight)
@@ -524,6 +469,16 @@ class LLMEngine:
     self.last_step_idle = not sched.scheduled and not sched.preempted and inflight is None
     return outputs
 
+  def _rebalance(self) -> None:
+    """EPLB online re-planning, between steps: when due, the expert weights re-laid out from the
+    recent counts are swapped in whole (built before the swap; a step in flight keeps the
+    arrays it was launched with)."""
+    if self.eplb is None:
+      return
+    params = self.eplb.maybe_replan(self.runner.params)
+    if params is not None:
+      self.runner.params = params
+
   def _launch(self) -> tuple[SchedulerOutput, "_Launched | None", Exception | None]:
     """Schedules and dispatches a step (the device runs it while the host goes on); a
     failure to launch is returned, and ends the step's requests (the engine goes on)."""
@@ -531,20 +486,17 @@ class LLMEngine:
     if not sched.scheduled:
       return sched, None, None
     seqs = []
-    for req, n in sched.scheduled:
+    for (req, n), start, drafts, samples in zip(sched.scheduled, sched.starts, sched.drafts, sched.samples):
       if req.needs_history:
         self.runner.set_history(req.row, req.prompt_token_ids, req.output_token_ids)
         req.needs_history = False
-      seq = ScheduledSeq(
-          row=req.row, token_ids=req.token_ids, start=req.num_computed, num_new=n,
+      # (samples was read before the step counted as computed: the start is what the
+      # scheduler saw. A start at the end of the known tokens feeds the token in flight.)
+      seqs.append(ScheduledSeq(
+          row=req.row, token_ids=req.token_ids, start=start, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          want_prompt_logprobs=self._wants_prompt_logprobs(req), draft_ids=req.spec_token_ids,
-          grammar=req.output.grammar, feed=req.num_computed == len(req.token_ids))
-      seqs.append(seq)
-      # The committed tokens' KV is written by this step; accepted drafts join after it.
-      req.num_computed += seq.num_committed_new
-      req.num_inflight += seq.samples
-      req.num_inflight_drafts += len(seq.draft_ids)
+          want_prompt_logprobs=req.output.prompt_lp is not None and _wants_prompt_logprobs(req, start),
+          draft_ids=drafts, grammar=req.output.grammar, feed=start == len(req.token_ids)))
     try:
       handle = self.runner.launch(seqs)
     except Exception as e:
@@ -555,47 +507,42 @@ class LLMEngine:
     ngram = self.spec is not None and self.spec.method == "ngram"
     needs_host = any(s.samples and (s.grammar is not None or (ngram and _speculates(s.params)))
                      for s in seqs)
-    return sched, _Launched(sched.scheduled, seqs, handle, needs_host), None
+    return sched, _Launched(sched, seqs, handle, needs_host), None
 
   def _postprocess(self, launched: "_Launched") -> list[RequestOutput]:
-    """Waits for a launched step and commits its tokens: stop checks, detokenization,
-    prefix caching of the blocks it completed, drafts' acceptance counts."""
-    scheduled, seqs = launched.scheduled, launched.seqs
-    for req, seq in zip((r for r, _ in scheduled), seqs):
-      req.num_inflight -= seq.samples
-      req.num_inflight_drafts -= len(seq.draft_ids)
+    """Waits for a launched step; the scheduler settles its progress, the output processor
+    commits its tokens (stop checks, detokenization), and a finished request ends."""
+    sched, seqs = launched.sched, launched.seqs
     try:
       result = self.runner.collect(launched.handle)
     except Exception as e:
+      self.scheduler.update_from_output(sched)
       log.exception("engine step failed (%d requests)", len(seqs))
-      return self._fail_step([req for req, _ in scheduled if req.finish_reason is None], e)
+      return self._fail_step([req for req, _ in sched.scheduled if req.finish_reason is None], e)
     if self.expert_tokens.size:
       self.expert_tokens += result.expert_tokens
+      if self.eplb is not None:
+        self.eplb.observe(result.expert_tokens)
+    accepted = self.scheduler.update_from_output(sched, result.ids, result.num_committed)
+    # Python lists once: per-element numpy reads cost ~100 ns each, per token per request.
+    ids, logprobs, committed = result.ids.tolist(), result.logprobs.tolist(), result.num_committed.tolist()
     outputs = []
     t = 0
-    for i, (req, n) in enumerate(scheduled):
+    for i, (req, n) in enumerate(sched.scheduled):
       try:
-        seq = seqs[i]
         if req.finish_reason is not None:
           continue  # ended (stop, abort) while this step ran: its work is dropped
+        seq = seqs[i]
         if result.prompt is not None and seq.want_prompt_logprobs:
-          self._collect_prompt_logprobs(req, seq, result, t)
-        c = int(result.num_committed[i])  # 0 for a partial prefill chunk
-        accepted = result.ids[i, :c - 1].tolist() if c else []
-        self._count_acceptance(len(seq.draft_ids), len(accepted))
-        # Rejected drafts' KV stays in the pages, past num_computed: it is overwritten
-        # later and never cached (only verified tokens are).
-        if req.status is Status.RUNNING:  # (not preempted meanwhile: then nothing is computed)
-          req.num_computed += len(accepted)
-          # Under async scheduling num_computed may count a token still in flight.
-          known = req.token_ids + accepted if accepted else req.token_ids
-          self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
+          self.outputs.add_prompt_logprobs(req, seq.start, seq.num_new, *(a[t:t + n] for a in result.prompt))
+        self._count_acceptance(len(seq.draft_ids), len(accepted[i]))
+        c = committed[i]  # 0 for a partial prefill chunk
         if c:
-          before = len(req.token_ids)
-          self._append(req, result, i, c)
-          # The committed run is the accepted drafts, then one token; a stop inside it keeps m.
-          req.output.accepted_drafts += min(len(accepted), len(req.token_ids) - before)
-          outputs.append(self._output(req))
+          reason = self.outputs.commit(req, ids[i], logprobs[i], result.top_ids[i], result.top_logprobs[i], c,
+                                       len(accepted[i]))
+          if reason is not None:
+            self._finish(req, reason)
+          outputs.append(self.outputs.output(req))
           if result.drafts is not None and result.drafts.shape[1] and req.finish_reason is None:
             # MTP: drafted on device for exactly the tokens committed now (spec_decode.MtpDrafter).
             self.drafter.record(req.request_id, len(req.token_ids), result.drafts[i].tolist())
@@ -612,7 +559,7 @@ class LLMEngine:
     Async scheduling: a request whose newest token is still on the device (in the step in
     flight) gets placeholders; the step reads the MTP drafts the step in flight made for it
     (runner._feed). How many drafts that step accepts is unknown here, so the room left by
-    max_tokens assumes none (a run past max_tokens is cut by `_append`), and the room left by
+    max_tokens assumes none (the output processor cuts a run past max_tokens), and the room left by
     max_model_len assumes all."""
     k = self.spec.num_speculative_tokens
     for req in self.scheduler.running:
@@ -620,7 +567,7 @@ class LLMEngine:
       if req.num_uncomputed != 1 or not _speculates(req.params):
         continue
       # Never draft past max_tokens: the bonus token needs one slot of its own.
-      room = min(k, req.params.max_tokens - len(req.output_token_ids) - req.num_inflight - 1)
+      room = min(k, req.params.max_tokens - req.num_output_tokens - req.num_inflight - 1)
       if req.num_inflight:
         room = min(room, self.max_model_len - 1 - req.num_computed - req.num_inflight_drafts)
         req.spec_token_ids = [0] * max(room, 0)
@@ -643,7 +590,7 @@ class LLMEngine:
   def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
     """Ends `req` with finish_reason 'error' (its pages are freed) and says why."""
     self._finish(req, "error")
-    out = self._output(req)
+    out = self.outputs.output(req)
     out.error = f"{type(exc).__name__}: {exc}"
     return out
 
@@ -662,63 +609,6 @@ class LLMEngine:
       self.kv.reset_prefix_cache()
     return outputs
 
-  def _wants_prompt_logprobs(self, req: Request) -> bool:
-    """Whether the step about to be packed for req computes prompt positions' logprobs: some
-    are missing, and the step starts before the prompt's last position. (The entries
-    collected lag a step under async scheduling: alone, that test would send the first
-    decode step through the prompt-logprobs program too.)"""
-    lp = req.output.prompt_lp
-    return lp is not None and len(lp) < req.num_prompt_tokens and req.num_computed + 1 < req.num_prompt_tokens
-
-  def _collect_prompt_logprobs(self, req: Request, seq: ScheduledSeq, result: StepResult, t: int):
-    target_lp, top_ids, top_lp = result.prompt
-    out, k = req.output, req.params.prompt_logprobs
-    for j in range(seq.num_new):
-      pos = seq.start + j + 1  # the token this row predicts
-      if pos != len(out.prompt_lp) or pos >= req.num_prompt_tokens:
-        continue
-      out.prompt_lp.append(_logprob_entry(top_ids[t + j], top_lp[t + j], k, req.token_ids[pos],
-                                          target_lp[t + j]))
-
-  def _append(self, req: Request, result: StepResult, i: int, count: int) -> None:
-    """Commits up to `count` of sequence i's new tokens, stopping at the first that
-    finishes the request (EOS, stop id, stop string, max_tokens)."""
-    for j in range(count):
-      if self._append_one(req, int(result.ids[i, j]), float(result.logprobs[i, j]),
-                          result.top_ids[i, j], result.top_logprobs[i, j]):
-        return
-
-  def _append_one(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> bool:
-    """Appends one token; True when it finished the request."""
-    out, p = req.output, req.params
-    req.token_ids.append(token)
-    self.num_generated_tokens += 1
-    out.logprobs.append(logprob)
-    if out.top is not None:
-      out.top.append(_logprob_entry(top_ids, top_lps, p.logprobs, token, logprob))
-    reason = None
-    if out.detok is not None:
-      before = len(out.detok.text)
-      out.detok.push(token)
-      if p.stop:
-        text = out.detok.text
-        # A stop string may straddle earlier text: search from where it could begin.
-        lo = max(0, before - out.hold)
-        hits = [at for at in (text.find(s, lo) for s in p.stop) if at >= 0]
-        if hits:
-          out.text, out.stopped_by_text, reason = text[:min(hits)], True, "stop"
-    if out.grammar is not None:
-      out.grammar.consume(token)  # on commit only: a preempted request's recompute never re-consumes
-    if reason is None and token in out.stop_ids:
-      reason = "stop"
-    elif reason is None and out.grammar is not None and out.grammar.finished:
-      reason = "stop"  # only EOS could follow
-    elif reason is None and len(req.output_token_ids) >= p.max_tokens:
-      reason = "length"
-    if reason is not None:
-      self._finish(req, reason)
-    return reason is not None
-
   def _finish(self, req: Request, reason: str) -> None:
     """Ends a request: pages and sampler row freed, the engine forgets it, its matcher goes."""
     if self.spec is not None and self.spec.method == "mtp":
@@ -726,22 +616,6 @@ class LLMEngine:
     self.scheduler.finish(req, reason)
     self._requests.pop(req.request_id, None)
     req.output.grammar = None
-
-  def _output(self, req: Request) -> RequestOutput:
-    out = req.output
-    finished = req.finish_reason is not None
-    text = out.visible_text(finished)
-    ids = req.output_token_ids
-    o = RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=text, token_ids=ids, logprobs=list(out.logprobs), finish_reason=req.finish_reason,
-        new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
-        top_logprobs=list(out.top) if out.top is not None else None,
-        prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
-        num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens,
-        num_accepted_draft_tokens=out.accepted_drafts)
-    out.sent_tokens, out.sent_chars = len(ids), len(text)
-    return o
 
   # ---- introspection -----------------------------------------------------------------
 
@@ -768,12 +642,20 @@ class LLMEngine:
         "prefix_hit_rate": kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0,
         "preemptions": self.scheduler.num_preemptions,
         "computed_tokens": self.num_computed_tokens,
-        "generated_tokens": self.num_generated_tokens,
+        "generated_tokens": self.outputs.num_generated_tokens,
         "steps": self.num_steps,
         "compiled_programs": self.runner.compiled_programs(),
         **self._spec_stats(),
         **self._moe_stats(),
+        **self._dp_stats(),
     }
+
+  def _dp_stats(self) -> dict[str, Any]:
+    """Attention DP: the last step's scheduled tokens per data rank and their imbalance
+    (the busiest rank's over the mean; every rank's step is padded to the busiest's)."""
+    if self.kv.num_shards == 1:
+      return {}
+    return {"dp_rank_tokens": list(self.scheduler.rank_tokens), "dp_rank_imbalance": self.scheduler.rank_imbalance}
 
   def _moe_stats(self) -> dict[str, Any]:
     """MoE models: routed token copies, the worst layer's expert imbalance (its busiest
@@ -784,8 +666,12 @@ class LLMEngine:
     per_layer = self.expert_tokens
     mean = per_layer.mean(axis=1)
     imbalance = float(np.max(np.where(mean > 0, per_layer.max(axis=1) / np.maximum(mean, 1e-9), 0.0)))
-    return {"moe_routed_tokens": int(per_layer.sum()), "moe_expert_imbalance": imbalance,
-            "moe_expert_tokens": per_layer.sum(axis=0).tolist()}
+    stats = {"moe_routed_tokens": int(per_layer.sum()), "moe_expert_imbalance": imbalance,
+             "moe_expert_tokens": per_layer.sum(axis=0).tolist()}
+    if self.eplb is not None:
+      stats.update(eplb_slots=self.eplb.placement.num_slots, eplb_replans=self.eplb.replans,
+                   eplb_replan_seconds=self.eplb.replan_seconds)
+    return stats
 
   def _spec_stats(self) -> dict[str, float]:
     """Speculative decoding: mean committed tokens per verifying sequence-step
@@ -829,11 +715,12 @@ def _speculates(params: SamplingParams) -> bool:
   return not params.uses_penalties
 
 
-def _logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:
-  """{token id: logprob} for the n best tokens plus the one actually chosen."""
-  entry = {int(a): float(b) for a, b in zip(top_ids[:n], top_lps[:n])}
-  entry[int(token)] = float(logprob)
-  return entry
+def _wants_prompt_logprobs(req: Request, start: int) -> bool:
+  """Whether a step from `start` computes prompt positions' logprobs for req: some are
+  missing, and the step starts before the prompt's last position. (The entries collected lag
+  a step under async scheduling: alone, that test would send the first decode step through
+  the prompt-logprobs program too.)"""
+  return len(req.output.prompt_lp) < req.num_prompt_tokens and start + 1 < req.num_prompt_tokens
 
 
 def _enable_compilation_cache(path: str | None) -> None:

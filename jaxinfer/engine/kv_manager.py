@@ -173,14 +173,21 @@ class KVManager:
       self.hit_tokens += len(pages) * self.page_size
     return pages
 
-  def rank_shards(self, token_ids: Sequence[int], loads: Sequence[int], use_cache: bool = True) -> list[int]:
-    """Shards for a new request, best first: the longest prefix hit, then the least load
-    (attention data parallelism balances running tokens), then the lowest index."""
+  def hit_pages_per_shard(self, token_ids: Sequence[int]) -> list[int]:
+    """Per shard, the pages of `token_ids`' longest cached prefix there (what `lookup`
+    would return, counted; no hit-rate counter sees it)."""
     hits = [0] * self.num_shards
-    if use_cache and self.enable_prefix_caching and self.num_shards > 1:
+    if self.enable_prefix_caching:
       pages = self._hit_pages(token_ids)
       for s in range(self.num_shards):
         hits[s] = next((i for i, p in enumerate(pages) if self.shard_of(p) != s), len(pages))
+    return hits
+
+  def rank_shards(self, token_ids: Sequence[int], loads: Sequence[int], use_cache: bool = True) -> list[int]:
+    """Shards for a new request, best first: the longest prefix hit, then the least load,
+    then the lowest index. (The scheduler ranks data ranks by predicted load instead,
+    `scheduler.rank_by_load`; this older rule is kept for comparison, scripts/simulate_adp.py.)"""
+    hits = self.hit_pages_per_shard(token_ids) if use_cache else [0] * self.num_shards
     return sorted(range(self.num_shards), key=lambda s: (-hits[s], loads[s], s))
 
   # ---- allocation: check, then act -----------------------------------------------

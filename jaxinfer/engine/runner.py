@@ -77,7 +77,7 @@ from jaxinfer.models import mtp
 from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
-from jaxinfer.models.transformer import PagedBatch, compute_logits, forward
+from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, stack_cache
 from jaxinfer import quant
 from jaxinfer.params import model_dtype
 from jaxinfer.engine.spec_decode import accept, relax
@@ -366,23 +366,23 @@ class ModelRunner:
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, mesh=None,
                sharding_rules=None, attention_impl: str = "auto", num_speculative_tokens: int = 0,
                mtp_params: Any = None, kv_cache_dtype: str | None = None,
-               relaxed_acceptance: tuple[int, float] | None = None):
+               relaxed_acceptance: tuple[int, float] | None = None, scan_layers: bool = False):
     """`mesh` and `sharding_rules` (overrides of jaxinfer.sharding.RULES) shard the KV cache
     like the weights; without a mesh everything lives on the first device. `mtp_params`
     (jaxinfer.models.mtp): the step also drafts num_speculative_tokens tokens per sequence
     with that MTP module, whose K/V is one more cache layer in the same pages.
     `kv_cache_dtype`: the cache's dtype name (None: the model's; 'int8' / 'float8_e4m3fn'
     quantize it, jaxinfer.models.cache). `relaxed_acceptance`: (top_n, delta) of
-    SpeculativeConfig's relaxed acceptance, or None (exact verification)."""
-    from jaxinfer.sharding import make_rules
+    SpeculativeConfig's relaxed acceptance, or None (exact verification). `scan_layers`: the
+    weights stacked and the pool one of layers x pages, the step scanning over layers
+    (models/transformer.py; InvalidRequestError where the model or the setup cannot)."""
+    from jaxinfer.sharding import make_rules, runtime_params
     self.cfg = cfg
     self.attention_impl = resolve_attention_impl(attention_impl)
     self.dtype = model_dtype(params)
     self.mtp = mtp_params is not None
     if self.mtp and num_speculative_tokens < 1:
       raise ValueError("an MTP module drafts num_speculative_tokens >= 1 tokens")
-    # The module rides in the params tree under 'mtp' (the decoder never reads it).
-    self.params = {**params, "mtp": mtp_params} if self.mtp else params
     self.cache_spec = CacheSpec.from_config(cfg, kv_cache_dtype or self.dtype, draft_layers=int(self.mtp))
     self.page_size = page_size
     self.num_pages = num_pages
@@ -397,6 +397,13 @@ class ModelRunner:
       from jaxinfer.errors import ShardingError
       raise ShardingError("sharding_rules need a mesh (mesh=jaxinfer.sharding.make_mesh(...))")
     self.sharding_rules = make_rules(sharding_rules)
+    # q/k/v and gate/up joined into one weight each (jaxinfer.params.FUSED): four matmuls a layer.
+    params = runtime_params(cfg, params, mesh, self.sharding_rules)
+    self.scan_layers = scan_layers
+    if scan_layers:
+      params = _stacked(cfg, params, mtp_params, self.cache_spec.page_shards(mesh, self.sharding_rules))
+    # The MTP module rides in the params tree under 'mtp' (the decoder never reads it).
+    self.params = {**params, "mtp": mtp_params} if self.mtp else params
     # Attention data parallelism: the rules split the pool's pages over mesh axes ('data'),
     # each shard owning a contiguous block; each sequence lives on one shard (the KVManager
     # and scheduler see to that) and the step runs the model per shard (see `_step`).
@@ -443,7 +450,12 @@ class ModelRunner:
         self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules))))
     self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
     self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
+    # Exported pages come back whole on every process: a multi-host pool's shards are not
+    # all addressable from one process, which device_get needs (jaxinfer.distributed).
     self._gather = jax.jit(gather_pages)
+    if mesh is not None:
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      self._gather = jax.jit(gather_pages, out_shardings=replicated)
     # The imported pool keeps the pool's sharding (not whatever the scatter would propagate).
     self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,), out_shardings=self._cache_shardings(num_pages))
     self._programs: set[tuple] = set()
@@ -457,6 +469,8 @@ class ModelRunner:
     cfg = self.cfg
     rows = self.max_num_seqs + 1
     self.cache = self.cache_spec.zeros(self.num_pages, self.page_size, self._cache_shardings(self.num_pages))
+    if self.scan_layers:
+      self.cache = stack_cache(self.cache)  # layer i's pages at i * num_pages
     self.history = {"counts": jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                     "prompt": jnp.zeros((rows, cfg.vocab_size), jnp.bool_),
                     # Async scheduling: each row's last committed token, the MTP drafts made
@@ -692,6 +706,9 @@ class ModelRunner:
     return KVLayout.from_cache_spec(self.cache_spec, self.page_size)
 
   def _check_page_ids(self, page_ids: Sequence[int]) -> np.ndarray:
+    if self.scan_layers:
+      raise KVTransferError("KV transfer reads and writes per-layer pools; this runner scans layers "
+                            "over one stacked pool (scan_layers=False transfers)")
     ids = np.asarray(page_ids, np.int64).reshape(-1)
     bad = ids[(ids <= NULL_PAGE) | (ids >= self.num_pages)]
     if bad.size:
@@ -835,6 +852,20 @@ def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards:
   token_rows = np.concatenate([np.arange(token_start[i], token_start[i] + s.num_new) for i, s in enumerate(seqs)]
                               + [np.zeros(0, np.int64)])
   return batch, (seq_rows, token_rows)
+
+
+def _stacked(cfg: ModelConfig, params: Any, mtp_params: Any, page_shards: int) -> Any:
+  """params with its layers stacked for scan_layers, or InvalidRequestError naming what cannot scan."""
+  from jaxinfer.errors import InvalidRequestError
+  from jaxinfer.models.transformer import scannable, stack_layers
+  why = scannable(cfg)
+  if why is None and mtp_params is not None:
+    why = "an MTP module's cache layer shares the pool"
+  if why is None and page_shards > 1:
+    why = "attention DP splits the pool's pages by data shard"
+  if why:
+    raise InvalidRequestError(f"scan_layers=True: {cfg.architecture} layers cannot be scanned here: {why}")
+  return stack_layers(cfg, params)
 
 
 def _dp_param_specs(params: Any, axes: tuple[str, ...]) -> Any:

@@ -15,11 +15,15 @@ Passes, in order, each small:
   2. waiting requests, FCFS, while sequences, budget and pages allow
      (skipped in a step that preempted: the pool is tight).
 
-Attention data parallelism (a KVManager with num_shards > 1): a new
-request goes to the shard with its longest prefix hit, else to the one with
-the fewest running tokens (`shard_loads`); its pages all come from there,
-and when that shard's pages run dry the newest request *on that shard* is
-preempted (freeing another shard's pages would not help).
+Attention data parallelism (a KVManager with num_shards > 1, one shard per
+data rank): a new request goes to the rank whose predicted load is lowest
+once it is there (`rank_by_load`: `shard_loads` plus the request's own
+tokens to compute on that rank, its prefix hit there subtracted); its pages
+all come from there, and when that rank's pages run dry the newest request
+*on that rank* is preempted (freeing another rank's pages would not help).
+The step's token budget is split over the ranks (`split_budget`): the ranks
+run in lockstep, each padded to the busiest one's tokens, so a rank's long
+prefill must not take the whole budget and leave the others idle.
 
 Disaggregation (engine/kv_connector.py): when a connector says a new
 request's prompt KV comes from another worker, pass 2 allocates its pages
@@ -34,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Sequence
 
 from jaxinfer.engine.kv_connector import KVConnector
 from jaxinfer.engine.kv_manager import KVManager
@@ -88,6 +92,10 @@ class Request:
     return self.token_ids[self.num_prompt_tokens:]
 
   @property
+  def num_output_tokens(self) -> int:
+    return len(self.token_ids) - len(self.prompt_token_ids)
+
+  @property
   def num_uncomputed(self) -> int:
     return len(self.token_ids) + self.num_inflight - self.num_computed
 
@@ -95,13 +103,62 @@ class Request:
   def last_token_inflight(self) -> bool:
     """Its next step can only finish the request (max_tokens is reached by the tokens in
     flight); if one of them is a stop token instead, the postprocess ends it anyway."""
-    return bool(self.num_inflight) and len(self.output_token_ids) + self.num_inflight >= self.params.max_tokens
+    return bool(self.num_inflight) and self.num_output_tokens + self.num_inflight >= self.params.max_tokens
+
+
+def split_budget(total: int, num_ranks: int) -> list[int]:
+  """Per-rank token budgets of a step: `total` split as evenly as integers go (the
+  first `total % num_ranks` ranks get one more), so no rank's tokens exceed the mean
+  by more than one."""
+  if num_ranks < 1 or total < num_ranks:
+    raise ValueError(f"a step budget of {total} tokens (max_num_batched_tokens) cannot give each of "
+                     f"{num_ranks} data ranks one")
+  return [total // num_ranks + (r < total % num_ranks) for r in range(num_ranks)]
+
+
+def imbalance(tokens: Sequence[int]) -> float:
+  """max / mean of per-rank tokens (1.0: even), 0.0 when there are none."""
+  total = sum(tokens)
+  return max(tokens) * len(tokens) / total if total else 0.0
+
+
+def rank_by_load(loads: Sequence[int], new_tokens: Sequence[int]) -> list[int]:
+  """Data ranks for a new request, best first: the lowest predicted load once it is
+  there (loads[r], the rank's running and still-to-prefill tokens, plus new_tokens[r],
+  the request's tokens to compute on r: fewer where its prefix is cached), then the
+  lowest index."""
+  if len(loads) != len(new_tokens):
+    raise ValueError(f"{len(loads)} rank loads but {len(new_tokens)} per-rank token counts")
+  return sorted(range(len(loads)), key=lambda r: (loads[r] + new_tokens[r], r))
+
+
+@dataclasses.dataclass
+class StepBudget:
+  """The tokens a step may still schedule, per data rank (one entry without attention DP)."""
+
+  left: list[int]
+
+  def of(self, rank: int) -> int:
+    return self.left[rank]
+
+  def take(self, rank: int, n: int) -> None:
+    self.left[rank] -= n
+
+  def __bool__(self) -> bool:
+    return any(n > 0 for n in self.left)
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
-  scheduled: list[tuple[Request, int]]  # (request, new tokens this step), in batch order
+  """A step's plan. `schedule` has already counted its committed tokens as computed (their KV
+  is written by the step); `update_from_output` settles the rest once the step's ids are back."""
+
+  scheduled: list[tuple[Request, int]]  # (request, new tokens this step, drafts included), in batch order
   preempted: list[Request]
+  starts: list[int] = dataclasses.field(default_factory=list)  # each request's num_computed before the step
+  drafts: list[list[int]] = dataclasses.field(default_factory=list)  # the drafts each verifies
+  # Each request's step ends at its known tokens, so it samples (else: a prefill chunk).
+  samples: list[bool] = dataclasses.field(default_factory=list)
 
   @property
   def num_tokens(self) -> int:
@@ -118,12 +175,14 @@ class Scheduler:
     self.connector = connector
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
+    split_budget(max_num_batched_tokens, kv.num_shards)  # each data rank needs a token a step
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.waiting_for_kv: dict[str, Request] = {}
     self.held: dict[str, Request] = {}  # finished, pages kept for a transfer (hold_kv)
     self._free_rows = list(range(max_num_seqs - 1, -1, -1))
     self.num_preemptions = 0
+    self.rank_tokens = [0] * kv.num_shards  # tokens the last step scheduled on each data rank
 
   def add(self, req: Request) -> None:
     self.waiting.append(req)
@@ -139,29 +198,91 @@ class Scheduler:
   # ---- one step -------------------------------------------------------------------
 
   def schedule(self) -> SchedulerOutput:
+    """The next step: who runs, how many tokens each, and who was preempted for it. Its
+    committed tokens count as computed from here on; its samples as in flight."""
     out = SchedulerOutput([], [])
-    budget = self._schedule_running(out, self.max_num_batched_tokens)
+    budget = self.step_budget()
+    self._schedule_running(out, budget)
     if not out.preempted:
       self._schedule_waiting(out, budget)
+    self.rank_tokens = [0] * self.kv.num_shards
+    for req, n in out.scheduled:
+      if self.kv.num_shards > 1:
+        self.rank_tokens[self.kv.request_shard(req.request_id)] += n
+      drafts = req.spec_token_ids
+      # A caught-up request's one token may be the one the step in flight samples (async).
+      samples = req.num_computed + n - len(drafts) >= len(req.token_ids)
+      out.starts.append(req.num_computed)
+      out.drafts.append(drafts)
+      out.samples.append(samples)
+      req.num_computed += n - len(drafts)
+      req.num_inflight += samples
+      req.num_inflight_drafts += len(drafts)
+    if self.kv.num_shards == 1:
+      self.rank_tokens[0] = out.num_tokens
     return out
 
+  def update_from_output(self, out: SchedulerOutput, ids: Any = None, num_committed: Any = None) -> list[list[int]]:
+    """Settles a step that `schedule` planned, once its sampled ids [S, k + 1] and each
+    sequence's committed count [S] are on the host (None: the step failed). Its samples are
+    no longer in flight; of a running request, the drafts the step accepted become computed
+    and the blocks its known tokens complete are cached (rejected drafts' KV stays in the
+    pages past num_computed: overwritten later, never cached). Returns each request's
+    accepted drafts; the output processor commits them and the token after them."""
+    accepted_all = []
+    committed = num_committed.tolist() if num_committed is not None else None  # (one conversion, not S)
+    for i, (req, _) in enumerate(out.scheduled):
+      req.num_inflight -= out.samples[i]
+      req.num_inflight_drafts -= len(out.drafts[i])
+      c = committed[i] if committed is not None else 0
+      accepted = ids[i, :c - 1].tolist() if c > 1 else []
+      accepted_all.append(accepted)
+      if committed is None or req.status is not Status.RUNNING:
+        continue  # failed, ended or preempted meanwhile: nothing of it is computed
+      req.num_computed += len(accepted)
+      # Under async scheduling num_computed may count a token still in flight.
+      known = req.token_ids + accepted if accepted else req.token_ids
+      self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
+    return accepted_all
+
+  @property
+  def rank_imbalance(self) -> float:
+    """The last step's busiest data rank's scheduled tokens over the mean (1.0: even;
+    0.0: nothing scheduled)."""
+    return imbalance(self.rank_tokens)
+
+  def step_budget(self) -> StepBudget:
+    """max_num_batched_tokens, split over the data ranks (`split_budget`)."""
+    return StepBudget(split_budget(self.max_num_batched_tokens, self.kv.num_shards))
+
   def shard_loads(self) -> list[int]:
-    """Running tokens (prompt + output so far) of the sequences on each KV shard."""
+    """Each data rank's predicted load: the tokens its sequences (running or waiting for
+    their KV) have left to compute, i.e. one per decoding sequence plus every prompt's
+    rest still to prefill (a remote prompt's KV is not computed here)."""
     loads = [0] * self.kv.num_shards
-    for req in self.running + list(self.waiting_for_kv.values()):
-      shard = self.kv.request_shard(req.request_id)
-      if shard is not None:
-        loads[shard] += len(req.token_ids)
+    for req in self.running:
+      loads[self.kv.request_shard(req.request_id) or 0] += req.num_uncomputed
+    for req in self.waiting_for_kv.values():
+      loads[self.kv.request_shard(req.request_id) or 0] += max(1, req.num_uncomputed - req.num_remote_tokens)
     return loads
 
-  def _place(self, req: Request) -> tuple[int, list[int]]:
+  def rank_shards(self, req: Request, use_cache: bool) -> list[int]:
+    """Data ranks for a new request, best first (`rank_by_load`: its tokens to compute
+    on a rank are its prompt less its prefix hit there)."""
+    hits = self.kv.hit_pages_per_shard(req.token_ids) if use_cache else [0] * self.kv.num_shards
+    new = [len(req.token_ids) - h * self.kv.page_size for h in hits]
+    return rank_by_load(self.shard_loads(), new)
+
+  def _place(self, req: Request, budget: StepBudget) -> tuple[int, list[int]]:
     """(shard, prefix-hit pages there) for a request about to be admitted: of the shards
-    ranked by `KVManager.rank_shards`, the first whose pool can take its first chunk."""
+    ranked by `rank_shards`, those with budget left in this step first (a rank whose share
+    is spent would leave the request waiting while another computes nothing), the first
+    whose pool can take its first chunk."""
     # Prompt logprobs need every prompt token computed, so such requests skip the cache.
     use_cache = req.params.prompt_logprobs is None
     if self.kv.num_shards == 1:
       return 0, self.kv.lookup(req.token_ids) if use_cache else []
-    ranked = self.kv.rank_shards(req.token_ids, self.shard_loads(), use_cache)
+    ranked = sorted(self.rank_shards(req, use_cache), key=lambda r: budget.of(r) <= 0)
     fits = ranked[0]
     for shard in ranked:
       cached = self.kv.lookup(req.token_ids, shard, record=False) if use_cache else []
@@ -170,23 +291,25 @@ class Scheduler:
         break
     return fits, self.kv.lookup(req.token_ids, fits) if use_cache else []
 
-  def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+  def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
     i = 0
-    while i < len(self.running) and budget > 0:
+    while i < len(self.running) and budget:
       req = self.running[i]
-      if req.last_token_inflight:
+      rank = self.kv.request_shard(req.request_id) or 0
+      if req.last_token_inflight or budget.of(rank) <= 0:
         i += 1
         continue
-      n = min(req.num_uncomputed, budget)
+      n = min(req.num_uncomputed, budget.of(rank))
       # Drafts only follow a caught-up request's last token, as far as the budget goes.
-      spec = req.spec_token_ids[:budget - n] if n == req.num_uncomputed == 1 else []
+      spec = req.spec_token_ids[:budget.of(rank) - n] if n == req.num_uncomputed == 1 else []
       req.spec_token_ids = spec
       n += len(spec)
       # Tokens computed by the step in flight beyond num_computed (accepted drafts) push
       # this step's on; none goes past max_model_len (runner._feed sends those to no page).
       need = req.num_computed + n + req.num_inflight_drafts
       need = min(need, self.max_model_len) if self.max_model_len else need
-      while not self.kv.can_allocate(req.request_id, need):
+      grow = self.kv.pages_needed(req.request_id, need) > 0  # (most decode steps fit their pages)
+      while grow and not self.kv.can_allocate(req.request_id, need):
         shard = self.kv.request_shard(req.request_id)
         victim = next(r for r in reversed(self.running) if self.kv.request_shard(r.request_id) == shard)
         self._preempt(victim)
@@ -195,18 +318,18 @@ class Scheduler:
           break
       if req.status is not Status.RUNNING:
         break  # preempted itself: nobody after it is running either
-      self.kv.allocate(req.request_id, need)
+      if grow:
+        self.kv.allocate(req.request_id, need)
       out.scheduled.append((req, n))
-      budget -= n
+      budget.take(rank, n)
       i += 1
-    return budget
 
-  def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-    while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
+  def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    while self.waiting and budget and self.num_seqs < self.max_num_seqs:
       req = self.waiting[0]
       if req.num_inflight:
         break  # preempted while a step of its ran: recomputed once that step's token is known
-      shard, cached = self._place(req)
+      shard, cached = self._place(req, budget)
       computed = len(cached) * self.kv.page_size
       # Only a fresh request's KV may come from elsewhere; once it has output (a remote
       # request after its import, then preempted) it is recomputed here like any other.
@@ -216,7 +339,9 @@ class Scheduler:
         if not self._admit_remote(req, cached, computed, remote, shard):
           break
         continue
-      n = min(len(req.token_ids) - computed, budget)
+      if budget.of(shard) <= 0:
+        break  # FCFS: it waits for its rank's next step (a later request must not overtake it)
+      n = min(len(req.token_ids) - computed, budget.of(shard))
       if not self.kv.can_allocate(req.request_id, computed + n, cached, shard):
         break
       self.kv.allocate(req.request_id, computed + n, cached, shard)
@@ -227,7 +352,7 @@ class Scheduler:
       req.needs_history = req.params.uses_penalties
       self.running.append(req)
       out.scheduled.append((req, n))
-      budget -= n
+      budget.take(shard, n)
 
   def _admit_remote(self, req: Request, cached: list[int], computed: int, remote: int, shard: int = 0) -> bool:
     """Pages for the cached and the remote tokens; the request waits for its KV (no budget)."""

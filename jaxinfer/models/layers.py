@@ -1,6 +1,6 @@
 """Building blocks shared by every decoder: RMSNorm, RoPE, SwiGLU.
 
-Legend: T tokens, N heads (query or kv), Dh head_dim, D hidden, F mlp.
+Legend: T tokens, N heads (query or kv), Dh head_dim, D hidden, F mlp, C gate / up.
 """
 
 from __future__ import annotations
@@ -128,3 +128,10 @@ def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
   gate = linear("...D,DF->...F", x, w_gate)
   up = linear("...D,DF->...F", x, w_up)
   return linear("...F,FD->...D", jax.nn.silu(gate) * up, w_down)
+
+
+def fused_swiglu_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
+  """swiglu_mlp over the fused w_gate_up [D, 2, F] (jaxinfer.params.FUSED): gate and up in one
+  matmul, split along an axis no mesh splits."""
+  gate_up = linear("...D,DCF->...CF", x, w_gate_up)
+  return linear("...F,FD->...D", jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], w_down)

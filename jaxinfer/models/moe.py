@@ -48,6 +48,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.indexing import take
+from jaxinfer.models import eplb
 from jaxinfer.models.layers import clamped_swiglu, swiglu_mlp
 from jaxinfer.quant import is_quantized
 
@@ -224,7 +225,8 @@ def moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array 
   """The MoE FFN of one layer on x [T, D] -> ([T, D], RouterStats).
 
   `valid` [T] bool marks real tokens (padding is routed like any token, since
-  shapes are static, but not counted in the stats). With experts split over a mesh (set by
+  shapes are static, but not counted in the stats). The stats count logical experts, also
+  when the weights are laid out by slot (an EPLB placement, models/eplb.py). With experts split over a mesh (set by
   the runner while tracing), the expert-parallel all-to-all FFN runs instead
   (models/expert_parallel.py).
   """
@@ -233,8 +235,11 @@ def moe_ffn(p: dict[str, Any], cfg: ModelConfig, x: jax.Array, valid: jax.Array 
   if ep is not None:
     return ep(p, cfg, x, valid)
   weights, ids = route(p, cfg, x)
+  slots = ids
+  if eplb.SLOTS_KEY in p:  # experts laid out by slot (models/eplb.py): replicas share the rows
+    slots = eplb.assign_slots(ids, p[eplb.SLOTS_KEY], p[eplb.REPLICAS_KEY], 0)
   biases = (p["b_gate"], p["b_up"], p["b_down"]) if cfg.expert_bias else None
-  out = grouped_swiglu(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], biases,
+  out = grouped_swiglu(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"], biases,
                        expert_activation(cfg))
   if "shared" in p:
     s = p["shared"]

@@ -10,9 +10,12 @@ layer (Qwen3-MoE's mlp_only_layers and DeepSeek's first dense layers mix both
 in one stack). DeepSeek-V3 swaps the attention for MLA (jaxinfer.models.mla).
 GPT-OSS adds attention sinks, an output bias and per-layer windows
 (`cfg.layer_sliding_window(i)`: sliding and full layers alternate).
+The engine runs dense layers on fused q/k/v and gate/up weights (one matmul
+each, jaxinfer.params.FUSED); a layer in checkpoint layout runs as well.
 
 Legend: T new tokens (of many sequences, packed), S sequences, N pages,
-p page size, D hidden, H query heads, K kv heads, d head_dim, V vocab.
+p page size, D hidden, H query heads, K kv heads, G = H / K query heads per kv
+head, d head_dim, V vocab.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.cache import Cache, write
-from jaxinfer.models.layers import apply_rope, rms_norm, rope_attention_factor, rope_inv_freq, swiglu_mlp
+from jaxinfer.models.layers import (apply_rope, fused_swiglu_mlp, rms_norm, rope_attention_factor, rope_inv_freq,
+                                    swiglu_mlp)
 from jaxinfer.models.moe import RouterStats, moe_ffn
 from jaxinfer.params import model_dtype
 from jaxinfer.quant import embed_lookup, head_logits, linear
@@ -46,11 +50,7 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GQA attention of decoder layer number `layer` (which picks its window, see cfg.layer_types)."""
   window = cfg.layer_sliding_window(layer)
-  q = linear("TD,DHd->THd", x, p["wq"])
-  k = linear("TD,DKd->TKd", x, p["wk"])
-  v = linear("TD,DKd->TKd", x, p["wv"])
-  if cfg.attention_bias:
-    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+  q, k, v = qkv_projection(p, cfg, x)
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -72,7 +72,30 @@ def attention_block(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, pos
   return out, new_cache
 
 
+def qkv_projection(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x [T, D] -> q [T, H, d], k and v [T, K, d] (with Qwen2's biases): one matmul over the fused
+  wqkv [D, K, G + 2, d] (jaxinfer.params.FUSED), or three over a checkpoint-layout layer."""
+  if "wqkv" not in p:
+    q = linear("TD,DHd->THd", x, p["wq"])
+    k = linear("TD,DKd->TKd", x, p["wk"])
+    v = linear("TD,DKd->TKd", x, p["wv"])
+    if cfg.attention_bias:
+      q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    return q, k, v
+  qkv = linear("TD,DKGd->TKGd", x, p["wqkv"])
+  if cfg.attention_bias:
+    qkv = qkv + p["bqkv"]
+  G = cfg.num_heads // cfg.num_kv_heads
+  # Slots G and G + 1 of kv group k are its key and value; the G before them its query heads,
+  # k G .. k G + G - 1 in HF's order. Sliced along an axis no mesh splits: local under TP.
+  q = qkv[:, :, :G].reshape(x.shape[0], cfg.num_heads, cfg.head_dim)
+  return q, qkv[:, :, G], qkv[:, :, G + 1]
+
+
 def dense_ffn(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  if "w_gate_up" in p:
+    return fused_swiglu_mlp(x, p["w_gate_up"], p["w_down"])
   return swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"])
 
 
@@ -114,19 +137,83 @@ def forward(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arr
     stats.append(layer_stats)
     return out
 
-  new_cache = []
-  for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
-    x, layer_cache = decoder_layer(layer_params, cfg, x, positions, layer_cache, batch,
-                                   ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
-                                   attention_impl=attention_impl, decode_q_len=decode_q_len,
-                                   layer=i)
-    new_cache.append(layer_cache)
+  def layer(i, p, x, layer_cache, batch):
+    return decoder_layer(p, cfg, x, positions, layer_cache, batch,
+                         ffn=sparse_ffn if cfg.is_moe_layer(i) else dense_ffn,
+                         attention_impl=attention_impl, decode_q_len=decode_q_len, layer=i)
+
+  if is_stacked(params["layers"]):
+    x, new_cache = _scan(layer, params["layers"], cfg, x, cache, batch)
+  else:
+    new_cache = []
+    for i, (layer_params, layer_cache) in enumerate(zip(params["layers"], cache)):
+      x, layer_cache = layer(i, layer_params, x, layer_cache, batch)
+      new_cache.append(layer_cache)
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if not return_router_stats:
     return hidden, new_cache
   per_expert = (jnp.stack([s.tokens_per_expert for s in stats]) if stats
                 else jnp.zeros((0, max(cfg.num_experts, 1)), jnp.int32))
   return hidden, new_cache, RouterStats(per_expert)
+
+
+# ---- scanned layers ------------------------------------------------------------------------------
+#
+# With stacked layers (`stack_layers`: one tree whose leaves lead with a layer axis L) the step runs
+# the same decoder_layer once, under lax.scan, so its program (and its compile time) does not grow
+# with depth. The cache is then one pool of L * N pages (`stack_cache`): layer i's page j is page
+# i N + j, so each layer attends and writes through the whole pool with its page ids and slots
+# moved by i N: no layer's cache is sliced out (which would copy it) and the writes stay in place
+# in the scan's carry. The weights are sliced per layer (lax.scan's xs).
+
+
+def is_stacked(layers: Any) -> bool:
+  """Whether params["layers"] is stack_layers' one stacked tree (not a list of layers)."""
+  return isinstance(layers, dict)
+
+
+def scannable(cfg: ModelConfig) -> str | None:
+  """None if every layer runs the same program (stackable), else why not."""
+  if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+    return "it has MoE layers (their router statistics are gathered per layer in Python)"
+  if len({cfg.layer_sliding_window(i) for i in range(cfg.num_layers)}) > 1:
+    return "its layers have different attention windows"
+  return None
+
+
+def stack_layers(cfg: ModelConfig, params: Any) -> Any:
+  """params with its list of layers as one tree [L, ...] (what forward scans over)."""
+  why = scannable(cfg)
+  if why:
+    raise ValueError(f"{cfg.architecture}: layers cannot be scanned: {why}")
+  return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
+
+
+def stack_cache(cache: Cache) -> Cache:
+  """The per-layer pools [N, p, ...] as one pool [L * N, p, ...] (layer i's pages at i N)."""
+  return [jax.tree.map(lambda *xs: jnp.concatenate(xs), *cache)]
+
+
+def _scan(layer, stacked: Any, cfg: ModelConfig, x: jax.Array, cache: Cache, batch: PagedBatch):
+  L = jax.tree.leaves(stacked)[0].shape[0]
+  # A per-layer cache (a scratch pool, e.g. the runner's logits pass) is stacked here: a copy,
+  # which the step's own pool, stacked once when allocated, never pays.
+  pool = (cache if len(cache) == 1 else stack_cache(cache))[0]
+  N = jax.tree.leaves(pool)[0].shape[0] // L
+  p = jax.tree.leaves(pool)[0].shape[1]
+
+  def body(carry, xs):
+    x, pool = carry
+    i, layer_params = xs
+    slots = batch.slot_mapping
+    inside = (slots >= 0) & (slots < N * p)  # an out-of-range slot (dropped) stays out of the pool
+    moved = batch._replace(slot_mapping=jnp.where(inside, slots + i * N * p, L * N * p),
+                           page_indices=batch.page_indices + i * N)
+    x, pool = layer(0, layer_params, x, pool, moved)  # every layer alike (scannable): layer 0's window
+    return (x, pool), None
+
+  (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(L, dtype=jnp.int32), stacked))
+  return x, [pool]
 
 
 def compute_logits(params: Any, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

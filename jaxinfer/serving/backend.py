@@ -38,14 +38,15 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import jax
 from prometheus_client import CollectorRegistry, Counter
 
 from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
-from jaxinfer.llm import LLM, Prompt
+from jaxinfer.frontend import Frontend, Prompt, ValidRequest
+from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.engine_loop import EngineLoop, KVWatcher, LoopSink
 from jaxinfer.serving.metrics import Metrics
@@ -191,16 +192,18 @@ class Backend(Protocol):
   def reject(self, e: BaseException) -> None:
     """Counts a request refused before it reached the model."""
 
-  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]: ...
+  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, ValidRequest, SamplingParams]: ...
 
   def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]: ...
 
-  def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+  def validate(self, prompt_ids: Sequence[int], params: SamplingParams, prompt: str | None = None) -> ValidRequest: ...
 
-  def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None, prefill_worker: str | None = None) -> Generation:
-    """prefill_worker: the prefill worker a decode worker must take the prompt's KV
-    from (a router's pick); InvalidRequestError where that cannot be honoured."""
+  def generate(self, prompt_ids: ValidRequest | Sequence[int], params: SamplingParams, *,
+               request_id: str | None = None, prompt: str | None = None,
+               prefill_worker: str | None = None) -> Generation:
+    """prompt_ids: what `parse` / `validate` returned (not checked again), or token ids
+    (checked here). prefill_worker: the prefill worker a decode worker must take the
+    prompt's KV from (a router's pick); InvalidRequestError where that cannot be honoured."""
 
   # ---- tokenizer ----
   def require_tokenizer(self, what: str) -> None:
@@ -327,60 +330,57 @@ class EngineGeneration:
 
 
 class PromptMixin:
-  """parse / encode / validate and the tokenizer methods of a Backend, from a
-  model's host side: `self.text_model` is an `LLM`, or anything with its
-  `tokenizer`, `tokenizer_or_error`, `encode_prompt`, `engine.validate` and
-  `engine.check_token_ids` (the router's weightless `ModelFrontend`). One
+  """parse / encode / validate and the tokenizer methods of a Backend, from the model's
+  `self.frontend` (jaxinfer.frontend: an engine's, or the router's weightless one). One
   implementation, so a router refuses what a worker would, in the same words."""
 
-  text_model: Any
+  frontend: Frontend
 
-  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
-    """(prompt text, prompt ids, params) for text, token ids or chat messages, or
+  def parse(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, ValidRequest, SamplingParams]:
+    """(prompt text, the checked request, params) for text, token ids or chat messages, or
     InvalidRequestError / TokenizerError naming what is wrong."""
-    text, ids = self.encode(prompt)
-    self.validate(ids, params)
-    return text, ids, params
+    request = self.frontend.request(prompt, params)
+    return request.prompt, request, params
 
   def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
     """(text or None, ids); a chat is rendered with the model's template. The
     first half of `parse`, for callers whose params depend on the prompt's length."""
-    return self.text_model.encode_prompt(prompt)
+    return self.frontend.encode_prompt(prompt)
 
-  def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-    """InvalidRequestError if the engine would refuse the request (ids, lengths)."""
-    self.text_model.engine.validate(prompt_ids, params)
+  def validate(self, prompt_ids: Sequence[int], params: SamplingParams, prompt: str | None = None) -> ValidRequest:
+    """The request checked as the engine needs it (ids, lengths, grammar), or InvalidRequestError."""
+    return self.frontend.validate(prompt_ids, params, prompt)
 
   # ---- tokenizer -------------------------------------------------------------------
 
   def require_tokenizer(self, what: str) -> None:
-    self.text_model.tokenizer_or_error(what)
+    self.frontend.tokenizer_or_error(what)
 
   def tokenize(self, prompt: str | Sequence[dict], add_special_tokens: bool = True) -> list[int]:
     """Token ids of a text (with or without special tokens) or of a rendered chat."""
-    tok = self.text_model.tokenizer_or_error("tokenize")
+    tok = self.frontend.tokenizer_or_error("tokenize")
     if isinstance(prompt, str):
       return tok.encode(prompt, add_special_tokens=add_special_tokens)
-    return self.text_model.encode_prompt(list(prompt))[1]
+    return self.frontend.encode_prompt(list(prompt))[1]
 
   def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-    tok = self.text_model.tokenizer_or_error("detokenize")
+    tok = self.frontend.tokenizer_or_error("detokenize")
     ids = list(ids)
     if ids:
       try:
-        self.text_model.engine.check_token_ids(ids)
+        self.frontend.check_token_ids(ids)
       except InvalidRequestError as e:
         raise InvalidRequestError(f"token_ids: {e}") from None
     return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     """The vocabulary entry of each id (e.g. 'Ġworld')."""
-    tok = self.text_model.tokenizer_or_error("token strings")
+    tok = self.frontend.tokenizer_or_error("token strings")
     return [tok.id_to_token(t) for t in ids]
 
   def token_texts(self, ids: Sequence[int]) -> list[str]:
     """Each id decoded on its own (what it adds to the text, roughly); 'token_id:N' without a tokenizer."""
-    tok = self.text_model.tokenizer
+    tok = self.frontend.tokenizer
     if tok is None:
       return [f"token_id:{t}" for t in ids]
     return [tok.decode([t], skip_special_tokens=False) for t in ids]
@@ -400,7 +400,8 @@ class EngineBackend(PromptMixin):
   def __init__(self, llm: LLM, *, max_waiting_requests: int = 256, max_waiting_tokens: int = 131072,
                stream_buffer: int = 64, warmup: bool = True,
                on_ready: Callable[[], None] | None = None):
-    self.llm = self.text_model = llm
+    self.llm = llm
+    self.frontend = llm.frontend
     self.max_waiting_requests = max_waiting_requests
     self.max_waiting_tokens = max_waiting_tokens
     self.stream_buffer = stream_buffer
@@ -480,8 +481,9 @@ class EngineBackend(PromptMixin):
                        f"adds {num_tokens} (max_waiting_tokens={self.max_waiting_tokens}); retry later")
     return _Admission(self, num_tokens)
 
-  def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               prompt: str | None = None, prefill_worker: str | None = None) -> EngineGeneration:
+  def generate(self, prompt_ids: ValidRequest | Sequence[int], params: SamplingParams, *,
+               request_id: str | None = None, prompt: str | None = None,
+               prefill_worker: str | None = None) -> EngineGeneration:
     """Admits a parsed request and posts it to the engine; raises Unavailable or
     Overloaded at once (before anything is queued) when it cannot be taken, and
     InvalidRequestError for a `prefill_worker` this worker cannot use."""
@@ -492,13 +494,14 @@ class EngineBackend(PromptMixin):
         raise InvalidRequestError(f"x-jaxinfer-prefill-worker: {prefill_worker!r} names a prefill worker, "
                                   f"but this worker's role is {self.model_info.role}, not decode")
       self.kv_connector.check_source(prefill_worker)
-    admission = self.admit(len(prompt_ids))
+    request = self.validate(prompt_ids, params, prompt)  # (a request from parse is not checked again)
+    admission = self.admit(len(request))
     rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
     key = f"{rid}#{next(self._keys)}"  # the engine's id: unique even when clients reuse theirs
     stream = _Stream(asyncio.get_running_loop(), self.stream_buffer, admission)
     gen = EngineGeneration(self, key, rid, stream, admission)
     self.active[key] = gen
-    self.engine_loop.add(key, prompt_ids, params, stream, prompt=prompt, kv_source=prefill_worker)
+    self.engine_loop.add(key, request, stream, kv_source=prefill_worker)
     return gen
 
   def shut_down_all(self, message: str) -> int:

@@ -216,7 +216,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
         raise InvalidRequestError("sampling.seed: a Prefill request must carry the decode worker's seed")
       # Only the first token is made here: the prompt alone must fit this worker's context.
       params = dataclasses.replace(params, max_tokens=1)
-      b.validate(ids, params)
+      request = b.validate(ids, params)
       num_pages = -(-len(ids) // self.page_size)
       if r.skip_tokens >= len(ids):
         raise InvalidRequestError(f"skip_tokens={r.skip_tokens} leaves none of the prompt's {len(ids)} tokens")
@@ -227,7 +227,7 @@ class KVTransferServicer(kv_grpc.KVTransferServicer):
       await context.abort(status_of(e), f"Prefill {r.request_id}: {e}")
     key = f"kvx-{r.request_id}#{next(self._keys)}"
     sink = _FirstOutput(asyncio.get_running_loop())
-    b.engine_loop.add(key, ids, params, sink, hold_kv=True)
+    b.engine_loop.add(key, request, sink, hold_kv=True)
     try:
       try:
         out = await sink.wait()

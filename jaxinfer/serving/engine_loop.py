@@ -28,12 +28,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from jaxinfer.engine.engine import LLMEngine, RequestOutput
 from jaxinfer.engine.kv_manager import KVEvent
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.frontend import ValidRequest
 from jaxinfer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -126,12 +126,13 @@ class EngineLoop:
     self._thread.start()
     return self
 
-  def add(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
-          prompt: str | None = None, hold_kv: bool = False, kv_source: str | None = None) -> None:
-    """hold_kv: its KV pages outlive it (a transfer reads them) until
-    `call(lambda e: e.release_kv(request_id))` frees them. kv_source: the prefill
-    worker a decode worker's connector must take its prompt KV from."""
-    self._commands.put(("add", request_id, list(token_ids), params, prompt, sink, hold_kv, kv_source))
+  def add(self, request_id: str, request: ValidRequest, sink: Sink, *, hold_kv: bool = False,
+          kv_source: str | None = None) -> None:
+    """Queues a request its backend checked (jaxinfer.frontend). hold_kv: its KV pages
+    outlive it (a transfer reads them) until `call(lambda e: e.release_kv(request_id))`
+    frees them. kv_source: the prefill worker a decode worker's connector must take its
+    prompt KV from."""
+    self._commands.put(("add", request_id, request, sink, hold_kv, kv_source))
 
   def abort(self, request_id: str) -> None:
     self._commands.put(("abort", request_id))
@@ -204,9 +205,9 @@ class EngineLoop:
   def _act(self, cmd: tuple) -> None:
     kind = cmd[0]
     if kind == "add":
-      _, rid, ids, params, prompt, sink, hold_kv, kv_source = cmd
+      _, rid, request, sink, hold_kv, kv_source = cmd
       try:
-        self.engine.add_request(rid, ids, params, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
+        self.engine.add_request(rid, request, hold_kv=hold_kv, kv_source=kv_source)
       except Exception as e:  # the sink reports it; nothing was queued
         if not isinstance(e, InvalidRequestError):
           log.exception("adding request %s failed", rid)
@@ -214,7 +215,7 @@ class EngineLoop:
         return
       self._sinks[rid] = sink
       if self.metrics is not None:
-        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.prompt_tokens.inc(len(request))
     elif kind == "abort":
       self._sinks.pop(cmd[1], None)
       out = self.engine.abort(cmd[1])

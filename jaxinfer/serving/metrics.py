@@ -68,6 +68,13 @@ class Metrics:
         "jaxinfer_moe_expert_imbalance_ratio",
         "The worst MoE layer's busiest expert: its routed tokens over the mean (1 = even).", registry=r)
 
+    # Attention data parallelism (set only by an engine whose KV pool is split over data ranks).
+    self.dp_rank_tokens = Gauge("jaxinfer_dp_rank_tokens", "Tokens the last step scheduled on each data rank.",
+                                ["rank"], registry=r)
+    self.dp_rank_imbalance = Gauge(
+        "jaxinfer_dp_rank_imbalance_ratio",
+        "The last step's busiest data rank: its scheduled tokens over the mean (1 = even; 0 = idle).", registry=r)
+
     # Disaggregation: KV pages moved between a prefill worker (direction="sent") and a decode
     # worker (direction="received"), counted per chunk as it goes out / is imported, so a
     # transfer that fails half way counts the pages that did move.
@@ -102,6 +109,10 @@ class Metrics:
       for e, n in enumerate(stats["moe_expert_tokens"]):
         self.moe_expert_tokens.labels(expert=str(e)).set(n)
       self.moe_expert_imbalance.set(stats["moe_expert_imbalance"])
+    if "dp_rank_tokens" in stats:
+      for rank, n in enumerate(stats["dp_rank_tokens"]):
+        self.dp_rank_tokens.labels(rank=str(rank)).set(n)
+      self.dp_rank_imbalance.set(stats["dp_rank_imbalance"])
 
   def exposition(self) -> bytes:
     """The text format Prometheus scrapes (also served over HTTP by the server)."""

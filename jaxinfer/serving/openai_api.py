@@ -309,10 +309,10 @@ class _Api:
     params = build_params(len(ids))
     try:
       if params.structured is None:
-        self.b.validate(ids, params)
+        request = self.b.validate(ids, params, text)
       else:  # compiling a grammar can take ~100 ms: not on the loop that streams everyone's tokens
-        await asyncio.get_running_loop().run_in_executor(None, self.b.validate, ids, params)
-      gen = self.b.generate(ids, params, prompt=text, request_id=f"http-{uuid.uuid4().hex[:16]}")
+        request = await asyncio.get_running_loop().run_in_executor(None, self.b.validate, ids, params, text)
+      gen = self.b.generate(request, params, prompt=text, request_id=f"http-{uuid.uuid4().hex[:16]}")
     except JaxinferError as e:
       names = {"max_tokens": "max_completion_tokens" if getattr(body, "max_completion_tokens", None)
                is not None else "max_tokens",

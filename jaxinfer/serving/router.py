@@ -8,7 +8,7 @@ OpenAI HTTP API) in front of several `jaxinfer serve` workers of one model.
 gRPC servicer and HTTP app serve it. Per request it
 
   1. tokenizes and validates with the model's tokenizer and config, loaded
-     without weights (`ModelFrontend`): a request a worker would refuse is
+     without weights (`jaxinfer.frontend.Frontend`): a request a worker would refuse is
      refused here with the worker's INVALID_ARGUMENT message, never forwarded;
   2. picks a worker: `KVRouter.select` over the chain of block hashes of the
      prompt (the workers' own `hash_blocks`, so a hash names the same prefix
@@ -75,12 +75,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine.engine import LLMEngine, RequestOutput
-from jaxinfer.engine.grammar import GrammarCompiler
+from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.engine.kv_manager import KVEvent, hash_blocks
 from jaxinfer.errors import InvalidRequestError, JaxinferError, TokenizerError
-from jaxinfer.llm import LLM
+from jaxinfer.frontend import Frontend
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.backend import ModelInfo, Overloaded, PromptMixin, RequestFailed, Unavailable, Usage, \
     rejection_code
@@ -91,57 +89,11 @@ from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
 from jaxinfer.serving.proto import kv_events_pb2 as kv_pb
 from jaxinfer.serving.proto import kv_events_pb2_grpc as kv_pb_grpc
 from jaxinfer.serving.server import PREFILL_WORKER_METADATA
-from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("kv", "round_robin")
 _KINDS = {kv_pb.KVEvent.STORED: "stored", kv_pb.KVEvent.REMOVED: "removed"}
-
-
-class ModelFrontend:
-  """A model's tokenizer, config and request checks, without its weights.
-
-  The checks are the engine's and LLM's own functions bound to this object
-  (it has the attributes they read), so a request the router refuses is one
-  a worker would refuse, with the same message. `max_model_len` is the
-  workers' (it depends on their flags), set once they answered.
-  """
-
-  tokenizer_or_error = LLM.tokenizer_or_error
-  encode_prompt = LLM.encode_prompt
-  validate = LLMEngine.validate
-  check_token_ids = LLMEngine.check_token_ids
-
-  def __init__(self, config: ModelConfig, tokenizer: Tokenizer | None, source: str):
-    self.config, self.tokenizer, self.source = config, tokenizer, source
-    self.max_model_len = config.max_position_embeddings
-    self.grammars = GrammarCompiler(tokenizer, config.vocab_size)
-    self.engine = self  # LLM.encode_prompt checks ids through `self.engine`
-    self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
-
-  @classmethod
-  def load(cls, model: str | Path | None) -> "ModelFrontend":
-    """Reads config and tokenizer of an HF dir, GGUF file or jaxinfer checkpoint
-    (None: the embedded default model); no tensor is read."""
-    from jaxinfer.checkpoint import detect_format, orbax_io
-    if model is None:
-      from jaxinfer.default_model import default_checkpoint
-      model = default_checkpoint()
-    path = Path(model).expanduser()
-    kind = detect_format(path)
-    if kind == "hf":
-      from jaxinfer.checkpoint.hf import read_config
-      return cls(read_config(path), Tokenizer.from_hf_dir(path), str(path))
-    if kind == "orbax":
-      manifest = orbax_io.read_manifest(path)
-      tok = Tokenizer.load(path / "tokenizer") if (path / "tokenizer").is_dir() else None
-      return cls(ModelConfig.from_dict(manifest["config"]), tok, str(path))
-    from jaxinfer.checkpoint.gguf import open_reader, read_metadata
-    reader = open_reader(path)  # memory-mapped: the tensors are not read
-    meta = read_metadata(reader)
-    return cls(ModelConfig.from_gguf(meta, {t.name for t in reader.tensors}), Tokenizer.from_gguf(meta),
-               str(path))
 
 
 class RouterMetrics:
@@ -477,8 +429,8 @@ class RouterGeneration:
 class RouterBackend(PromptMixin):
   """A `Backend` that serves each request on one of several workers."""
 
-  def __init__(self, frontend: ModelFrontend, options: RouterOptions, *, seed: int = 0):
-    self.text_model = self.frontend = frontend
+  def __init__(self, frontend: Frontend, options: RouterOptions, *, seed: int = 0):
+    self.frontend = frontend
     self.options = options
     self.metrics = RouterMetrics()
     self.workers: dict[str, _Worker] = {}  # channels are made in start(), on the serving loop
@@ -880,7 +832,8 @@ class RouterBackend(PromptMixin):
     if not self.ready:
       raise Unavailable(f"the router is not ready ({self.state})")
     rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-    gen = RouterGeneration(self, rid, prompt, list(prompt_ids), params)
+    ids = self.validate(prompt_ids, params, prompt).prompt_token_ids  # (parse's request: not checked again)
+    gen = RouterGeneration(self, rid, prompt, ids, params)
     gen._dispatch()
     self.active[id(gen)] = gen
     return gen
@@ -904,5 +857,5 @@ class RouterBackend(PromptMixin):
     return loads
 
 
-__all__ = ["ModelFrontend", "POLICIES", "RouterBackend", "RouterGeneration", "RouterMetrics", "RouterOptions",
+__all__ = ["POLICIES", "RouterBackend", "RouterGeneration", "RouterMetrics", "RouterOptions",
            "expand_addresses"]

@@ -177,7 +177,7 @@ def test_q8_0_int8_logits_match_dequantized_float32(q8_0_file):
 
 def test_q8_0_int8_greedy_batch_invariance(q8_0_file):
   llm = LLM(q8_0_file, max_model_len=128, max_num_seqs=8, warmup=False, quantization="int8")
-  assert llm.runner.params["layers"][0]["wq"].scales.shape[0] > 1
+  assert llm.runner.params["layers"][0]["wqkv"].scales.shape[0] > 1  # q/k/v fused (params.FUSED)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, 300, n).tolist() for n in (3, 40, 9, 1, 20)]
   sp = SamplingParams(temperature=0, max_tokens=10)
@@ -269,7 +269,7 @@ def test_fp8_logits_close_to_float32(fp8_llm):
   # 0.056, top-1 agreement 79% (int8 on the same file: 0.07, 0.012, 100%): e4m3's 3 mantissa
   # bits are ~4x coarser than per-channel int8 on these Gaussian weights. A wrong scale or
   # layout moves logits by whole units (mean ~1) and agrees at ~1/320 of positions.
-  w = fp8_llm.runner.params["layers"][0]["w_up"]
+  w = fp8_llm.runner.params["layers"][0]["w_gate_up"]  # gate/up fused (params.FUSED)
   assert isinstance(w, QuantizedWeight) and w.values.dtype == jax.numpy.float8_e4m3fn and w.scales.shape[0] == 1
   g = golden("smollm2")
   logits = fp8_llm.logits(g["token_ids"].tolist())

@@ -1,5 +1,6 @@
 """Attention data parallelism, host side: the KV pool split into data shards, each request on
-one shard (prefix hit first, then the fewest running tokens), preemption within a shard; and
+one shard (the lowest predicted load, prefix hits counted), the step's token budget split
+per shard, preemption within a shard; and
 an engine on a (data=2, model=2) mesh whose requests' pages stay on their shard's devices."""
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.kv_manager import KVManager
-from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.engine.scheduler import Request, Scheduler, rank_by_load, split_budget
+from jaxinfer.serving.metrics import Metrics
 from jaxinfer.sharding import make_mesh
 
 
@@ -56,22 +58,96 @@ def test_scheduler_balances_running_tokens_and_preempts_within_a_shard():
   reqs = [_req("r10", 10), _req("r3", 3), _req("r5", 5), _req("r4", 4)]
   for r in reqs:
     s.add(r)
-  s.schedule()
-  # r10 -> 0 (tie: lowest); r3 -> 1 (loads 10, 0); r5 -> 1 (10, 3); r4 -> 1 (10, 8).
+  first = s.schedule()
+  # Predicted load: the rank's tokens still to compute (all of them, before the step runs)
+  # plus the new request's. r10 -> 0 (0+10 vs 0+10: lowest index); r3 -> 1 (10+3 vs 0+3);
+  # r5 -> 1 (15 vs 3+5); r4 -> 1 (14 vs 8+4).
   assert [kv.request_shard(r.request_id) for r in reqs] == [0, 1, 1, 1]
-  assert s.shard_loads() == [10, 12]
+  # Planned, the step's tokens count as computed: each sequence has its next token left.
+  assert s.shard_loads() == [1, 3]
+  assert s.rank_tokens == [10, 12] and s.rank_imbalance == pytest.approx(12 / 11)
   assert kv.pages("r10") == [1, 2, 3] and kv.pages("r3") == [7] and kv.pages("r5") == [8, 9]
   assert kv.pages("r4") == [10]
   # Shard 1 has one page left (11); r3, r5 and r4 each grow into a new page: r4, the newest
   # on shard 1, is preempted (r10 on shard 0 is not touched, though shard 0 has pages).
+  s.update_from_output(first)  # (no ids: nothing more is computed; the samples are no longer in flight)
   for r in reqs:
-    r.num_computed = len(r.token_ids)
     r.token_ids += [1] * (4 - len(r.token_ids) % 4 + 1)  # one token into a new page (r4: two)
   r4 = reqs[3]
   out = s.schedule()
   assert out.preempted == [r4] and kv.pages("r4") == []
   assert kv.pages("r3") == [7, 11] and kv.pages("r5") == [8, 9, 10]  # r4's page went to r5
   assert kv.pages("r10") == [1, 2, 3, 4]
+
+
+def test_budgets_split_evenly_and_ranks_rank_by_predicted_load():
+  assert split_budget(10, 4) == [3, 3, 2, 2] and split_budget(8, 1) == [8]
+  with pytest.raises(ValueError, match="cannot give each of 4 data ranks one"):
+    split_budget(3, 4)
+  with pytest.raises(ValueError, match=r"a step budget of 3 tokens \(max_num_batched_tokens\) cannot give each of 4"):
+    Scheduler(KVManager(num_pages=16, page_size=4, num_shards=4), max_num_seqs=4, max_num_batched_tokens=3)
+  # Rank 2's prefix hit makes it the cheapest though it is among the busiest; ties: lowest index.
+  assert rank_by_load([100, 90, 100, 90], [64, 64, 16, 64]) == [2, 1, 3, 0]  # 164, 154, 116, 154
+  assert rank_by_load([5, 5], [3, 3]) == [0, 1]
+  with pytest.raises(ValueError, match="3 rank loads but 2"):
+    rank_by_load([1, 2, 3], [1, 2])
+
+
+def _step(s: Scheduler):
+  """Plans a step and settles it as the engine would: a request whose step reaches its known
+  tokens samples one (500 + its length)."""
+  out = s.schedule()
+  ids = np.array([[500 + len(r.token_ids)] for r, _ in out.scheduled], np.int32).reshape(-1, 1)
+  s.update_from_output(out, ids, np.array(out.samples, np.int32))
+  for (r, _), sampled, row in zip(out.scheduled, out.samples, ids):
+    r.token_ids += row.tolist() if sampled else []
+  return out
+
+
+def test_a_prefix_hit_counts_as_load_saved_not_as_first_choice():
+  """A request whose prefix is cached on a busy rank goes there only while the hit
+  outweighs the load; KVManager.rank_shards (the older rule) always takes the hit."""
+  kv = KVManager(num_pages=80, page_size=4, num_shards=2)  # 39 pages a shard
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)  # 16 tokens a rank
+  shared = list(range(1, 33))  # 8 full blocks
+  first = Request("first", shared + [7], SamplingParams(max_tokens=50), seed=0)
+  s.add(first)
+  for _ in range(3):  # 16 + 16 + 1 prompt tokens, then its first token is sampled
+    _step(s)
+  assert len(first.token_ids) == 34 and first.num_computed == 33  # rank 0 holds the 8 blocks
+  assert s.shard_loads() == [1, 0] and kv.hit_pages_per_shard(shared + [9]) == [8, 0]
+  s.add(Request("bulk", shared + list(range(100, 161)), SamplingParams(max_tokens=50), seed=0))
+  _step(s)
+  assert kv.request_shard("bulk") == 0  # 1 + 61 (its hit saves 32) vs 0 + 93
+  assert s.shard_loads() == [1 + 46, 0]  # first's next token; bulk's 61 less the 15 this step ran
+  s.add(Request("hit1", shared + [9], SamplingParams(max_tokens=4), seed=0))
+  _step(s)
+  assert kv.request_shard("hit1") == 1  # 47 + 1 vs 0 + 33: the hit loses to the load
+  assert kv.rank_shards(shared + [9], [47, 0]) == [0, 1]  # the older rule would take it
+  while s.running[1].num_uncomputed > 1:  # bulk prefills on
+    _step(s)
+  assert s.shard_loads() == [2, 1]
+  s.add(Request("hit2", shared + [10], SamplingParams(max_tokens=4), seed=0))
+  _step(s)
+  assert kv.request_shard("hit2") == 0  # 2 + 1 vs 1 + 33: now the hit wins, its pages shared
+  assert kv.pages("hit2")[:8] == kv.pages("first")[:8]
+
+
+def test_each_rank_gets_its_share_of_the_step_budget():
+  """A long prompt on rank 0 takes rank 0's 8 tokens a step, not the whole 16: rank 1's
+  requests run in the same steps."""
+  kv = KVManager(num_pages=42, page_size=4, num_shards=2, enable_prefix_caching=False)
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+  long, a, b = _req("long", 40), _req("a", 5), _req("b", 6)
+  for r in (long, a, b):
+    s.add(r)
+  out = _step(s)
+  # long -> 0 (tie); a -> 1 (80+5 vs 5); b -> 1 (80+6 vs 10+6): rank 1's 8 tokens: a's 5, b's 3.
+  assert [(r.request_id, n) for r, n in out.scheduled] == [("long", 8), ("a", 5), ("b", 3)]
+  assert s.rank_tokens == [8, 8] and s.rank_imbalance == 1.0
+  out = s.schedule()
+  assert [(r.request_id, n) for r, n in out.scheduled] == [("long", 8), ("a", 1), ("b", 3)]
+  assert s.rank_tokens == [8, 4] and s.rank_imbalance == pytest.approx(8 / 6)
 
 
 def test_engine_places_each_request_on_one_data_shard():
@@ -87,6 +163,14 @@ def test_engine_places_each_request_on_one_data_shard():
   eng.step()
   shards = [eng.kv.request_shard(f"q{i}") for i in range(4)]
   assert shards == [0, 1, 1, 1]  # 29 tokens on shard 0 outweigh 4 + 12 + 3 on shard 1
+  # The step's tokens per data rank and their imbalance: a stat and a Prometheus gauge.
+  stats = eng.stats()
+  assert stats["dp_rank_tokens"] == [29, 19] and stats["dp_rank_imbalance"] == pytest.approx(29 / 24)
+  metrics = Metrics()
+  metrics.set_engine_stats(stats)
+  text = metrics.exposition().decode()
+  assert 'jaxinfer_dp_rank_tokens{rank="1"} 19.0' in text
+  assert f"jaxinfer_dp_rank_imbalance_ratio {29 / 24}" in text
   for i, shard in enumerate(shards):
     assert {eng.kv.shard_of(p) for p in eng.kv.pages(f"q{i}")} == {shard}
   outs = {}

@@ -247,7 +247,7 @@ def test_a_request_that_fails_in_postprocessing_ends_alone():
   llm = make_llm("llama3")
   engine = llm.engine
   want = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(12))
-  tok = engine.tokenizer = FailingTokenizer(engine.tokenizer, fail_at=3)
+  tok = engine.outputs.tokenizer = FailingTokenizer(engine.tokenizer, fail_at=3)  # detokenizers come from it
   engine.add_request("r0", [1, 2, 3], greedy(12))
   tok.armed = True
   engine.add_request("r1", [9, 9], greedy(12))

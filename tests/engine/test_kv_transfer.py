@@ -124,24 +124,24 @@ def test_scheduler_parks_remote_requests_with_pages_and_holds_finished_ones():
   assert r.status is Status.RUNNING and r.num_computed == 10
   out = s.schedule()
   assert out.scheduled == [(r, 1)] and kv.pages("r") == [1, 2, 3]  # token 10 fits page 3
+  s.finish(r, "abort")  # (its pages go back, tail first: 4..9, then 3, 2, 1)
   # A request that waits for KV and is aborted: pages back, connector told.
   q = Request("q", [7] * 5, SamplingParams(), seed=0)
   s.add(q)
   s.schedule()
   assert kv.pages("q") == [4, 5] and q.status is Status.WAITING_FOR_REMOTE_KV
   s.finish(q, "abort")
-  assert kv.pages("q") == [] and conn.finished == ["q"] and not s.waiting_for_kv
+  assert kv.pages("q") == [] and conn.finished == ["r", "q"] and not s.waiting_for_kv
   # hold_kv: pages outlive the request until release_held.
   s.connector = None
   h = Request("h", [3] * 6, SamplingParams(), seed=0, hold_kv=True)
   s.add(h)
-  s.schedule()
-  h.num_computed = 6
+  s.schedule()  # its whole prompt: 6 tokens computed
   s.finish(h, "length")
   assert h.status is Status.FINISHED and s.held == {"h": h} and kv.pages("h") == [6, 7]  # FIFO: 4, 5 went to the back
-  assert kv.num_free_pages == 9 - 3 - 2
+  assert kv.num_free_pages == 9 - 2
   assert s.release_held("h") and not s.release_held("h")
-  assert kv.pages("h") == [] and kv.num_free_pages == 9 - 3
+  assert kv.pages("h") == [] and kv.num_free_pages == 9
 
 
 def test_two_engines_hand_a_request_from_prefill_to_decode(pair):

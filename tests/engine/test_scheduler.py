@@ -1,12 +1,12 @@
 """The scheduler without a model: exact page ids after admission, chunking under the token
 budget, prefix-cache hits, preemption order, draft rollback, abort in every state.
 
-`step` does what LLMEngine does with a step's output (engine._launch, _postprocess): the
-scheduled tokens that are not drafts count as computed; a request whose tokens are then all
-computed samples one (1000 + its length, so every test knows it) after the drafts it
-accepted; the blocks of its computed tokens are cached. Pages are 4 tokens; page 0 is
+`step` runs `schedule` and `update_from_output` as LLMEngine does, with the ids a runner
+would return: a request whose step reaches its known tokens samples one (1000 + its length,
+so every test knows it) after the drafts it accepted. Pages are 4 tokens; page 0 is
 never handed out, so a pool of 9 pages has 8 usable ones, handed out in order."""
 
+import numpy as np
 import pytest
 
 from jaxinfer.engine.kv_connector import KVConnector
@@ -32,15 +32,20 @@ def tokens(n, start=0):
 def step(s: Scheduler, accepted: dict[str, int] | None = None):
   """One step; returns [(request id, new tokens)] and the preempted ids."""
   out = s.schedule()
-  for r, n in out.scheduled:
-    drafts = r.spec_token_ids
-    r.num_computed += n - len(drafts)
-    if r.num_computed == len(r.token_ids):
+  # The sampled ids, as the runner returns them: a request that samples commits the drafts
+  # it accepted and one token of its own (1000 + its length after them).
+  k1 = max([len(d) for d in out.drafts], default=0) + 1
+  ids = np.zeros((len(out.scheduled), k1), np.int32)
+  committed = np.zeros(len(out.scheduled), np.int32)
+  for i, (r, _) in enumerate(out.scheduled):
+    if out.samples[i]:
       a = (accepted or {}).get(r.request_id, 0)
-      r.token_ids += drafts[:a] + [1000 + len(r.token_ids) + a]
-      r.num_computed += a  # rejected drafts' KV sits past num_computed: never cached
+      run = out.drafts[i][:a] + [1000 + len(r.token_ids) + a]
+      ids[i, :len(run)], committed[i] = run, len(run)
+  s.update_from_output(out, ids, committed)
+  for i, (r, _) in enumerate(out.scheduled):  # what the output processor commits
+    r.token_ids += ids[i, :committed[i]].tolist()
     r.spec_token_ids = []
-    s.kv.cache_blocks(r.request_id, r.token_ids, r.num_computed)
   return [(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted]
 
 
@@ -225,3 +230,24 @@ def test_remote_kv_arrival_counts_the_remote_tokens_as_computed():
   s.kv_arrived(r)
   assert (r.status, r.num_computed, s.running) == (Status.RUNNING, 8, [r])
   assert step(s) == ([("remote", 2)], []) and s.kv.pages("remote") == [1, 2, 3]
+
+
+def test_schedule_counts_a_step_in_flight_and_update_from_output_settles_it():
+  s = make(budget=8)
+  a, b = add(s, request("a", tokens(6)), request("b", tokens(12, 100)))
+  out = s.schedule()  # a's whole prompt samples; b's first 2 tokens are a chunk
+  assert (out.starts, out.samples, out.drafts) == ([0, 0], [True, False], [[], []])
+  assert (a.num_computed, a.num_inflight, b.num_computed, b.num_inflight) == (6, 1, 2, 0)
+  assert a.num_uncomputed == 1  # its next step feeds the token in flight
+  s.update_from_output(out)  # the step failed: nothing more is computed, nothing in flight
+  assert (a.num_computed, a.num_inflight, b.num_computed) == (6, 0, 2)
+  a.token_ids.append(7)
+  a.spec_token_ids = [8, 9]
+  out = s.schedule()
+  assert (out.starts, out.samples, out.drafts) == ([6, 2], [True, False], [[8, 9], []])
+  assert (a.num_computed, a.num_inflight, a.num_inflight_drafts) == (7, 1, 2)
+  ids = np.array([[8, 5, 0], [0, 0, 0]], np.int32)
+  assert s.update_from_output(out, ids, np.array([2, 0])) == [[8], []]
+  assert (a.num_computed, a.num_inflight, a.num_inflight_drafts, b.num_computed) == (8, 0, 0, 7)
+  # a's first two blocks (8 known tokens with the accepted draft) and b's first are final: cached.
+  assert s.kv.cached_hashes() == set(hash_blocks(a.token_ids + [8], PS)[:2] + hash_blocks(b.token_ids, PS)[:1])

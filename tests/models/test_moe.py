@@ -19,7 +19,7 @@ from jaxinfer.checkpoint import import_model
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.models import moe
-from jaxinfer.params import init_params, is_spec, moe_specs, param_specs
+from jaxinfer.params import fuse_layers, init_params, is_spec, moe_specs, param_specs, runtime_specs
 from jaxinfer.quant import dequantize_weight, is_quantized, quantize_tree
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
@@ -419,7 +419,7 @@ def int8_mixtral(tmp_path_factory):
   ref = LLM(tiny_dir("mixtral"), dtype="float32", **sp)
   ref.runner.params = jax.tree.map(
       lambda s, w: jnp.asarray(dequantize_weight(s, jax.device_get(w))) if is_quantized(w) else w,
-      param_specs(llm.config), llm.runner.params, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+      runtime_specs(llm.config), llm.runner.params, is_leaf=lambda x: is_spec(x) or is_quantized(x))
   return llm, ref
 
 
@@ -434,6 +434,8 @@ def test_int8_moe_checkpoint_holds_int8_experts_and_runs_like_their_dequantized_
   assert moe_p["w_up"].values.dtype == np.int8 and moe_p["w_up"].scales.shape == (8, 1, 32)
   assert moe_p["router"].dtype == np.float32
   written = quantize_tree(param_specs(llm.config), import_model(tiny_dir("mixtral")).weights, "int8")
+  written = fuse_layers(llm.config, written)  # the runner's q/k/v are one weight (params.FUSED)
+  assert jax.tree.structure(written) == jax.tree.structure(llm.runner.params)
   for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(llm.runner.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   g = golden("mixtral")

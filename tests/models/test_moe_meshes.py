@@ -14,13 +14,14 @@ from jaxinfer.sharding import make_mesh
 WIDE_EP_DP = {"pages": "data", "experts": ("data", "expert")}
 
 # mesh (data, expert, model), rules, and the shard shapes that proves each split:
-# wq [D=64, H=8, d=8], an expert stack [E=8, D=64, F=32], K pages [N, p, K=8, d=8]
-# (k_pages: how many ways the pages and the kv heads are split).
+# wqkv [D=64, K=8, G + 2 = 3, d=8] (q/k/v fused, jaxinfer.params.FUSED), an expert stack
+# [E=8, D=64, F=32], K pages [N, p, K=8, d=8] (k_pages: how many ways the pages and the kv heads
+# are split).
 CASES = {
-    "tensor (1,1,8)": ((1, 1, 8), None, dict(wq=(64, 1, 8), experts=(8, 64, 4), k_pages=(1, 8))),
-    "expert (1,8,1)": ((1, 8, 1), None, dict(wq=(64, 8, 8), experts=(1, 64, 32), k_pages=(1, 1))),
-    "mixed (2,2,2)": ((2, 2, 2), WIDE_EP_DP, dict(wq=(64, 4, 8), experts=(2, 64, 16), k_pages=(2, 2))),
-    "data (8,1,1)": ((8, 1, 1), WIDE_EP_DP, dict(wq=(64, 8, 8), experts=(1, 64, 32), k_pages=(8, 1))),
+    "tensor (1,1,8)": ((1, 1, 8), None, dict(wqkv=(64, 1, 3, 8), experts=(8, 64, 4), k_pages=(1, 8))),
+    "expert (1,8,1)": ((1, 8, 1), None, dict(wqkv=(64, 8, 3, 8), experts=(1, 64, 32), k_pages=(1, 1))),
+    "mixed (2,2,2)": ((2, 2, 2), WIDE_EP_DP, dict(wqkv=(64, 4, 3, 8), experts=(2, 64, 16), k_pages=(2, 2))),
+    "data (8,1,1)": ((8, 1, 1), WIDE_EP_DP, dict(wqkv=(64, 8, 3, 8), experts=(1, 64, 32), k_pages=(8, 1))),
 }
 
 
@@ -31,7 +32,7 @@ def test_mixtral_on_a_mesh_is_split_and_matches_transformers(name):
             max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
   layer = llm.runner.params["layers"][0]
   shard = lambda a: a.sharding.shard_shape(a.shape)
-  assert shard(layer["wq"]) == want["wq"]
+  assert shard(layer["wqkv"]) == want["wqkv"]
   assert shard(layer["moe"]["w_gate"]) == want["experts"]
   k = llm.runner.cache[0]["k"]
   pages_split, heads_split = want["k_pages"]

@@ -16,6 +16,10 @@ def test_chat_prompt_token_ids_match_transformers(smollm, smollm_golden):
 
 
 def test_greedy_ids_identical_to_transformers(smollm, smollm_golden):
+  """Slow (~25-35 s on two busy cores): the golden chats' 32 greedy tokens each, run through
+  the 30 layers of the real model, whose ids are the point (a tiny model's would not be).
+  Running is most of it: this file's four engine tests take ~40 s of CPU with their seven
+  step programs in the compilation cache, ~64 s without."""
   records = smollm_golden["records"]
   chats = [[{"role": "user", "content": r["prompt"]}] for r in records]
   outputs = smollm.generate(chats, SamplingParams(temperature=0.0, max_tokens=32))
@@ -43,7 +47,9 @@ def batch_golden():
 
 def test_sixteen_concurrent_chats_match_transformers_then_hit_the_prefix_cache(smollm):
   """On the session's default-config LLM: its programs are the ones the quickstart's
-  warm-up compiles, so CI compiles SmolLM2's step once per bucket for the whole suite."""
+  warm-up compiles, so CI compiles SmolLM2's step once per bucket for the whole suite.
+  Slow (~30 s on two busy cores): sixteen prompts of 35-189 tokens and 24 new tokens each
+  run twice through the 30-layer model (the second time from the prefix cache)."""
   g = batch_golden()
   prompts = [r["prompt_ids"] for r in g["records"]]
   llm = smollm
@@ -65,7 +71,9 @@ def test_eight_chats_with_drafts_match_transformers(default_checkpoint, method, 
   drafts and acceptance kept on the device by async scheduling, and with prompt lookup.
   k = 2; a 16-token step budget keeps it to five programs per method. Eight, not all
   sixteen: the other eight's 1240 prompt tokens would add ~80 sixteen-token steps of a
-  30-layer model per method to CI and no new case."""
+  30-layer model per method to CI and no new case. Slow all the same (~35-45 s per method
+  on two busy cores): an engine of its own per method (speculation changes the programs),
+  and a tiny model's drafts would not be the shipped head's."""
   from jaxinfer import LLM
   g = batch_golden()
   records = g["records"][:8]

@@ -269,7 +269,7 @@ def test_a_failure_inside_one_request_is_500_for_it_only(client, server, referen
   engine = server.llm.engine
   tok = FailingTokenizer(engine.tokenizer)
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-  engine.tokenizer = tok
+  engine.outputs.tokenizer = tok  # detokenizers come from it
   try:
     healthy = iter(client.completions.create(model="llama3", prompt=[11, 12], stream=True, max_tokens=20,
                                              temperature=0, extra_body=dict(ignore_eos=True)))
@@ -284,7 +284,7 @@ def test_a_failure_inside_one_request_is_500_for_it_only(client, server, referen
     tok.armed = False
     text += "".join(c.choices[0].text for c in healthy)
   finally:
-    engine.tokenizer = tok.tokenizer
+    engine.outputs.tokenizer = tok.tokenizer
   assert text == want.text
   assert pool_is_full(server)
 

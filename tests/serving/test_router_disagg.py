@@ -30,20 +30,24 @@ def serve(model_dir, role, *args, port=0):
 
 @pytest.fixture(scope="module")
 def processes(model_dir):
-  """Every worker of the module, started at once (the prefill workers on ports picked
-  beforehand, so the decode workers can name them): two prefill workers and a decode
-  worker taking KV from both; a prefill worker whose admission limit
-  (--max-waiting-tokens 1) refuses every prompt, and a decode worker taking KV from it
-  and the first. The first test's setup carries their start (over 30 s on two cores): each
-  process loads the model and warms up, compiling every step bucket."""
+  """Every worker of the module (the prefill workers on ports picked beforehand, so the
+  decode workers can name them): two prefill workers and a decode worker taking KV from
+  both; a prefill worker whose admission limit (--max-waiting-tokens 1) refuses every
+  prompt, and a decode worker taking KV from it and the first. The first test's setup
+  carries their start (over 30 s on two cores): each process loads the model and warms up,
+  running every step program. All five compile the same programs: the first warms up alone,
+  so that on a cold compilation cache it compiles them once and the other four, started
+  together after it, read them from the cache rather than compiling them five times over."""
   ports = [free_port() for _ in range(3)]
   p0, p1, pbusy = (f"127.0.0.1:{port}" for port in ports)
-  procs = [serve(model_dir, "prefill", port=ports[0]), serve(model_dir, "prefill", port=ports[1]),
-           serve(model_dir, "decode", "--prefill-workers", f"{p0},{p1}"),
-           serve(model_dir, "prefill", "--max-waiting-tokens", "1", port=ports[2]),
-           serve(model_dir, "decode", "--prefill-workers", f"{p0},{pbusy}")]
+  procs = [serve(model_dir, "prefill", port=ports[0])]
   try:
-    yield [p.wait() for p in procs]
+    procs[0].wait()
+    procs += [serve(model_dir, "prefill", port=ports[1]),
+              serve(model_dir, "decode", "--prefill-workers", f"{p0},{p1}"),
+              serve(model_dir, "prefill", "--max-waiting-tokens", "1", port=ports[2]),
+              serve(model_dir, "decode", "--prefill-workers", f"{p0},{pbusy}")]
+    yield [procs[0], *(p.wait() for p in procs[1:])]  # procs[0] is up (wait() reads its log once)
   finally:
     for p in procs:
       p.stop()

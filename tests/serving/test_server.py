@@ -196,7 +196,7 @@ def test_a_failure_inside_one_request_is_internal_for_it_only(server, client, re
   engine = server.llm.engine
   tok = FailingTokenizer(engine.tokenizer)
   want = reference.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-  engine.tokenizer = tok
+  engine.outputs.tokenizer = tok  # detokenizers come from it
   try:
     healthy = client.stream([11, 12], temperature=0, max_tokens=40, ignore_eos=True)
     first = next(healthy)  # its detokenizer is made: arming now reaches only the next request
@@ -208,7 +208,7 @@ def test_a_failure_inside_one_request_is_internal_for_it_only(server, client, re
     assert "failed in the engine: RuntimeError: boom" in e.value.details()
     rest = list(healthy)
   finally:
-    engine.tokenizer = tok.tokenizer
+    engine.outputs.tokenizer = tok.tokenizer
   assert list(first.token_ids) + [t for d in rest for t in d.token_ids] == want.token_ids
   assert pool_is_full(server)
 

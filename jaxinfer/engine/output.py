@@ -1,0 +1,183 @@
+"""The output processor: a step's sampled ids become each request's output.
+
+It owns everything a request shows its caller: committing tokens (stop ids, stop strings,
+max_tokens, the grammar's end), detokenization that never ends inside a character or a
+possible stop string, logprobs and prompt logprobs, and the `RequestOutput` deltas. It never
+touches request progress (the scheduler's) or device state (the runner's): a token that ends
+a request is reported, and the engine ends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxinfer.engine.scheduler import Request
+from jaxinfer.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """A request's state after a step: cumulative text and ids, plus what is new.
+
+  `new_token_ids` / `new_text` are the delta since the previous output of
+  this request (what a stream sends). Text never ends inside a UTF-8
+  character or inside a possible stop string; it is complete once finished.
+  `finish_reason`: None while running, else 'stop' (EOS, stop id or stop
+  string), 'length' (max_tokens or the context), 'abort', or 'error' (this
+  request failed inside the engine: `error` says how; others went on).
+  """
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  text: str
+  token_ids: list[int]
+  logprobs: list[float]  # log-probability of each generated token
+  finish_reason: str | None = None
+  new_token_ids: list[int] = dataclasses.field(default_factory=list)
+  new_text: str = ""
+  top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
+  prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
+  num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+  num_remote_cached_tokens: int = 0  # remote KV: prompt tokens the remote worker had in its prefix cache
+  num_accepted_draft_tokens: int = 0  # speculative decoding: drafts the target accepted into the output
+  index: int = 0  # LLM.stream: the prompt's position in the call's prompts
+  error: str | None = None  # with finish_reason 'error'
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+class OutputState:
+  """One request's output so far: logprobs, detokenized text, what was sent, its matcher."""
+
+  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
+    p = req.params
+    self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    self.logprobs: list[float] = []
+    self.top: list[dict[int, float]] | None = [] if p.logprobs is not None else None
+    self.prompt_lp: list[dict[int, float] | None] | None = (
+        [None] if p.prompt_logprobs is not None else None)
+    self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+    self.text = ""  # the final text once a stop string cut it; else detok.text
+    self.hold = max((len(s) for s in p.stop), default=1) - 1  # chars a stop string may still claim
+    self.sent_tokens = 0
+    self.sent_chars = 0
+    self.stopped_by_text = False
+    self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
+    self.accepted_drafts = 0  # speculative decoding: accepted drafts that joined the output
+
+  def visible_text(self, finished: bool) -> str:
+    if self.detok is None:
+      return ""
+    if self.stopped_by_text:
+      return self.text
+    text = self.detok.text
+    return text if finished else text[:max(self.sent_chars, len(text) - self.hold)]
+
+
+class OutputProcessor:
+  """Commits tokens to requests and makes their outputs (see the module docstring)."""
+
+  def __init__(self, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
+    self.tokenizer = tokenizer
+    self.eos_ids = tuple(eos_ids)
+    self.num_generated_tokens = 0
+
+  def start(self, req: Request, grammar=None) -> None:
+    """Gives a new request its output state (and its structured-output matcher)."""
+    req.output = OutputState(req, self.tokenizer, self.eos_ids)
+    req.output.grammar = grammar
+
+  def commit(self, req: Request, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray,
+             top_logprobs: np.ndarray, count: int, num_drafts: int = 0) -> str | None:
+    """Appends up to `count` of the sampled tokens ids[:count] (the first `num_drafts` of them
+    accepted drafts), stopping at the first that finishes the request; returns its finish
+    reason ('stop', 'length') or None."""
+    before = len(req.token_ids)
+    reason = None
+    for j in range(count):
+      reason = self.commit_one(req, ids[j], logprobs[j], top_ids[j], top_logprobs[j])
+      if reason is not None:
+        break
+    # The committed run is the accepted drafts, then one token; a stop inside it keeps some.
+    req.output.accepted_drafts += min(num_drafts, len(req.token_ids) - before)
+    return reason
+
+  def commit_one(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> str | None:
+    """Appends one token; returns the finish reason it brings, or None."""
+    out, p = req.output, req.params
+    req.token_ids.append(token)
+    self.num_generated_tokens += 1
+    out.logprobs.append(logprob)
+    if out.top is not None:
+      out.top.append(logprob_entry(top_ids, top_lps, p.logprobs, token, logprob))
+    reason = None
+    if out.detok is not None:
+      before = len(out.detok.text)
+      out.detok.push(token)
+      if p.stop:
+        text = out.detok.text
+        # A stop string may straddle earlier text: search from where it could begin.
+        lo = max(0, before - out.hold)
+        hits = [at for at in (text.find(s, lo) for s in p.stop) if at >= 0]
+        if hits:
+          out.text, out.stopped_by_text, reason = text[:min(hits)], True, "stop"
+    if out.grammar is not None:
+      out.grammar.consume(token)  # on commit only: a preempted request's recompute never re-consumes
+    if reason is None and token in out.stop_ids:
+      reason = "stop"
+    elif reason is None and out.grammar is not None and out.grammar.finished:
+      reason = "stop"  # only EOS could follow
+    elif reason is None and req.num_output_tokens >= p.max_tokens:
+      reason = "length"
+    return reason
+
+  @staticmethod
+  def wants_prompt_logprobs(req: Request) -> bool:
+    """Whether the step about to be packed for req computes prompt positions' logprobs: some
+    are missing, and the step starts before the prompt's last position. (The entries
+    collected lag a step under async scheduling: alone, that test would send the first
+    decode step through the prompt-logprobs program too.)"""
+    lp = req.output.prompt_lp
+    return lp is not None and len(lp) < req.num_prompt_tokens and req.num_computed + 1 < req.num_prompt_tokens
+
+  @staticmethod
+  def add_prompt_logprobs(req: Request, start: int, num_new: int, target_lp, top_ids, top_lp) -> None:
+    """Prompt logprobs of the step's rows start .. start + num_new - 1 (row j predicts the
+    token at start + j + 1): per-row arrays of this request's rows."""
+    out, k = req.output, req.params.prompt_logprobs
+    for j in range(num_new):
+      pos = start + j + 1
+      if pos != len(out.prompt_lp) or pos >= req.num_prompt_tokens:
+        continue
+      out.prompt_lp.append(logprob_entry(top_ids[j], top_lp[j], k, req.token_ids[pos], target_lp[j]))
+
+  @staticmethod
+  def output(req: Request) -> RequestOutput:
+    """The request's output now: cumulative state plus the delta since the last one made."""
+    out = req.output
+    finished = req.finish_reason is not None
+    text = out.visible_text(finished)
+    ids = req.output_token_ids
+    o = RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=text, token_ids=ids, logprobs=list(out.logprobs), finish_reason=req.finish_reason,
+        new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
+        top_logprobs=list(out.top) if out.top is not None else None,
+        prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
+        num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens,
+        num_accepted_draft_tokens=out.accepted_drafts)
+    out.sent_tokens, out.sent_chars = len(ids), len(text)
+    return o
+
+
+def logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:
+  """{token id: logprob} for the n best tokens plus the one actually chosen."""
+  entry = {int(a): float(b) for a, b in zip(top_ids[:n], top_lps[:n])}
+  entry[int(token)] = float(logprob)
+  return entry
