@@ -203,7 +203,7 @@ def leaf_layout(spec, quantization: str | None) -> LeafLayout | None:
   - int8 (default): asymmetric int8 per group of 32 inputs (w = q scale + min, float32 scale
     and min per group: 1.25 bytes a weight), the LM head (or the embedding tied to it)
     symmetric per group of 32 along the hidden axis, GGUF Q8_0's own blocks (1.125 bytes).
-    Chosen by measurement (issue 42, scripts/eval_int8_layouts.py at 4d584e8 and eval_quality.py on the
+    Chosen by measurement (issue 42, scripts/eval_int8_layouts.py at 1275bad and eval_quality.py on the
     default model, benchmarks/results/quality-2026-11-28-int8-*.json): per-channel
     int8 agreed with float32 on the top-1 token at 96.6% of positions with the head in float32,
     94.9% with the head int8 per embedding column; symmetric groups of 32 everywhere 97.7%;

@@ -66,7 +66,7 @@ MOVED_SCRIPTS = {
 }
 # Scripts that served one investigation and were removed after it: the commit that still has them.
 REMOVED_SCRIPTS = {
-    "eval_int8_layouts.py": "4d584e8",
+    "eval_int8_layouts.py": "1275bad",
     "bench_sampling.py": "4d584e8",
 }
 # (script, the recorded arguments) -> the subcommand and flags that do the same run today.

@@ -143,7 +143,7 @@ class InProcessSUT:
   def __init__(self, llm, samples: list[Sample], params_for):
     from jaxinfer.serving.engine_loop import EngineLoop, Sink
 
-    self.samples, self.params_for = samples, params_for
+    self.samples, self.params_for, self.frontend = samples, params_for, llm.frontend
     self.responses = _Responses()
     self.loop = EngineLoop(llm.engine, warmup=False).start()
     self.loop.ready.wait()
@@ -171,7 +171,9 @@ class InProcessSUT:
   def issue_queries(self, queries) -> None:
     for q in queries:
       s = self.samples[q.index]
-      self.loop.add(f"q{q.id}", s.token_ids, self.params_for(s), self._sink(q.id))
+      # Checked as the server checks a request (jaxinfer.frontend), then queued on the engine thread.
+      request = self.frontend.validate(s.token_ids, self.params_for(s))
+      self.loop.add(f"q{q.id}", request, self._sink(q.id))
 
   def flush_queries(self) -> None:
     pass
