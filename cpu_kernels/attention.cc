@@ -16,7 +16,7 @@
 // Why a kernel: jaxinfer.ops' XLA path runs a decode as a loop of ~15 small XLA operations
 // per 128 keys per layer (gather, two einsums, the online softmax's updates), and XLA CPU
 // pays a few microseconds per operation: at batch 1 that loop was about a quarter of a
-// decode step of the default model (scripts/trace_step.py). Here a row's keys are read in
+// decode step of the default model (`jaxinfer bench trace`). Here a row's keys are read in
 // two passes (scores, then values), with the softmax in between, in one call per layer.
 //
 // Each (s, r, k) item is computed by one thread in one fixed order (keys in order, every

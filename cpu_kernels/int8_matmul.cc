@@ -44,7 +44,7 @@ using jaxinfer_cpu::Scratch;
 
 // Software prefetch distance along a weight row: without it one thread streams q from
 // DRAM well below what it can read (the hardware prefetcher follows the short rows
-// poorly); 1-2 KiB ahead measured best (scripts/bench_quant_matmul.py).
+// poorly); 1-2 KiB ahead measured best (`jaxinfer bench quant`).
 constexpr int64_t kPrefetch = 2048;
 
 // |x| <= 32767, |q| <= 127: one vpmaddwd lane adds at most 2 * 32767 * 127 = 8322818, so
@@ -63,7 +63,7 @@ inline int64_t HSum(__m256i v) {
 // AVX512-VNNI (int8_matmul.py builds a second library with JAXINFER_VNNI there), one vpdpwssd;
 // else vpmaddwd then vpaddd. The same int32 lanes either way: every pair sum and running sum
 // here fits int32 (kFlush, kMaxGroup), and both wrap alike past it. On the Zen 4 core this
-// was measured on (scripts/bench_simd_peak.py), with enough independent accumulators,
+// was measured on (`jaxinfer bench simd-peak`), with enough independent accumulators,
 // vpdpwssd multiply-adds 1.9x as fast as float32 FMA, vpmaddwd + vpaddd 1.5x; vpdpwssd waits
 // ~4 cycles on its accumulator, so tiles keep 8 or more of them in flight.
 inline __m256i DotAdd(__m256i a, __m256i w, __m256i x) {
@@ -257,7 +257,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // scales of eight adjacent rows read as the weight stores them ([G, O]). Per weight row and
 // group of 32 that is ~10 instructions (unpack 5, two vpmaddwd and an add, the rest shared
 // by the eight), where eight float lanes per cell (a convert, a broadcast and an FMA per row
-// and group, and min' per row) cost ~14: faster at one token (scripts/bench_quant_matmul.py),
+// and group, and min' per row) cost ~14: faster at one token (`jaxinfer bench quant`),
 // a little slower at 64 tokens, where the 2 x 4 tile shares each unpacked row between only
 // four tokens either way (a 1 x 8 tile was slower still); many tokens take the panels below.
 // Leftover cells (rows past a multiple of 8 or 2, tokens past a multiple of 4) run the same
@@ -271,7 +271,7 @@ constexpr int64_t kScalePrefetch = 32;
 // How far ahead (bytes of q) a tile streams its weight rows (Int4Tile). A tile walks 16 bytes
 // of each of eight rows in turn, which the hardware prefetcher does not follow, so at one token
 // from DRAM the walk, not the instructions, bound int4; of 2, 4 and 8 KiB ahead (and one line
-// per row one tile on, before), 4 KiB was fastest on every shape (scripts/bench_cpu_tiles.py;
+// per row one tile on, before), 4 KiB was fastest on every shape (`jaxinfer bench cpu-tiles`;
 // docs/performance.md, "cpu-tiles").
 constexpr int64_t kInt4Ahead = 4096;
 
@@ -362,7 +362,7 @@ inline float Half(uint16_t h) { return _cvtsh_ss(h); }
 // Fetches group g's scales and mins kScalePrefetch rows past row o. They are [G, O]: a tile
 // reads one line per group, G lines O floats apart, which the hardware prefetcher does not
 // follow; fetching them 32 rows on made a one-token matmul several times faster on one
-// thread (scripts/bench_quant_matmul.py).
+// thread (`jaxinfer bench quant`).
 inline void PrefetchScales(const Int4Args& p, int64_t g, int64_t o) {
   _mm_prefetch(reinterpret_cast<const char*>(p.scale + g * p.O + o + kScalePrefetch), _MM_HINT_T0);
   if (p.mins) _mm_prefetch(reinterpret_cast<const char*>(p.mins + g * p.O + o + kScalePrefetch), _MM_HINT_T0);
@@ -475,8 +475,8 @@ void Int4Block(const Int4Args& p, int64_t ob, int64_t oe) {
 // FMA per eight cells. The repack (~1 instruction per weight byte, an 8 x 16 byte
 // transpose) is shared by all R tokens. Tiles of 3 tokens x 16 rows (4 x 16 and 2 x 16
 // measured slower with AVX2's 16 registers; 6 x 16 in the VNNI build). Panels beat the cells
-// from kPanelRows tokens on and come near XLA's float32 GEMM (scripts/bench_quant_matmul.py).
-// The instructions allow more (vpmaddwd + vpaddd outrun float32 FMA, scripts/bench_simd_peak.py):
+// from kPanelRows tokens on and come near XLA's float32 GEMM (`jaxinfer bench quant`).
+// The instructions allow more (vpmaddwd + vpaddd outrun float32 FMA, `jaxinfer bench simd-peak`):
 // the broadcasts, panel loads and the activations' quantization take the rest. The VNNI build
 // runs a 16-row block as one zmm, 6 tokens a tile (8 and 12 measured slower), faster than its
 // two-ymm form.
@@ -1002,7 +1002,7 @@ ffi::Error Int8GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // 6 tokens a tile (24 accumulators of its 32 registers); AVX2 8 lanes, 4 x 3 (12 of 16).
 // One library is one build, so a process sums every cell one way. At many tokens the AVX2
 // tile comes near XLA's float32 GEMM without its float32 copy of the weight
-// (scripts/bench_quant_matmul.py).
+// (`jaxinfer bench quant`).
 
 // The eight lanes of v added in a fixed tree: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then those.
 inline float HSumF(__m256 v) {
@@ -1114,7 +1114,7 @@ void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
 //
 // Where the CPU has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids; int8_matmul.py adds
 // JAXINFER_BF16 to the VNNI build there) fp8 runs on vdpbf16ps, which multiplies bfloat16 pairs
-// into float32 lanes at twice float32 FMA's rate (as vpdpwssd; scripts/bench_simd_peak.py). Every e4m3
+// into float32 lanes at twice float32 FMA's rate (as vpdpwssd; `jaxinfer bench simd-peak`). Every e4m3
 // value is a bfloat16; the activations are rounded to bfloat16 once per call (round to nearest
 // even, vcvtneps2bf16): their ~2^-9 relative error is small beside e4m3's 2^-4 and costs the
 // quality table's fp8 row 0.04 points of perplexity (+1.82% -> +1.86%, README). The products
@@ -1129,7 +1129,7 @@ void Fp8Block(const Fp8Args& p, int64_t ob, int64_t oe) {
 // whatever the tile, the row count or the thread (odd I: a zero last pair half).
 // Why: vdpbf16ps does two multiply-adds per lane where float32 FMA does one, so this block
 // runs about twice Fp8Block's rate at many tokens, and above float32 FMA's peak
-// (scripts/bench_simd_peak.py; the rounding's cost in quality: docs/quantization.md).
+// (`jaxinfer bench simd-peak`; the rounding's cost in quality: docs/quantization.md).
 constexpr int64_t kBf16Blocks = 4;  // 16-row blocks in a thread's panel
 constexpr int kBf16Tokens = 3;      // tokens a tile: 3 x 4 accumulators for vdpbf16ps's latency
 

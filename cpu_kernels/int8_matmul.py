@@ -16,7 +16,7 @@ its int8 dot of a few rows (jaxinfer.quant.split_int8_matmul) streams the weight
 half the rate of its float32 matrix-vector kernel, so int8 decode was far from the 4x fewer
 bytes it reads. This kernel reads the int8 weight once per call at
 every row count and does 16 int16 x int8 products per vpmaddwd (AVX2):
-scripts/bench_quant_matmul.py and benchmarks/results/quant-matmul-*.json measure it
+`jaxinfer bench quant` and benchmarks/results/quant-matmul-*.json measure it
 beside XLA's forms.
 
 The sums are exact integers (int32 lanes, flushed to int64 before they can overflow),
@@ -67,7 +67,7 @@ INT4_PANEL_ROWS = 16  # from this many rows of x on, int4_matmul repacks the wei
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 # Where the CPU has AVX512-VNNI (Zen 4, Ice Lake and later), the library is built a second way:
 # the int16 multiply-adds become vpdpwssd (DotAdd in the source), the same integer sums at
-# 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; scripts/bench_simd_peak.py). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
+# 1.9x float32 FMA's rate there (vpmaddwd + vpaddd: 1.5x; `jaxinfer bench simd-peak`). JAXINFER_CPU_KERNELS_ISA=avx2 keeps the AVX2 build.
 VNNI_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DJAXINFER_VNNI")
 VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512vl", "avx512bw", "avx512_vnni"})  # /proc/cpuinfo names
 # And where it also has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids), fp8 runs on

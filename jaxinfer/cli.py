@@ -402,10 +402,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "head, and embeddings and norms keep --dtype")
   conv.add_argument("--overwrite", action="store_true")
   conv.set_defaults(func=_convert)
+
+  # `jaxinfer bench ...` is dispatched by main() before this parser runs (jaxinfer.bench parses
+  # its own subcommands, importing only the one that runs); listed here for --help.
+  from jaxinfer.bench import SUBCOMMANDS  # names only: no benchmark module is imported
+  sub.add_parser("bench", add_help=False,
+                 help=f"run a benchmark: {', '.join(SUBCOMMANDS)} (`jaxinfer bench --help`); writes JSON "
+                      "under benchmarks/results/")
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["bench"]:
+    from jaxinfer.bench import main as bench_main
+    return bench_main(argv[1:])
   args = build_parser().parse_args(argv)
   try:
     args.func(args)

@@ -62,7 +62,7 @@ MIRRORED = ("warmup", "reset_state", "set_history", "export_pages", "export_toke
 LOCAL = ("collect", "kv_layout", "num_import_pages", "state_lost", "compiled_programs", "max_programs",
          "step_bucket", "num_seqs_bucket", "cache_spec", "token_buckets")
 # Never reached through a LeaderRunner: the step's halves (`launch` sends the packed batch)
-# and single-host tools (scripts/trace_step.py).
+# and single-host tools (`jaxinfer bench trace`).
 UNUSED = ("pack_step", "launch_packed", "run_batch", "sampler_mode", "trace_step")
 _MIN_BYTES = 4096  # the smallest message bucket: a decode step's call fits
 _CLOSE = "__close__"

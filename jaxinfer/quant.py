@@ -16,7 +16,7 @@ so w[i, o] = values[o, i] * scales[g, o] (+ mins[g, o] for int8), and for int4
 (values[o, i] + 8) * scales[g, o] + mins[g, o], with g = i // (in / G). Which layout each
 weight gets under each quantization is leaf_layout's. Output
 first because XLA CPU's int8 dot of a few rows reads a weight whose contracted axis is its
-minor one faster than one stored [in, out] (scripts/bench_quant_matmul.py), and every
+minor one faster than one stored [in, out] (`jaxinfer bench quant`), and every
 other form is dequantized or converted first, where the layout costs nothing.
 Stacked expert weights [E, in, out] (int8, fp8: per channel only) keep the experts axis in
 front: values [E, out, in], scales float32 [E, 1, out], one scale per (expert, output
@@ -203,7 +203,7 @@ def leaf_layout(spec, quantization: str | None) -> LeafLayout | None:
   - int8 (default): asymmetric int8 per group of 32 inputs (w = q scale + min, float32 scale
     and min per group: 1.25 bytes a weight), the LM head (or the embedding tied to it)
     symmetric per group of 32 along the hidden axis, GGUF Q8_0's own blocks (1.125 bytes).
-    Chosen by measurement (issue 42, scripts/eval_int8_layouts.py and eval_quality.py on the
+    Chosen by measurement (issue 42, scripts/eval_int8_layouts.py at 1275bad and eval_quality.py on the
     default model, benchmarks/results/quality-2026-11-28-int8-*.json): per-channel
     int8 agreed with float32 on the top-1 token at 96.6% of positions with the head in float32,
     94.9% with the head int8 per embedding column; symmetric groups of 32 everywhere 97.7%;
@@ -659,7 +659,7 @@ def _per_column_head(spec, w: QuantizedWeight) -> bool:
 def float_linear(eq: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
   """einsum(eq, x, w) accumulated in float32, in `out_dtype` (default: x's dtype).
 
-  For bfloat16 on the CPU this decides the speed (scripts/bench_quant_matmul.py):
+  For bfloat16 on the CPU this decides the speed (`jaxinfer bench quant`):
   XLA CPU runs a bf16 x bf16 dot with a float32 result in its YNNPACK fusion over the
   bf16 weight, but one with a bf16 result, or with a single row (a matrix-vector
   product), through a float32 copy of the whole weight written per call. So the dot
@@ -689,7 +689,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   activations' dtype (_in_compute_dtype: bf16 for a bf16 model), then the scales (exact
   factoring); group-wise (Q8_0, int4): the scales differ along the
   contraction, so the weight is dequantized first (a batched int32 dot per group was
-  slower: 'q8_0 groups' in scripts/bench_quant_matmul.py).
+  slower: 'q8_0 groups' in `jaxinfer bench quant`).
   """
   G = scales.shape[0]
   if q.dtype == jnp.int4 and cpu_kernels.int4_groups_fit(q.shape[1], G) and use_cpu_kernels():

@@ -36,7 +36,8 @@ MAX_LOGPROBS = 20  # top-n logprobs are computed at this fixed width on device
 # (lax.top_k) before sorting the row; see `sample`. lax.top_k over [64, 49152]
 # costs ~8 / 11 / 18 / 41 ms at 128 / 256 / 512 / 1024 on a 2-core CPU, and a
 # row that falls back ~4 ms; SmolLM2's top-p 0.9 nucleus exceeds 256 tokens
-# in ~3% of rows at temperature 0.8, ~8% at 1.0 (scripts/bench_sampling.py).
+# in ~3% of rows at temperature 0.8, ~8% at 1.0 (sampling-2026-11-22.json, by
+# scripts/bench_sampling.py, a one-off: `git show 4d584e8:scripts/bench_sampling.py`).
 CANDIDATES = 256
 
 

@@ -72,7 +72,7 @@ div.rn.f32, so the kernel divides with inline PTX div.rn.f32 when compiled
 for a GPU (x / t in interpret mode, which runs as XLA ops). The one op left
 to chance is log: Triton calls libdevice's __nv_logf, and XLA:GPU is
 believed to as well. Not yet run on a GPU: test_compiled_kernel_matches_xla_on_gpu
-and scripts/bench_kernels.py (integer_mismatches_vs_reference) check it there.
+and `jaxinfer bench kernels` (integer_mismatches_vs_reference) check it there.
 
 Limit: parallelism is S programs, and a sampled sequence hashes one Gumbel
 value per logit (~120 integer ops each; greedy sequences skip the hash).

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def git_commit() -> str:
@@ -48,8 +47,8 @@ def git_commit() -> str:
 
 
 def cpu_info() -> dict:
-  import bench_peers
-  return bench_peers.cpu_info()
+  from jaxinfer.bench.harness import cpu_info
+  return cpu_info()
 
 
 def decode_inputs(cfg, batch: int, ctx: int, page: int = 16):

@@ -8,7 +8,7 @@ jaxinfer's step time goes.
 The model: Mixtral-shaped, random weights (8 experts, top-2, hidden 1024,
 expert width 2816, 16 query / 4 KV heads, vocab 32000; 6 layers by default,
 ~496M parameters, ~2 GB in float32). transformers (in the ref venv,
-`.peers/ref/bin/python`, see scripts/bench_peers.py) writes it once as a
+`.peers/ref/bin/python`, see jaxinfer/bench/peers.py) writes it once as a
 Hugging Face dir under .peers/bench-moe/ (gitignored), so both engines load
 the same safetensors. Prompts are random token ids, the same for both.
 
@@ -182,9 +182,8 @@ def worker_main(command: str, spec_path: str) -> int:
 
 
 def ref_python() -> str:
-  sys.path.insert(0, str(ROOT / "scripts"))
-  import bench_peers
-  return bench_peers.ref_python()
+  from jaxinfer.bench import peers
+  return peers.ref_python()
 
 
 def run_worker(command: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -637,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
   for res in (jx, hf):
     for dec in res["decode"]:
       del dec["outputs"]
-  import bench_peers
+  from jaxinfer.bench.harness import write_results
   payload = dict(
       model=dict(hf_config=c, dir=str(d.relative_to(ROOT)), params=num_params(c),
                  float32_bytes=num_params(c) * 4, description=model_desc),
@@ -659,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                         note=("other processes were using the cores during the run" if shared else "")),
       total_s=time.perf_counter() - t_start,
   )
-  out = bench_peers.write_results("moe", payload, args.out)
+  out = write_results("moe", payload, args.out)
   print(f"wrote {out} ({payload['total_s']:.0f}s)")
   return 0
 

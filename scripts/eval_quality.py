@@ -34,13 +34,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 TEXT = ROOT / "scripts" / "data" / "eval_quality_text.txt"
 PROMPTS = [
@@ -168,7 +165,7 @@ def main() -> None:
   p.add_argument("--gguf", action="store_true", help="also the default model's Q4_1 GGUF loaded as int4 blocks")
   p.add_argument("--out", default=None)
   args = p.parse_args()
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
 
   from jaxinfer import LLM
   from jaxinfer.default_model import default_checkpoint, default_gguf_path

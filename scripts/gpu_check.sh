@@ -3,11 +3,11 @@
 # "GPU"). Each section has its own time limit, so one that hangs does not cost the others;
 # logs and JSON go to $OUT (default /tmp/gpu-check).
 #   1. the Pallas kernels' tests, compiled (tests/conftest.py: PALLAS_INTERPRET is off on a GPU);
-#   2. bench_offline.py --gpu: a Llama-3-8B-shaped model, bf16 vs fp8 weights (KVS=auto,fp8 adds
+#   2. jaxinfer bench offline --gpu: a Llama-3-8B-shaped model, bf16 vs fp8 weights (KVS=auto,fp8 adds
 #      an fp8 KV cache), batch-1 decode against the bandwidth roofline and 256-prompt
 #      throughput, the compiled HLO of one fp8 / bf16 linear (is a full-precision weight copy
 #      written?), and with PROFILE=1 a traced batch-1 run (GPU busy vs wall time per step);
-#   3. bench_kernels.py: the attention kernels against the copy / matmul ceilings.
+#   3. jaxinfer bench kernels: the attention kernels against the copy / matmul ceilings.
 # Budget: on an H200 the four bench_offline rows compile side by side in about two minutes and
 # the whole takes a few; each test file tens of seconds (each case compiles its kernel).
 # The GPU image has jax 0.11 and no network: wheels it lacks (llguidance, gguf) travel in .whl/:
@@ -49,9 +49,9 @@ timeout -k 5 "${MARKED_TESTS_S:-120}" python3 -m pytest -v -p no:cacheprovider -
   -m "gpu or triton_lowering" tests/pallas_kernels > "$OUT/pytest-marked.log" 2>&1
 echo "rc=$?"; grep -cE " PASSED" "$OUT/pytest-marked.log"; grep -E " FAILED| ERROR|passed|failed|not run" "$OUT/pytest-marked.log" | tail -n 12
 
-section "bench_offline --gpu"
+section "jaxinfer bench offline --gpu"
 mkdir -p "$OUT/hlo"
-timeout -k 5 "${OFFLINE_S:-240}" python3 scripts/bench_offline.py --gpu --concurrent-compile ${PROFILE:+--profile} \
+timeout -k 5 "${OFFLINE_S:-240}" python3 -m jaxinfer bench offline --gpu --concurrent-compile ${PROFILE:+--profile} \
   --attention-impls pallas --gpu-formats "${FORMATS:-bf16,fp8}" --kv-cache-dtypes "${KVS:-auto}" \
   --num-prompts 256 --kv-cache-gb 9 --timeout "${OFFLINE_S:-240}" \
   --hlo-dir "$OUT/hlo" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
@@ -60,8 +60,8 @@ pkill -f -- "--gpu-worker" 2>/dev/null; sleep 1
 (cd "$OUT/hlo" && tar czf ../hlo.tgz . 2>/dev/null) && rm -rf "$OUT/hlo"
 
 if [ "${KERNELS_S:-90}" != 0 ]; then
-  section "bench_kernels"
-  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/bench_kernels.py --gpu --reps 5 --sections "${SECTIONS:-decode,prefill}" \
+  section "jaxinfer bench kernels"
+  timeout -k 5 "${KERNELS_S:-90}" python3 -m jaxinfer bench kernels --gpu --reps 5 --sections "${SECTIONS:-decode,prefill}" \
     --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
   echo "rc=$?"; tail -n 25 "$OUT/kernels.log"
 fi

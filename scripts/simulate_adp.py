@@ -55,12 +55,10 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from jaxinfer.engine.kv_manager import KVManager  # noqa: E402
-from jaxinfer.engine.scheduler import Request, Scheduler, StepBudget, imbalance  # noqa: E402
-from jaxinfer.sampling import SamplingParams  # noqa: E402
+from jaxinfer.engine.kv_manager import KVManager
+from jaxinfer.engine.scheduler import Request, Scheduler, StepBudget, imbalance
+from jaxinfer.sampling import SamplingParams
 
 POLICIES = ("least_loaded", "split", "balanced")
 MIN_PROMPT, MAX_PROMPT = 16, 2048
@@ -214,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.ranks < 1 or args.requests < 1 or args.budget < args.ranks:
     p.error("--ranks and --requests must be >= 1 and --budget >= --ranks")
 
-  from bench_peers import write_results
+  from jaxinfer.bench.harness import write_results
 
   try:
     loads = [float(x) for x in args.loads.split(",")]

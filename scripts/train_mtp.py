@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 PROMPTS = ROOT / "jaxinfer" / "data" / "mtp_prompts.txt"
 

@@ -98,3 +98,20 @@ def test_runs_that_recorded_only_their_day_are_each_shown_for_the_last_day(tmp_p
   assert "| ngram | 2 |" in page and "| ngram | 3 |" in page and "| ngram | 1 |" not in page
   assert page.count("### AMD EPYC, 2 cores, AVX2\n") == 2
   assert "older runs of it on this machine class: [`spec-2026-11-22.json`]" in page
+
+
+def test_a_run_of_a_moved_script_shows_the_command_that_repeats_it_today(tmp_path):
+  cpu = {"cpu_model": "AMD EPYC", "cpus": 2, "avx2": True}
+  _write(tmp_path, "spec-2026-11-23.json", {"cpu": cpu, "command": "scripts/bench_spec.py --methods mtp --ks 1,2",
+                                            "rows": [{"method": "mtp", "tokens_per_s": 1.0}]})
+  _write(tmp_path, "kernels-2026-11-23.json", {"cpu": cpu, "command": "python3 scripts/not_moved.py --gpu",
+                                               "rows": [{"kernel": "x", "us": 1.0}]})
+  page = render_performance.render(tmp_path)
+  assert "- command: `scripts/bench_spec.py --methods mtp --ks 1,2`\n- the same run today: " \
+         "`jaxinfer bench spec --methods mtp --ks 1,2`" in page
+  assert page.count("the same run today") == 1
+  # A note in parentheses after the flags is not carried over as a flag.
+  assert (render_performance.current_command("OUT=x bash scripts/gpu_check.sh (= python3 scripts/bench_offline.py "
+                                             "--gpu --timeout 220)") == "jaxinfer bench offline --gpu --timeout 220")
+  assert (render_performance.current_command("python scripts/bench_batch1_interleaved.py 5 r.json")
+          == "jaxinfer bench offline --interleaved 5 --formats int8,int8-channel,int4,fp8 --peers none --out r.json")

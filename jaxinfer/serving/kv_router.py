@@ -166,7 +166,7 @@ class KVIndex:
     up to ~2M hashes and a probe is mostly cache misses (~0.5 us on a random
     key), so probing every block was the decision's main cost: ~40 us p50
     for a prompt of ~85 blocks (map + Counter over them), against ~1.5 runs
-    per request in scripts/simulate_router.py's trace.
+    per request in `jaxinfer bench router-sim`'s trace.
 
     A worker that held a block without its parent (KVManager, and an LRU
     cache that touches a chain tail first, never do) could be counted or

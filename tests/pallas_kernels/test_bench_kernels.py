@@ -1,18 +1,14 @@
-"""scripts/bench_kernels.py --smoke, in-process with its timer stubbed: every kernel still runs
+"""`jaxinfer bench kernels --smoke` (jaxinfer/bench/kernels.py), in-process with its timer stubbed: every kernel still runs
 once at the smoke shapes (outputs checked against the references), and every derived number
 in the JSON report is the hand-worked one for the smoke shapes at 50 us a call."""
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import jax
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-bench_kernels = importlib.import_module("bench_kernels")
+from jaxinfer import bench
+from jaxinfer.bench import kernels as bench_kernels
 
 US = 50.0  # what the stubbed timer says every call takes
 
@@ -25,14 +21,14 @@ def report(tmp_path, monkeypatch, capsys):
 
   monkeypatch.setattr(bench_kernels, "time_us", time_us)
   out = tmp_path / "kernels.json"
-  assert bench_kernels.main(["--smoke", "--out", str(out)]) == 0
+  assert bench.main(["kernels", "--smoke", "--out", str(out)]) == 0
   assert f"wrote {out}" in capsys.readouterr().out
   return json.loads(out.read_text())
 
 
 def test_smoke_report_numbers_are_the_hand_worked_ones(report):
-  assert report["smoke"] is True and report["command"] == ["bench_kernels.py", "--smoke", "--out", report["command"][-1]]
-  assert {"device", "jax_version", "git_commit", "date", "shapes"} <= set(report)
+  assert report["smoke"] is True and report["command"] == f"jaxinfer bench kernels --smoke --out {report['command'].split()[-1]}"
+  assert {"device", "jax_version", "commit", "date", "shapes", "machine", "load_average_before"} <= set(report)
   # Copy: 4 MiB of bf16 read and written = 8 MiB in 50 us; matmul: 2 n^3 flops at n = 256.
   assert report["ceilings"] == pytest.approx({
       "copy_bytes": 8 * 2**20, "copy_us": US, "hbm_gb_s": 8 * 2**20 / 50e3,  # 167.77216 GB/s
@@ -72,6 +68,6 @@ def test_smoke_report_numbers_are_the_hand_worked_ones(report):
                     reason="this machine has a GPU, so --gpu would not fail")
 def test_gpu_mode_without_gpu_is_a_clear_error(capsys):
   with pytest.raises(SystemExit) as e:
-    bench_kernels.main(["--gpu"])
+    bench.main(["kernels", "--gpu"])
   assert e.value.code == 2
   assert "--gpu asked for, but JAX sees no GPU" in capsys.readouterr().err

@@ -1,15 +1,12 @@
-"""scripts/bench_mosaic.py --smoke runs end to end on a CPU (interpret mode) and writes its JSON."""
+"""`jaxinfer bench mosaic --smoke` (jaxinfer/bench/mosaic.py) runs end to end on a CPU (interpret
+mode) and writes its JSON."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from jaxinfer import bench
 from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.mosaic,
@@ -20,12 +17,9 @@ pytestmark = [
 
 def test_smoke_run_writes_report(tmp_path):
   out = tmp_path / "mosaic.json"
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_mosaic.py"), "--smoke",
-                         "--reps", "1", "--out", str(out)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert bench.main(["mosaic", "--smoke", "--reps", "1", "--out", str(out)]) == 0
   report = json.loads(out.read_text())
-  for field in ("device", "jax_version", "git_commit", "command", "date", "smoke", "ceilings",
+  for field in ("device", "jax_version", "commit", "command", "date", "smoke", "ceilings",
                 "results", "wall_s"):
     assert field in report
   assert report["smoke"] is True and report["ceilings"]["hbm_gb_s"] > 0

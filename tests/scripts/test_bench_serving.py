@@ -1,13 +1,7 @@
-"""scripts/bench_serving.py's per-request statistics (the phases themselves start servers:
-run the script to see them)."""
+"""`jaxinfer bench serving` (jaxinfer/bench/serving.py): its per-request statistics (the phases
+themselves start servers: run `jaxinfer bench serving` to see them)."""
 
-import importlib
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-bench_serving = importlib.import_module("bench_serving")
+from jaxinfer.bench import serving as bench_serving
 
 
 def request(ttft, latency, tokens, itl):

@@ -29,7 +29,7 @@ def test_a_seeded_trace_balances_and_is_recorded(tmp_path):
   out = tmp_path / "adp.json"
   assert simulate_adp.main(["--requests", "40", "--loads", "1.5", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert result["commit"] and result["cpu"] and len(result["load_average_before"]) == 3
+  assert result["commit"] and result["machine"]["cpu_model"] and len(result["load_average_before"]) == 3
   (run,) = result["runs"]
   old, balanced = run["policies"]["least_loaded"], run["policies"]["balanced"]
   assert old["first_steps_rank_tokens"][0] == [191, 176, 326, 906]  # one budget: rank 3 takes 906 of 2048

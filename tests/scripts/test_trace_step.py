@@ -1,12 +1,7 @@
-"""scripts/trace_step.py's reading of a profiler trace: only top-level XLA operations count."""
+"""`jaxinfer bench trace` (jaxinfer/bench/trace.py) reading a profiler trace: only top-level XLA
+operations count."""
 
-import importlib
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-trace_step = importlib.import_module("trace_step")
+from jaxinfer.bench import trace as trace_step
 
 
 def _op(name, ts, dur, tid=1):

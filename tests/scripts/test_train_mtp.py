@@ -1,7 +1,7 @@
 """scripts/train_mtp.py end to end on a tiny model: it learns, saves the head beside the
 checkpoint, and the engine drafts with that head (greedy output unchanged)."""
 
-import importlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -12,8 +12,11 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.mtp_head import head_paths
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-train_mtp = importlib.import_module("train_mtp")
+# Loaded from its path: scripts/ is not a package, and the tests edit no sys.path.
+_spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
+train_mtp = importlib.util.module_from_spec(_spec)
+sys.modules["train_mtp"] = train_mtp  # dataclasses look their module up there
+_spec.loader.exec_module(train_mtp)
 
 PROMPTS = ["Count from one to ten.", "Name three colours.", "Write a haiku about rain.",
            "What is two plus two?", "Spell the word cat.", "Say hello in French."]

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Decode attention: the Mosaic GPU ragged kernel against the Triton one, as K/V read bandwidth.
 
-Measured in one process, side by side (bench_kernels.py's helpers: the same
+Measured in one process, side by side (`jaxinfer bench kernels`' helpers: the same
 paged batches, timing and copy ceiling):
   1. ceiling: HBM bandwidth of a large device-to-device copy (bytes read +
      written / time);
@@ -36,31 +35,27 @@ splits (32 programs on 132 SMs) every kernel reads at <= 30%; split 8 ways,
 the Mosaic kernel 55-80%. B = 64 x 8 kv heads = 512 programs fill 132 SMs ~4
 times over; at B = 256 the tail matters less.
 
-  python scripts/bench_mosaic.py --smoke     # CPU: tiny shapes, both kernels in interpret mode
-  python scripts/bench_mosaic.py --out $OUT/mosaic.json   # GPU (sm_90)
+  jaxinfer bench mosaic --smoke     # CPU: tiny shapes, both kernels in interpret mode
+  jaxinfer bench mosaic --out $OUT/mosaic.json   # GPU (sm_90)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax
 import numpy as np
 
-from bench_kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, git_commit, has_gpu,
-                           kv_bytes, max_err, paged_batch, time_us)
+from jaxinfer.bench.harness import environment
+from jaxinfer.bench.kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, has_gpu, kv_bytes,
+                                    max_err, paged_batch, time_us)
 from jaxinfer.ops import ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
@@ -101,13 +96,13 @@ def decode_row(name, call, want, nbytes, ceil, shapes, extra) -> dict:
   return {**row, "us": us, "gb_s": gb_s, "pct_of_copy_bw": 100 * gb_s / ceil["hbm_gb_s"]}
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
   parser.add_argument("--out", type=Path, help="JSON path (default: a temporary file)")
   parser.add_argument("--reps", type=int, default=None, help="timed runs per case (median)")
-  args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
   smoke = args.smoke or not has_gpu()
   shapes = SMOKE if smoke else dataclasses.replace(FULL, copy_mib=512)
   if args.reps:
@@ -116,10 +111,8 @@ def main(argv=None) -> int:
   out = args.out or Path(tempfile.mkstemp(prefix="mosaic-", suffix=".json")[1])
   out.parent.mkdir(parents=True, exist_ok=True)
   device = jax.devices()[0]
-  report = {"benchmark": "mosaic_decode", "date": datetime.date.today().isoformat(),
-            "device": device.device_kind, "platform": device.platform, "smoke": smoke,
-            "jax_version": jax.__version__, "git_commit": git_commit(),
-            "command": [sys.executable, *sys.argv] if argv is None else ["bench_mosaic.py", *argv],
+  report = {"benchmark": "mosaic_decode", **environment(args.command, device=device.device_kind),
+            "platform": device.platform, "smoke": smoke, "jax_version": jax.__version__,
             "cases": dataclasses.asdict(cases), "results": []}
 
   def save():
@@ -138,7 +131,7 @@ def main(argv=None) -> int:
     return jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
                                      block_sizes=block_sizes))
 
-  def run(B, kv_len, page_size, impls, dense=False):
+  def run_case(B, kv_len, page_size, impls, dense=False):
     batch = paged_batch(rng, ((B, 1, kv_len),), page_size, Hq, Hkv, D)
     nbytes = kv_bytes(batch)
     want = jax.block_until_ready(xla(**batch))
@@ -165,15 +158,15 @@ def main(argv=None) -> int:
 
   def decode_shape(B, kv_len):
     for i, page_size in enumerate(cases.page_sizes):
-      run(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
-                                 ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
-          dense=i == 0)
+      run_case(B, kv_len, page_size, [("pallas", triton, {}), ("mosaic", mosaic(), {}),
+                                      ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})],
+               dense=i == 0)
 
   # Most telling first (a time limit cuts the tail): the issue's decode shape, then split-KV.
   decode_shape(*cases.decode[0])
   B, kv_len, page_size = cases.long
   C = cases.long_splits
-  run(B, kv_len, page_size, [
+  run_case(B, kv_len, page_size, [
       ("pallas", triton, {}), ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {}),
       (f"mosaic_split{C}", mosaic(BlockSizes(kv_splits=C)), {}),
       (f"mosaic_ws_split{C}", mosaic(BlockSizes(kv_splits=C, warp_specialized=True)), {})],
@@ -181,13 +174,10 @@ def main(argv=None) -> int:
   for B, kv_len in cases.decode[1:]:
     decode_shape(B, kv_len)
   B, kv_len, page_size = cases.sweep_shape
-  run(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
-                             for bs in cases.sweep])
+  run_case(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
+                                  for bs in cases.sweep])
   report["wall_s"] = time.perf_counter() - start
   save()
   print(f"wrote {out}")
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

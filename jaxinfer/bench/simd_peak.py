@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """The multiply-add ceilings of this CPU's AVX2 core, per instruction form, measured.
 
-  python scripts/bench_simd_peak.py [--out FILE.json]
+  jaxinfer bench simd-peak [--out FILE.json]
 
 Why: on a CPU the quantized matmuls at many tokens (64-sequence decode, prefill) are
 compute-bound, so what a format can gain over float32 there is bounded by how many
@@ -27,13 +26,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import environment, write_results
 
 # Each form runs enough independent accumulators to hide its latency (twelve FMA chains: 4-cycle
 # latency, 2 a cycle); the operands are loop-invariant registers, so only the instructions count.
@@ -159,7 +155,7 @@ FORMS = [
 def measure() -> list[float]:
   compiler = shutil.which("g++") or shutil.which("c++")
   if compiler is None:
-    raise SystemExit("bench_simd_peak: needs a C++ compiler (g++ or c++) on PATH")
+    raise SystemExit("jaxinfer bench simd-peak: needs a C++ compiler (g++ or c++) on PATH")
   with tempfile.TemporaryDirectory() as d:
     src, exe = Path(d) / "peak.cc", Path(d) / "peak"
     src.write_text(SOURCE)
@@ -172,19 +168,17 @@ def measure() -> list[float]:
   return rates if vnni else rates[:4]  # no VNNI rows where the CPU has none
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
   rates = measure()
   rows = [dict(form=name, instructions=ins, products_per_instruction=k, use=use, macs_per_ns=round(r, 2),
                vs_fp32_fma=round(r / rates[0], 2)) for (name, ins, k, use), r in zip(FORMS, rates)]
   print("| form | instructions | multiply-adds / ns (one thread) | vs fp32 FMA | where |\n|---|---|---:|---:|---|")
   for r in rows:
     print(f"| {r['form']} | {r['instructions']} | {r['macs_per_ns']:.1f} | {r['vs_fp32_fma']:.2f}x | {r['use']} |")
-  from bench_peers import write_results
-  print(f"wrote {write_results('simd-peak', dict(rows=rows), args.out)}")
-
-
-if __name__ == "__main__":
-  main()
+  print(f"wrote {write_results('simd-peak', dict(rows=rows), args.out, env=env)}")
+  return 0

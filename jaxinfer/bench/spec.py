@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Speculative decoding on the default model: decode tokens/s without speculation,
 with n-gram drafts and with the shipped MTP head (jaxinfer/data/mtp, trained by
 scripts/train_mtp.py) (k = 1, 2, 3 each), at batch 1 and batch 16, side by side in one run.
 
-  python scripts/bench_spec.py [--dtype float32] [--max-tokens 128] [--ks 1,2,3] [--methods ngram,mtp]
+  jaxinfer bench spec [--dtype float32] [--max-tokens 128] [--ks 1,2,3] [--methods ngram,mtp]
 
 Prompts are chats we ship here: half ask the model to rework a text given in
 the prompt (where prompt lookup finds drafts), half are open questions.
@@ -16,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import environment, load_average, write_results
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
         "trimmed the wick and polished the great lens until it shone. Ships passing the rocky point "
@@ -42,7 +37,7 @@ PROMPTS = [
 ]
 
 
-def run(dtype: str, spec: dict | None, max_tokens: int, batches: list[int], max_batched: int = 256) -> list[dict]:
+def run_config(dtype: str, spec: dict | None, max_tokens: int, batches: list[int], max_batched: int = 256) -> list[dict]:
   """One engine (one warm-up) per configuration, timed at each batch size."""
   from jaxinfer import LLM, SamplingParams
   llm = LLM(None, dtype=dtype, speculative=spec, max_num_seqs=max(16, *batches),
@@ -77,8 +72,33 @@ def run(dtype: str, spec: dict | None, max_tokens: int, batches: list[int], max_
   return rows
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def summarize(rows: list[dict]) -> list[dict]:
+  """Each row against the row without speculation at its batch size: `speedup` (tok/s over
+  none's), `same_tokens_as_without` (the greedy ids equal none's), `ms_per_step` and
+  `step_cost_vs_none`. speedup = tokens per step x (none's step time / this step time): the two
+  columns after it say which of the two held it back."""
+  for r in rows:
+    base = next(b for b in rows if b["batch"] == r["batch"] and b["k"] == 0)
+    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    r["same_tokens_as_without"] = r["ids"] == base["ids"]
+    r["ms_per_step"] = 1000 * r["seconds"] / r["steps"]
+    r["step_cost_vs_none"] = r["ms_per_step"] / (1000 * base["seconds"] / base["steps"])
+  return rows
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| batch | method | k | tok/s | speedup | steps | ms / step | step cost vs none | mean acceptance length "
+           "| acceptance by position | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_rate", [])) or "-"
+    mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
+    lines.append(f"| {r['batch']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                 f"{r['steps']} | {r['ms_per_step']:.1f} | {r['step_cost_vs_none']:.2f}x | {mal} | {acc} | "
+                 f"{r['same_tokens_as_without']} |")
+  return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--ks", default="1,2,3")
@@ -86,43 +106,28 @@ def main() -> int:
   ap.add_argument("--methods", default="ngram,mtp")
   ap.add_argument("--max-batched-tokens", type=int, default=256, help="step bucket (fewer compiles when smaller)")
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
   rows = []
   batches = [int(b) for b in args.batches.split(",")]
   methods = args.methods.split(",")
-  load = [list(os.getloadavg())]
+  load = [load_average()]
   configs = [None] + [{"method": m, "num_speculative_tokens": int(k)} for m in methods for k in args.ks.split(",")]
   for spec in configs:
     print(f"== {spec}", file=sys.stderr, flush=True)
-    rows += run(args.dtype, spec, args.max_tokens, batches, args.max_batched_tokens)
-    load.append(list(os.getloadavg()))
+    rows += run_config(args.dtype, spec, args.max_tokens, batches, args.max_batched_tokens)
+    load.append(load_average())
   order = ["none"] + methods
   rows.sort(key=lambda r: (r["batch"], order.index(r["method"]), r["k"]))
+  summarize(rows)
   print(f"\nDecode with speculation, default model, {args.dtype}, greedy, {args.max_tokens} tokens per prompt")
-  # speedup = tokens per step x (baseline step time / this step time): the two columns
-  # after it say which of the two held it back.
-  print("| batch | method | k | tok/s | speedup | steps | ms / step | step cost vs none | mean acceptance length "
-        "| acceptance by position | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
-  for r in rows:
-    base = next(b for b in rows if b["batch"] == r["batch"] and b["k"] == 0)
-    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-    r["same_tokens_as_without"] = r["ids"] == base["ids"]
-    r["ms_per_step"] = 1000 * r["seconds"] / r["steps"]
-    r["step_cost_vs_none"] = r["ms_per_step"] / (1000 * base["seconds"] / base["steps"])
-    acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_rate", [])) or "-"
-    mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
-    print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-          f"{r['steps']} | {r['ms_per_step']:.1f} | {r['step_cost_vs_none']:.2f}x | {mal} | {acc} | {r['same_tokens_as_without']} |")
+  print(table(rows))
   for r in rows:
     del r["ids"]
-  import bench_peers
   print(f"load average (1, 5, 15 min) before and after each configuration: {load}")
-  out = bench_peers.write_results("spec", dict(dtype=args.dtype, max_tokens=args.max_tokens, rows=rows,
-                                               load_average=load), args.out)
+  out = write_results("spec", dict(dtype=args.dtype, max_tokens=args.max_tokens, rows=rows,
+                                   load_average=load), args.out, env=env)
   print(f"wrote {out}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

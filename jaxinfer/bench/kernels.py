@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Pallas attention kernels against the machine's ceilings and against XLA / cuDNN, in one run.
 
 Measured in the same process, in this order:
@@ -30,11 +29,11 @@ recorded), warm-up runs, then the median of --reps timed runs, each run a
 burst of --burst back-to-back calls ended by jax.block_until_ready (so
 Python dispatch does not count for short kernels).
 
-  python scripts/bench_kernels.py              # GPU: full shapes
-  python scripts/bench_kernels.py --smoke      # tiny shapes, Pallas in interpret mode
-  python scripts/bench_kernels.py --gpu        # fail unless a GPU is present
+  jaxinfer bench kernels              # GPU: full shapes
+  jaxinfer bench kernels --smoke      # tiny shapes, Pallas in interpret mode
+  jaxinfer bench kernels --gpu        # fail unless a GPU is present
 
-Without a GPU the script runs --smoke by itself: it exercises every code path
+Without a GPU it runs --smoke by itself: it exercises every code path
 on CPU, and its numbers mean nothing, so its JSON goes to a temporary file
 unless --out is given. On a GPU the JSON goes to
 benchmarks/results/kernels-<device-kind>-<date>.json.
@@ -49,19 +48,16 @@ import functools
 import json
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.bench.harness import RESULTS, UsageError, environment, load_average
 from jaxinfer.engine.spec_decode import accept
 from jaxinfer.ops import ragged_paged_attention_xla
 from jaxinfer.sampling import SamplingBatch, sample
@@ -356,14 +352,6 @@ def accept_cases(shapes: Shapes, ceil: dict, interpret: bool, rng) -> list[dict]
 # ---------------------------------------------------------------- report
 
 
-def git_commit() -> str | None:
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True, timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
-
-
 def print_table(ceil: dict, rows: list[dict]) -> None:
   print(f"ceilings: copy {ceil['hbm_gb_s']:.0f} GB/s ({ceil['copy_bytes'] / 2**20:.0f} MiB moved), "
         f"bf16 matmul {ceil['matmul_tflop_s']:.1f} TFLOP/s (n={ceil['matmul_n']})")
@@ -387,12 +375,9 @@ def print_table(ceil: dict, rows: list[dict]) -> None:
   print("'pallas x' = this row's time / the Pallas kernel's time (> 1: Pallas is faster).")
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
-      description=__doc__,
-      epilog="Without a GPU the script falls back to --smoke (numbers meaningless, JSON to a "
-             "temporary file unless --out).",
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.epilog = ("Without a GPU it falls back to --smoke (numbers meaningless, JSON to a "
+                   "temporary file unless --out).")
   mode = parser.add_mutually_exclusive_group()
   mode.add_argument("--smoke", action="store_true",
                     help="tiny shapes, Pallas kernels in interpret mode, 2 reps: checks that every "
@@ -403,11 +388,12 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, help="timed runs per case (median reported)")
   parser.add_argument("--sections", default="decode,mixed,prefill,accept",
                       help="comma-separated subset of decode,mixed,prefill,accept (ceilings always run)")
-  args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
   gpu = has_gpu()
   if args.gpu and not gpu:
-    parser.error(f"--gpu asked for, but JAX sees no GPU (devices: {jax.devices()}); "
+    raise UsageError(f"--gpu asked for, but JAX sees no GPU (devices: {jax.devices()}); "
                  "install jax[cuda12] on a machine with an NVIDIA GPU, or use --smoke")
   smoke = args.smoke or not gpu
   if smoke and not args.smoke:
@@ -418,8 +404,9 @@ def main(argv=None) -> int:
   sections = [s.strip() for s in args.sections.split(",") if s.strip()]
   unknown = set(sections) - {"decode", "mixed", "prefill", "accept"}
   if unknown:
-    parser.error(f"unknown --sections {sorted(unknown)}")
+    raise UsageError(f"unknown --sections {sorted(unknown)}")
 
+  env = environment(args.command, device=jax.devices()[0].device_kind)
   rng = np.random.default_rng(0)
   ceil = ceilings(shapes)
   rows = []
@@ -432,13 +419,10 @@ def main(argv=None) -> int:
   today = datetime.date.today().isoformat()
   report = {
       "benchmark": "kernels",
-      "date": today,
-      "device": device.device_kind,
+      **env,
       "platform": device.platform,
       "smoke": smoke,
       "jax_version": jax.__version__,
-      "git_commit": git_commit(),
-      "command": [sys.executable, *sys.argv] if argv is None else ["bench_kernels.py", *argv],
       "shapes": dataclasses.asdict(shapes),
       "ceilings": ceil,
       "results": rows,
@@ -450,12 +434,8 @@ def main(argv=None) -> int:
       out = Path(tempfile.mkstemp(prefix="kernels-smoke-", suffix=".json")[1])
     else:
       kind = re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
-      out = ROOT / "benchmarks" / "results" / f"kernels-{kind}-{today}.json"
+      out = RESULTS / f"kernels-{kind}-{today}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(report, indent=1) + "\n")
+  out.write_text(json.dumps({**report, "load_average_after": load_average()}, indent=1) + "\n")
   print(f"wrote {out}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

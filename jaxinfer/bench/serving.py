@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Load test of the gRPC server, and its overhead against the in-process engine.
 
 One run, three phases, each system in its own fresh process, the same
@@ -23,10 +22,10 @@ start-up are excluded (the server is timed only once it reports SERVING).
 On a small CPU machine the client shares the cores with the server, so the
 ratio includes the client's own cost.
 
-  python scripts/bench_serving.py                                # default model, 64 prompts
-  python scripts/bench_serving.py --rate 2 --num-prompts 32      # Poisson arrivals
-  python scripts/bench_serving.py --prompts-file prompts.jsonl   # {"prompt": "..."} per line
-  python scripts/bench_serving.py --model tests/data/tiny/llama3 --input-len 32 --out /tmp/x.json
+  jaxinfer bench serving                                # default model, 64 prompts
+  jaxinfer bench serving --rate 2 --num-prompts 32      # Poisson arrivals
+  jaxinfer bench serving --prompts-file prompts.jsonl   # {"prompt": "..."} per line
+  jaxinfer bench serving --model tests/data/tiny/llama3 --input-len 32 --out /tmp/x.json
 
 Writes benchmarks/results/serving-<date>.json (or --out) and prints tables.
 """
@@ -35,10 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -46,10 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jaxinfer.serving.process import JaxinferProcess  # noqa: E402
+from jaxinfer.bench.harness import ROOT, environment, results_path, subcommand_argv, write_results
+from jaxinfer.serving.process import JaxinferProcess
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -106,7 +100,7 @@ def worker(args) -> None:
 
 
 def run_engine(args, prompts_path: Path) -> dict:
-  cmd = [sys.executable, __file__, "--worker", str(prompts_path), *engine_options(args),
+  cmd = [*subcommand_argv("serving"), "--worker", str(prompts_path), *engine_options(args),
          "--output-len", str(args.output_len)]
   out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
   if out.returncode != 0:
@@ -200,9 +194,7 @@ def print_tables(report: dict) -> None:
       print(f"| {key[:-3].upper()} | {cells} |")
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--num-prompts", type=int, default=64)
@@ -221,9 +213,13 @@ def main() -> None:
   p.add_argument("--no-load", action="store_true", help="skip phase 3")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-<date>.json)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
   if args.worker:
-    return worker(args)
+    worker(args)
+    return 0
+  env = environment(args.command)
 
   prompts = load_prompts(args, args.seed)
   # Phase 3 gets fresh prompts: the server's prefix cache still holds phase 2's.
@@ -231,7 +227,7 @@ def main() -> None:
   load_prompts_ = load_prompts(args, args.seed + 1)
   if not prompts:
     raise SystemExit("no prompts")
-  out = Path(args.out or ROOT / "benchmarks" / "results" / f"serving-{datetime.date.today()}.json")
+  out = results_path("serving", args.out)
   prompts_path = out.with_suffix(".prompts.tmp.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   prompts_path.write_text(json.dumps(prompts))
@@ -259,11 +255,6 @@ def main() -> None:
   finally:
     server.stop()
   report = {
-      "benchmark": "serving", "date": str(datetime.date.today()),
-      "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                               cwd=ROOT).stdout.strip(),
-      "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
       "workload": {"model": args.model or "default (SmolLM2-135M-Instruct)", "dtype": args.dtype,
                    "prompts": len(prompts), "mean_input_len": float(np.mean([len(x) for x in prompts])),
                    "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
@@ -274,10 +265,7 @@ def main() -> None:
                    "ratio": saturation["tokens_per_s"] / engine["tokens_per_s"], "target": 0.9},
       "saturation": saturation, "load": load,
   }
-  out.write_text(json.dumps(report, indent=2) + "\n")
+  write_results("serving", report, out, env=env)
   print_tables(report)
   print(f"\nwrote {out}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Where a step's time goes, as a table, a JSON and a picture.
 
-  python scripts/profile_step.py [--dtype float32] [--quantization int8] [--batches 64,1] [--kv-len 100]
-                                 [--host-batches 64,256]
+  jaxinfer bench profile [--dtype float32] [--quantization int8] [--batches 64,1] [--kv-len 100]
+                         [--host-batches 64,256]
 
 Device step (one decode token per sequence, kv length --kv-len): the full
 step against the same step with attention or sampling replaced by trivial
@@ -27,13 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import environment, subcommand_argv, write_results
 
 
 def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int, quantization: str | None = None) -> dict:
@@ -164,7 +160,7 @@ def _host_run(batch: int, steps: int, async_scheduling: bool, time_device: bool,
 
 
 def _spawn(spec: dict) -> dict:
-  out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
+  out = subprocess.run([*subcommand_argv("profile"), "--worker", json.dumps(spec)], capture_output=True,
                        text=True, check=True).stdout
   return json.loads(out.split("RESULT")[-1])
 
@@ -189,8 +185,7 @@ def plot(rows: list[dict], path: Path) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
@@ -200,12 +195,15 @@ def main() -> int:
   ap.add_argument("--kv-len", type=int, default=100)
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
   if args.worker:
     spec = json.loads(args.worker)
     res = host_worker(**spec["host"]) if "host" in spec else worker(**spec)
     print("RESULT", json.dumps(res))
     return 0
+  env = environment(args.command)
   rows = []
   for batch in map(int, args.batches.split(",") if args.batches else []):
     ms = {v: _spawn(dict(variant=v, dtype=args.dtype, batch=batch, kv_len=args.kv_len, iters=args.iters,
@@ -239,8 +237,7 @@ def main() -> int:
     print("|---|" + "---|" * (len(HOST_PHASES) + 1))
     for h in host:
       print(f"| {h['batch']} | " + " | ".join(f"{v:.0%}" for v in h["host_phases"].values()) + " |")
-  import bench_peers
-  out = bench_peers.write_results("profile-step", dict(rows=rows, host=host), args.out)
+  out = write_results("profile-step", dict(rows=rows, host=host), args.out, env=env)
   if not rows:  # (--batches ''): host overhead only, no picture
     print(f"wrote {out}")
     return 0
@@ -249,6 +246,3 @@ def main() -> int:
   print(f"wrote {out} and {png}")
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

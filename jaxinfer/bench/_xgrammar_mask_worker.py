@@ -1,4 +1,4 @@
-"""xgrammar's per-step mask time, for scripts/bench_structured.py (run in a venv with torch + xgrammar).
+"""xgrammar's per-step mask time for `jaxinfer bench structured`, run in a venv with torch + xgrammar.
 
 Reads one JSON spec on stdin: tokenizer_json, vocab_size, eos_ids, cases = [{grammar,
 schema | regex, text_ids, batch}], iters. For each case: B matchers, the i-th

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """KV-aware routing vs round-robin vs disaggregated prefill/decode, through
 `jaxinfer route`, on a multi-turn shared-prefix workload.
 
@@ -41,9 +40,9 @@ processes share two cores, so the prefill worker's compute still slows the
 decode worker's steps, and the other engineer's jobs on the same machine
 add noise.
 
-  python scripts/bench_router.py                                    # embedded default model
-  python scripts/bench_router.py --model tests/data/tiny/llama3 --system-len 96 --user-len 16
-  python scripts/bench_router.py --policies kv,disagg --rounds 1     # the disaggregated column vs kv
+  jaxinfer bench router                                    # embedded default model
+  jaxinfer bench router --model tests/data/tiny/llama3 --system-len 96 --user-len 16
+  jaxinfer bench router --policies kv,disagg --rounds 1     # the disaggregated column vs kv
 
 Writes benchmarks/results/router-<date>.json (or --out) and prints a table.
 """
@@ -56,15 +55,11 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from jaxinfer.serving.process import JaxinferProcess  # noqa: E402
+from jaxinfer.bench.harness import ROOT, UsageError, environment, write_results
+from jaxinfer.serving.process import JaxinferProcess
 
 SETUPS = {
     "kv": "2 x serve --role both; route --workers --policy kv",
@@ -153,8 +148,7 @@ def summarize(results: list[dict], seconds: float) -> dict:
               prefill_cached_fraction=sum(r["prefill_cached_tokens"] for r in results) / prompt)
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="HF dir / .gguf / checkpoint (default: the embedded model)")
   p.add_argument("--systems", type=int, default=4, help="distinct system prompts")
   p.add_argument("--system-len", type=int, default=128, help="tokens per system prompt")
@@ -176,9 +170,10 @@ def main() -> None:
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
-  args = p.parse_args()
 
-  from bench_peers import write_results
+
+
+def run(args: argparse.Namespace) -> int:
   from jaxinfer.frontend import Frontend
 
   vocab = Frontend.load(args.model).config.vocab_size
@@ -189,8 +184,9 @@ def main() -> None:
   policies = args.policies.split(",")
   for policy in policies:
     if policy not in SETUPS:
-      raise SystemExit(f"--policies: {policy!r} is not one of {SETUPS}")
-  print(f"bench_router: 2 workers per setup + router + client on {cores} CPU cores"
+      raise UsageError(f"--policies: {policy!r} is not one of {sorted(SETUPS)}")
+  env = environment(args.command)
+  print(f"bench router: 2 workers per setup + router + client on {cores} CPU cores"
         f"{' (shared)' if cores <= 4 else ''}; on so few cores the workers compete with each other and the "
         "client, so the absolute numbers are small and noisy: compare the setups, not the machine",
         file=sys.stderr, flush=True)
@@ -221,7 +217,7 @@ def main() -> None:
       runs[policy] += records
       seconds[policy] += s
       per_run.append(dict(policy=policy, **summarize(records, s), router=stats))
-      print(f"bench_router: run {i + 1}/{len(order)} {policy}: {per_run[-1]}", file=sys.stderr, flush=True)
+      print(f"bench router: run {i + 1}/{len(order)} {policy}: {per_run[-1]}", file=sys.stderr, flush=True)
   finally:
     for w in [*aggregated, decode, prefill]:
       if w is not None:
@@ -244,11 +240,7 @@ def main() -> None:
                     concurrency=args.concurrency),
       overlap_weight=args.overlap_weight, engine=dict(model=args.model or "default", max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size),
-      workers=2, setups={p: SETUPS[p] for p in policies}, cpu_cores=cores, load_average=os.getloadavg(),
-      order=order, results=results, runs=per_run),
-      args.out)
+      workers=2, setups={p: SETUPS[p] for p in policies}, cpu_cores=cores, order=order, results=results,
+      runs=per_run), args.out, env=env)
   print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

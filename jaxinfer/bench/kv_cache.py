@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Decode speed and pool capacity of each KV cache dtype on the default model, side by side.
 
 Per kv_cache_dtype (auto = the model's float32, int8, fp8), in one process each: S sequences of
@@ -9,21 +8,18 @@ weights read once per step for the whole batch. Also reported: bytes per token a
 tokens the same --kv-cache-gb budget holds (the pool itself is capped at what --seqs sequences
 need, so its size is the same in every row).
 
-  python scripts/bench_kv_cache.py                          # S=8, L=2048, N=32
-  python scripts/bench_kv_cache.py --seqs 1 --prompt-len 512
+  jaxinfer bench kv-cache                          # S=8, L=2048, N=32
+  jaxinfer bench kv-cache --seqs 1 --prompt-len 512
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxinfer.bench.harness import environment, load_average, subcommand_argv, write_results
 
 DTYPES = ("auto", "int8", "fp8")
 
@@ -59,8 +55,7 @@ def worker(spec: dict) -> dict:
               kv_mb_read_per_step=S * (L + N / 2) * spec_.bytes_per_token() / 2**20)
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--dtypes", default=",".join(DTYPES))
   ap.add_argument("--seqs", type=int, default=8)
@@ -68,17 +63,19 @@ def main() -> None:
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--kv-cache-gb", type=float, default=2.0)
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
   if args.worker:
     print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-    return
-  from bench_peers import write_results
-  load_before = os.getloadavg()
+    return 0
+  env = environment(args.command)
+  load_before = load_average()
   rows = []
   for kv in args.dtypes.split(","):
     spec = dict(kv_cache_dtype=kv, seqs=args.seqs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 kv_cache_gb=args.kv_cache_gb)
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
+    proc = subprocess.run([*subcommand_argv("kv-cache"), "--worker", json.dumps(spec)], capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not lines:
       raise SystemExit(f"{kv} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -94,12 +91,9 @@ def main() -> None:
     budget = int(args.kv_cache_gb * 2**30) // r["bytes_per_token"]
     print(f"| {r['kv_cache_dtype']} | {r['bytes_per_token']} | {r['kv_mb_read_per_step']:.0f} | {r['step_ms']:.1f} | "
           f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x | {budget} |")
-  load_after = os.getloadavg()
+  load_after = load_average()
   print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
   path = write_results("kv-cache", dict(rows=rows, load_average_before=load_before,
-                                        load_average_after=load_after), args.out)
+                                        load_average_after=load_after), args.out, env=env)
   print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

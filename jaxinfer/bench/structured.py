@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Structured output's per-step costs: host masks (llguidance) and the device-side mask.
 
-  python scripts/bench_structured.py [--model checkpoints/smollm2-135m-instruct] [--iters 20]
-                                     [--batches 1,16,64] [--xgrammar-python PY] [--out FILE]
+  jaxinfer bench structured [--model checkpoints/smollm2-135m-instruct] [--iters 20]
+                            [--batches 1,16,64] [--xgrammar-python PY] [--out FILE]
 
 Host: B matchers of one JSON schema, each advanced into the output by a
 different number of tokens (a schema-valid document, tokenized), then the
@@ -10,7 +9,7 @@ time of one `fill_bitmasks` call for all B rows (what `pack` pays per step),
 median of --iters; also a json_object and a regex grammar at B = 64. With
 --xgrammar-python (a venv holding torch and xgrammar; jaxinfer cannot depend
 on them), the same cases through xgrammar's GrammarMatcher, one
-fill_next_token_bitmask per row (scripts/_xgrammar_mask_worker.py).
+fill_next_token_bitmask per row (_xgrammar_mask_worker.py beside this file).
 
 Device: `sample()` alone on [64, V] greedy logits (no mask argument; a mask
 with no row constrained, where the lax.cond skips it; all rows constrained;
@@ -31,15 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from jaxinfer.bench.harness import ROOT, environment, write_results
+from jaxinfer.engine.grammar import fill_bitmasks, mask_words
+from jaxinfer.structured import StructuredOutput
 
-from bench_peers import write_results  # noqa: E402
-from jaxinfer.engine.grammar import fill_bitmasks, mask_words  # noqa: E402
-from jaxinfer.structured import StructuredOutput  # noqa: E402
+XGRAMMAR_WORKER = Path(__file__).resolve().parent / "_xgrammar_mask_worker.py"  # run by the xgrammar venv's Python
 
 SCHEMA = {
     "type": "object",
@@ -122,7 +119,7 @@ def xgrammar_masks(engine, python, batches, iters):
            for name, _, text in CASES for B in case_batches(name, batches)]
   spec = dict(tokenizer_json=f.name, vocab_size=engine.config.vocab_size, eos_ids=list(tok.eos_ids),
               cases=cases, iters=iters)
-  out = subprocess.run([python, str(ROOT / "scripts" / "_xgrammar_mask_worker.py")], input=json.dumps(spec),
+  out = subprocess.run([python, str(XGRAMMAR_WORKER)], input=json.dumps(spec),
                        capture_output=True, text=True)
   Path(f.name).unlink()
   if out.returncode:
@@ -212,15 +209,17 @@ def device_step(engine, iters, B=64, kv_len=64):
   return out
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--model", default=str(ROOT / "checkpoints" / "smollm2-135m-instruct"))
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--batches", default="1,16,64")
   ap.add_argument("--out", default=None)
   ap.add_argument("--xgrammar-python", default=None,
                   help="an interpreter with torch + xgrammar: also time xgrammar's masks")
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
   from jaxinfer.engine.engine import EngineConfig, LLMEngine
   engine = LLMEngine.from_model(args.model, engine_config=EngineConfig(max_num_seqs=64, warmup=False,
                                                                        max_model_len=512))
@@ -252,10 +251,6 @@ def main() -> int:
   path = write_results("structured", dict(model=args.model, vocab=V, iters=args.iters, host=host,
                                           llguidance_tokenizer_ms=tokenizer_ms,
                                           sampler=samp, device_step=device, xgrammar=xgr),
-                       args.out)
+                       args.out, env=env)
   print(f"\nwrote {path}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

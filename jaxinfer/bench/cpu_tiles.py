@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """The one-token int8 and int4 kernel blocks on one thread: weights in cache against from DRAM.
 
-  python scripts/bench_cpu_tiles.py [--passes 15] [--dram-layers 150] [--out FILE.json]
+  jaxinfer bench cpu-tiles [--passes 15] [--dram-layers 150] [--out FILE.json]
 
 Why: at batch 1 each quantized matmul is one token against the whole weight, and the
 question is what bounds it, the instructions or the memory stream. This compiles a small
@@ -33,13 +32,10 @@ import argparse
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import environment, write_results
 
 SHAPES = [("wq/wo D->D", 576, 576), ("gate/up D->F", 576, 1536), ("down F->D", 1536, 576)]
 
@@ -185,24 +181,25 @@ def build(workdir: Path) -> tuple[Path, str]:
   km = importlib.import_module("cpu_kernels.int8_matmul")  # (the package re-exports a function of that name)
   compiler = shutil.which("g++") or shutil.which("c++")
   if compiler is None:
-    raise SystemExit("bench_cpu_tiles needs a C++ compiler (g++)")
+    raise SystemExit("jaxinfer bench cpu-tiles needs a C++ compiler (g++)")
   isa = "avx512vnni" if km.has_avx512_vnni() else "avx2"
   flags = [f for f in km.FLAGS if f not in ("-shared", "-fPIC")] + (list(km.VNNI_FLAGS) if isa == "avx512vnni" else [])
   src, exe = workdir / "tiles.cc", workdir / "tiles"
   src.write_text(SOURCE)
-  subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), "-I", str(ROOT / "cpu_kernels"), str(src),
+  subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), "-I", str(Path(km.__file__).parent), str(src),
                   "-o", str(exe), "-lpthread"], check=True, capture_output=True, text=True)
   return exe, isa
 
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--passes", type=int, default=15, help="timed passes over the weights (best kept)")
   ap.add_argument("--cache-passes", type=int, default=300, help="passes for the in-cache (L = 2) rows")
   ap.add_argument("--dram-layers", type=int, default=150, help="distinct weights for the DRAM rows")
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
-  import bench_peers
+
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
   rows = []
   with tempfile.TemporaryDirectory() as d:
     exe, isa = build(Path(d))
@@ -228,12 +225,9 @@ def main() -> int:
     lines.append(f"| {r['shape']} ({r['in']} x {r['out']}) | {r['weights']} | {r['int8_us']:.1f} | "
                  f"{r['int8_gb_s']:.1f} | {r['int8_mac_per_ns']:.1f} | {r['int4_us']:.1f} | {r['int4_gb_s']:.1f} | "
                  f"{r['int4_mac_per_ns']:.1f} | {r['int4_us'] / r['int8_us']:.2f}x | {u8} |")
-  out = bench_peers.write_results("cpu-tiles", {"isa": isa, "threads": 1, "platform": platform.platform(),
-                                                "rows": rows}, args.out)
+  out = write_results("cpu-tiles", {"isa": isa, "threads": 1, "platform": platform.platform(),
+                                    "rows": rows}, args.out, env=env)
   print("\n".join(lines))
   print(f"wrote {out}")
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

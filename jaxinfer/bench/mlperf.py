@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """MLPerf Inference LoadGen harness: Offline, Server and Interactive over jaxinfer.
 
 LoadGen (`mlcommons-loadgen`) decides when each query is issued; the system
@@ -23,9 +22,9 @@ Run rules are shortened so a CPU run takes minutes: --duration seconds
 INVALID verdict is reported as it gave it, with its reasons (early stopping
 wants hundreds of queries; a short run usually fails it).
 
-  python scripts/mlperf.py                                     # default model: Offline + Server sweep + Interactive
-  python scripts/mlperf.py --scenarios Server --qps 0.5,1,2 --sut grpc
-  python scripts/mlperf.py --model tests/data/tiny/llama3 --duration 2 --samples 8 --out /tmp/m
+  jaxinfer bench mlperf                          # default model: Offline + Server sweep + Interactive
+  jaxinfer bench mlperf --scenarios Server --qps 0.5,1,2 --sut grpc
+  jaxinfer bench mlperf --model tests/data/tiny/llama3 --duration 2 --samples 8 --out /tmp/m
 
 Writes <out>/mlperf-<date>.json (default out: benchmarks/results/), one
 plot <out>/mlperf-<date>.png (throughput against TTFT and TPOT
@@ -49,9 +48,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import RESULTS, ROOT, UsageError, environment, write_results
 
 DATASET = ROOT / "benchmarks" / "data" / "mlperf_prompts.jsonl"
 
@@ -146,7 +143,7 @@ class InProcessSUT:
   def __init__(self, llm, samples: list[Sample], params_for):
     from jaxinfer.serving.engine_loop import EngineLoop, Sink
 
-    self.samples, self.params_for = samples, params_for
+    self.samples, self.params_for, self.frontend = samples, params_for, llm.frontend
     self.responses = _Responses()
     self.loop = EngineLoop(llm.engine, warmup=False).start()
     self.loop.ready.wait()
@@ -174,7 +171,9 @@ class InProcessSUT:
   def issue_queries(self, queries) -> None:
     for q in queries:
       s = self.samples[q.index]
-      self.loop.add(f"q{q.id}", s.token_ids, self.params_for(s), self._sink(q.id))
+      # Checked as the server checks a request (jaxinfer.frontend), then queued on the engine thread.
+      request = self.frontend.validate(s.token_ids, self.params_for(s))
+      self.loop.add(f"q{q.id}", request, self._sink(q.id))
 
   def flush_queries(self) -> None:
     pass
@@ -189,7 +188,7 @@ class GrpcSUT:
   name = "grpc"
 
   def __init__(self, server_args: list[str], samples: list[Sample], params_for):
-    from bench_serving import start_server
+    from jaxinfer.bench.serving import start_server
     from jaxinfer.serving import Client
 
     self.samples, self.params_for = samples, params_for
@@ -381,8 +380,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
 # ---- main --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--sut", default="inprocess", help="inprocess, grpc, or both (comma-separated)")
@@ -399,40 +397,45 @@ def parse_args(argv):
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--prefix-caching", action="store_true",
                  help="keep the prefix cache on (LoadGen repeats samples, so hits flatter TTFT)")
-  p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-  args = p.parse_args(argv)
+  p.add_argument("--out", default=str(RESULTS), help="folder for mlperf-<date>.json, its plot and LoadGen's logs")
+
+
+def check_arguments(args: argparse.Namespace) -> argparse.Namespace:
+  """Parses the comma lists into args.suts, scenario_list, qps_list, interactive_qps_list;
+  UsageError names a bad one."""
   args.suts = [s.strip() for s in args.sut.split(",") if s.strip()]
   if "both" in args.suts:
     args.suts = ["inprocess", "grpc"]
   for s in args.suts:
     if s not in ("inprocess", "grpc"):
-      p.error(f"--sut: unknown SUT {s!r} (inprocess, grpc, both)")
+      raise UsageError(f"--sut: unknown SUT {s!r} (inprocess, grpc, both)")
   args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
   for s in args.scenario_list:
     if s not in SCENARIOS:
-      p.error(f"--scenarios: unknown scenario {s!r} (known: {', '.join(SCENARIOS)})")
+      raise UsageError(f"--scenarios: unknown scenario {s!r} (known: {', '.join(SCENARIOS)})")
   try:
     args.qps_list = [float(q) for q in args.qps.split(",")]
     args.interactive_qps_list = [float(q) for q in args.interactive_qps.split(",")]
   except ValueError as e:
-    p.error(f"--qps / --interactive-qps: {e}")
+    raise UsageError(f"--qps / --interactive-qps: {e}") from None
   if any(q <= 0 for q in args.qps_list + args.interactive_qps_list) or args.offline_qps <= 0:
-    p.error("target QPS must be > 0")
+    raise UsageError("target QPS must be > 0")
   if args.duration <= 0:
-    p.error("--duration must be > 0")
+    raise UsageError("--duration must be > 0")
   return args
 
 
-def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+  check_arguments(args)
   try:
     import mlperf_loadgen  # noqa: F401
   except ImportError:
-    print("mlperf.py needs mlcommons-loadgen: pip install -e '.[test]' (or pip install mlcommons-loadgen)",
-          file=sys.stderr)
+    print("jaxinfer bench mlperf needs mlcommons-loadgen: pip install -e '.[test]' (or pip install "
+          "mlcommons-loadgen)", file=sys.stderr)
     return 2
-  from bench_peers import write_results
   from jaxinfer import LLM, SamplingParams
+
+  env = environment(args.command)
 
   engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=args.prefix_caching)
@@ -488,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
       "load_average_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
                           "cores": os.cpu_count()},
   }
-  path = write_results("mlperf", payload, out_dir / f"mlperf-{stamp}.json")
+  path = write_results("mlperf", payload, out_dir / f"mlperf-{stamp}.json", env=env)
   print(f"wrote {path}" + (f" and {png}" if png else ""), file=sys.stderr)
   return 0
 
@@ -498,6 +501,3 @@ def _loadgen_version(logs: Path) -> str | None:
     return parse_detail_log(detail).get("loadgen_version")
   return None
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Subprocess side of scripts/bench_peers.py: runs inside a peer's own virtualenv.
+"""Subprocess side of jaxinfer/bench/peers.py: runs inside a peer's own virtualenv.
 
 Invoked as `<venv python> _peer_worker.py <command> <spec.json>`; it reads the
-spec, does one job and prints exactly one line `JAXINFER_PEER_RESULT <json>` on
-stdout (peers print plenty of their own noise around it). Commands:
+spec, does one job and prints one line `JAXINFER_PEER_RESULT <json>` on stdout
+per result, the last one the job's (peers print plenty of their own noise around
+it). Commands:
 
   gguf  dequantize a GGUF file to an F32 or F16 GGUF (needs the `gguf` package)
   hf    build a Hugging Face model dir from a GGUF file (needs torch, transformers, accelerate)
   run   load one peer, warm it up, time one batched greedy generation
   ttft  load one peer; per prompt length, one warm-up prompt, then the time to
         first token of each timed prompt run alone (max_tokens=1)
+  serve load one peer and warm it up, then time one generation per `go` line on
+        stdin, a result line each (peers.PeerSession; llama.cpp only)
 
 Only the standard library is imported at module level: each venv has a
 different set of libraries, and a missing one must come back as a clean
@@ -364,8 +367,16 @@ def _llamacpp_precision(spec: dict[str, Any]) -> str:
   return {"F32": "float32", "F16": "float16", "Q8_0": "Q8_0", "Q4_1": "Q4_1"}[spec["gguf_type"]]
 
 
-def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
-  """llama.cpp through llama-cpp-python's low-level C API, all prompts as one batch.
+def _llamacpp_kv_cache(spec: dict[str, Any]) -> str:
+  """The KV cache's type as _LlamaCpp sets it: F16 for the F16 file, else F32 (the weights'
+  Q8_0 / Q4_1 blocks are not the cache's)."""
+  return "float16" if spec["gguf_type"] == "F16" else "float32"
+
+
+def _llamacpp_session(spec: dict[str, Any]) -> tuple[Callable[[int], tuple[list[list[int]], float, float]],
+                                                     dict[str, Any], Callable[[], None]]:
+  """llama.cpp loaded for the spec's prompts: (generate(n_new) -> (outputs, ttft_s, wall_s),
+  the result's fields about the peer, close).
 
   Every prompt is its own sequence (n_seq_max = number of prompts); the prefill
   of all prompts is one llama_decode, then each step decodes one token for
@@ -380,35 +391,42 @@ def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   lm = _LlamaCpp(spec, n_seq=n_seq, per_seq=max(len(p) for p in prompts) + max_new + 8,
                  n_batch=max(total_prompt, n_seq, 512))
 
-  def generate(ps: list[list[int]], n_new: int) -> tuple[list[list[int]], float, float]:
+  def generate(n_new: int) -> tuple[list[list[int]], float, float]:
     lm.clear()
     t0 = time.perf_counter()
     i = 0
-    for s, p in enumerate(ps):
+    for s, p in enumerate(prompts):
       for j, tok in enumerate(p):
         lm.set_tok(i, tok, j, s, j == len(p) - 1)
         i += 1
     lm.decode(i)
-    nxt = lm.argmax_rows(len(ps))
+    nxt = lm.argmax_rows(len(prompts))
     ttft = time.perf_counter() - t0
     out = [[t] for t in nxt]
     for step in range(1, n_new):
-      for s, p in enumerate(ps):
+      for s, p in enumerate(prompts):
         lm.set_tok(s, nxt[s], len(p) + step - 1, s, True)
-      lm.decode(len(ps))
-      nxt = lm.argmax_rows(len(ps))
-      for s in range(len(ps)):
+      lm.decode(len(prompts))
+      nxt = lm.argmax_rows(len(prompts))
+      for s in range(len(prompts)):
         out[s].append(nxt[s])
     return out, ttft, time.perf_counter() - t0
 
-  generate(prompts, min(4, max_new))  # warm-up: same shapes for the prefill, a few decode steps
-  with mem.paused():
-    outputs, ttft, wall = generate(prompts, max_new)
-  lm.close()
   precision = _llamacpp_precision(spec)
-  return {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
-          "outputs": outputs, "wall_s": wall, "ttft_s": ttft, "model": spec["model"],
-          "n_threads": lm.n_threads}
+  meta = {"precision": precision, "kv_cache": _llamacpp_kv_cache(spec), "version": lm.lc.__version__,
+          "model": spec["model"], "n_threads": lm.n_threads}
+  return generate, meta, lm.close
+
+
+def run_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
+  """llama.cpp through llama-cpp-python's low-level C API, all prompts as one batch
+  (_llamacpp_session)."""
+  generate, meta, close = _llamacpp_session(spec)
+  generate(min(4, spec["max_new_tokens"]))  # warm-up: same shapes for the prefill, a few decode steps
+  with mem.paused():
+    outputs, ttft, wall = generate(spec["max_new_tokens"])
+  close()
+  return {**meta, "outputs": outputs, "wall_s": wall, "ttft_s": ttft}
 
 
 def _load_transformers(spec: dict[str, Any]) -> tuple[Any, Any, Any, int]:
@@ -589,7 +607,7 @@ def ttft_llamacpp(spec: dict[str, Any], mem: Memory) -> dict[str, Any]:
   cases = _ttft_cases(spec, first_token, mem)
   lm.close()
   precision = _llamacpp_precision(spec)
-  return {"precision": precision, "kv_cache": precision, "version": lm.lc.__version__,
+  return {"precision": precision, "kv_cache": _llamacpp_kv_cache(spec), "version": lm.lc.__version__,
           "cases": cases, "model": spec["model"], "n_threads": lm.n_threads,
           "n_ubatch": lm.n_ubatch}
 
@@ -699,13 +717,49 @@ def ttft(spec: dict[str, Any]) -> dict[str, Any]:
   return _measured(1, spec)
 
 
+# Peers that can stay loaded between timed runs (the `serve` command).
+SESSIONS: dict[str, Callable[[dict[str, Any]], tuple[Callable[[int], tuple[list[list[int]], float, float]],
+                                                      dict[str, Any], Callable[[], None]]]] = {
+    "llama.cpp": _llamacpp_session,
+}
+
+
+def serve(spec: dict[str, Any]) -> dict[str, Any]:
+  """Loads the peer and warms it up once, emits {"ready": ...}, then times one generation of
+  the spec's prompts per `go` line on stdin (one result line each) until `stop` or EOF.
+
+  So a benchmark can interleave this peer's runs with jaxinfer's (ABBA rounds) while each
+  keeps its own process: a peer's start-up is paid once, and load from other jobs on a
+  shared CPU falls on both systems alike."""
+  if spec["system"] not in SESSIONS:
+    raise ValueError(f"serve: {spec['system']} has no session; one of {sorted(SESSIONS)}")
+  generate, meta, close = SESSIONS[spec["system"]](spec)
+  max_new = spec["max_new_tokens"]
+  generate(min(4, max_new))  # warm-up
+  emit({"ready": True, **meta})
+  runs = 0
+  for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "stop":
+      break
+    if cmd != "go":
+      raise ValueError(f"serve: expected 'go' or 'stop' on stdin, got {cmd!r}")
+    outputs, ttft, wall = generate(max_new)
+    generated = _check_counts(outputs, max_new)
+    runs += 1
+    emit({"wall_s": wall, "ttft_s": ttft, "generated_tokens": generated, "tokens_per_s": generated / wall,
+          **({"outputs": outputs} if spec.get("return_outputs") else {})})
+  close()
+  return {"done": True, "runs": runs, **meta, "system": spec["system"], "dtype": spec["dtype"]}
+
+
 def main(argv: list[str]) -> int:
-  if len(argv) != 2 or argv[0] not in ("gguf", "hf", "run", "ttft"):
-    print("usage: _peer_worker.py {gguf|hf|run|ttft} SPEC.json", file=sys.stderr)
+  if len(argv) != 2 or argv[0] not in ("gguf", "hf", "run", "ttft", "serve"):
+    print("usage: _peer_worker.py {gguf|hf|run|ttft|serve} SPEC.json", file=sys.stderr)
     return 2
   spec = json.loads(Path(argv[1]).read_text())
   try:
-    result = {"gguf": make_gguf, "hf": make_hf, "run": run, "ttft": ttft}[argv[0]](spec)
+    result = {"gguf": make_gguf, "hf": make_hf, "run": run, "ttft": ttft, "serve": serve}[argv[0]](spec)
   except Unavailable as e:
     emit({"unavailable": str(e)})
     return EXIT_UNAVAILABLE

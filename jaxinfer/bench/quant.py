@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Quantized matmul forms (int8, fp8, int4) against float32 at SmolLM2-135M's decode shapes, then the model end to end.
 
 Why a chain of 30 layers' weights and not one matrix: a single 576 x 1536
@@ -42,12 +41,12 @@ int8 activations ('int8 x int8') patched in, the measurement that chose the spli
 --e2e also times LLM.generate on the default model, float32, bfloat16, int8, fp8 and int4
 weights, and float32 weights over an int8 / fp8 KV cache (kv-int8, kv-fp8; --e2e-formats
 picks some), each in
-its own process (scripts/bench_offline.py's worker, token budget 512 as there): batch 1 and 64 prompts,
+its own process (`jaxinfer bench offline`'s worker, token budget 512 as there): batch 1 and 64 prompts,
 128 new tokens, EOS ignored.
 
-  python scripts/bench_quant_matmul.py              # matmuls only
-  python scripts/bench_quant_matmul.py --e2e        # and the end-to-end decode rows
-  python scripts/bench_quant_matmul.py --accuracy   # and float32 vs int8 logits of the default model
+  jaxinfer bench quant              # matmuls only
+  jaxinfer bench quant --e2e        # and the end-to-end decode rows
+  jaxinfer bench quant --accuracy   # and float32 vs int8 logits of the default model
 
 Writes benchmarks/results/quant-matmul-<date>.json and prints a Markdown table.
 """
@@ -55,14 +54,9 @@ Writes benchmarks/results/quant-matmul-<date>.json and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import UsageError, environment, load_average, prompts_token_ids, write_results
 
 D, F = 576, 1536  # SmolLM2-135M hidden and MLP widths
 SHAPES = {"gate/up D->F": (D, F), "down F->D": (F, D), "wq/wo D->D": (D, D)}
@@ -104,7 +98,7 @@ def matmul_rows(layers: int, repeats: int, only: list[str] | None = None, tokens
   if only:
     unknown = set(only) - set(forms)
     if unknown:
-      raise SystemExit(f"unknown forms {sorted(unknown)}; known: {', '.join(forms)}")
+      raise UsageError(f"--forms: unknown {sorted(unknown)}; known: {', '.join(forms)}")
     forms = {k: v for k, v in forms.items() if k in only}
   rows = []
   for name, (I, O) in SHAPES.items():
@@ -200,8 +194,8 @@ E2E_FORMATS = ("float32", "bfloat16", "int8", "fp8", "int4", "kv-int8", "kv-fp8"
 
 
 def e2e_rows(max_tokens: int, num_prompts: int, timeout_s: float, formats=E2E_FORMATS) -> list[dict]:
-  import bench_offline
-  prompts = bench_offline.prompts_token_ids(num_prompts)
+  from jaxinfer.bench import offline as bench_offline
+  prompts = prompts_token_ids(num_prompts)
   rows = []
   for n in (1, num_prompts):
     for fmt in formats:
@@ -223,10 +217,9 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
   patched in."""
   import numpy as np
 
-  import bench_offline
   import jaxinfer.quant as quant
   from jaxinfer import LLM
-  prompts = bench_offline.prompts_token_ids(num_prompts)
+  prompts = prompts_token_ids(num_prompts)
   ref = LLM(None, max_model_len=512, warmup=False)
   ref_logits = [ref.logits(p) for p in prompts]
   del ref
@@ -255,8 +248,7 @@ def accuracy_rows(num_prompts: int) -> list[dict]:
   return rows
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--layers", type=int, default=30, help="distinct weights per chain (SmolLM2: 30 layers)")
   p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best is kept)")
   p.add_argument("--e2e", action="store_true", help="also LLM.generate float32 vs the other formats on the default model")
@@ -271,10 +263,14 @@ def main() -> None:
   p.add_argument("--num-prompts", type=int, default=64)
   p.add_argument("--timeout", type=float, default=1800)
   p.add_argument("--out", default=None)
-  args = p.parse_args()
-  from bench_peers import write_results
 
-  load_before = os.getloadavg()
+
+def run(args: argparse.Namespace) -> int:
+  formats = tuple(f for f in args.e2e_formats.split(",") if f)
+  if unknown := set(formats) - set(E2E_FORMATS):
+    raise UsageError(f"--e2e-formats: unknown {sorted(unknown)} (choose from {', '.join(E2E_FORMATS)})")
+  env = environment(args.command)
+  load_before = load_average()
   only = args.forms.split(",") if args.forms else None
   tokens = tuple(int(t) for t in args.tokens.split(","))
   rows = [] if args.skip_matmuls else matmul_rows(args.layers, args.repeats, only, tokens)
@@ -285,16 +281,13 @@ def main() -> None:
   for r in rows:
     print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r[f]:.1f}" for f in forms) + " |")
   accuracy = accuracy_rows(args.accuracy_prompts) if args.accuracy else None
-  formats = tuple(f for f in args.e2e_formats.split(",") if f)
-  if unknown := set(formats) - set(E2E_FORMATS):
-    p.error(f"--e2e-formats: unknown {sorted(unknown)} (choose from {', '.join(E2E_FORMATS)})")
   e2e = e2e_rows(args.max_tokens, args.num_prompts, args.timeout, formats) if args.e2e else []
   if e2e:
     print("\n| prompts | format | weights | KV cache | tok/s | peak RSS MB |\n|---|---|---|---|---|---|")
     for r in e2e:
       print(f"| {r['num_prompts']} | {r['format']} | {r['precision']} | {r['kv_cache_dtype']} | "
             f"{r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} |")
-  load_after = os.getloadavg()
+  load_after = load_average()
   print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores, shared)")
   path = write_results("quant-matmul", dict(matmuls=rows, e2e=e2e, accuracy=accuracy,
                                             load_average_before=load_before, load_average_after=load_after,
@@ -309,9 +302,6 @@ def main() -> None:
                                                   "conversions on this CPU, slower than int8's. int8 split "
                                                   "escapes it: an s8 x s8 dot of >= 2 rows runs in XLA "
                                                   "CPU's YNNPACK fusion over the int8 weight"),
-                       args.out)
+                       args.out, env=env)
   print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

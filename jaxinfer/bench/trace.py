@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Where a decode step's device time goes, per XLA operation kind, from a jax.profiler trace.
 
-  python scripts/trace_step.py [--quantization int4] [--kv-cache-dtype int8] [--dtype bfloat16]
-                               [--steps 40] [--batch 1] [--prompt-len N] [--out FILE.json]
+  jaxinfer bench trace [--quantization int4] [--kv-cache-dtype int8] [--dtype bfloat16]
+                       [--steps 40] [--batch 1] [--prompt-len N] [--out FILE.json]
 
 Runs the default model on --batch copies of one short prompt (or, with --prompt-len, of N
 random token ids: a long context; the second run's prefill is then served by the prefix
@@ -28,13 +27,9 @@ import glob
 import gzip
 import json
 import re
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from jaxinfer.bench.harness import environment, write_results
 
 
 def top_level_ops(events: list[dict]) -> list[dict]:
@@ -49,8 +44,7 @@ def top_level_ops(events: list[dict]) -> list[dict]:
   return out
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--quantization", choices=["int8", "fp8", "int4"], default=None)
   ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8"])
   ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -58,8 +52,10 @@ def main() -> None:
   ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
   ap.add_argument("--prompt-len", type=int, default=None, help="random prompt ids of this length (default: a short text)")
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
 
+
+def run(args: argparse.Namespace) -> int:
+  env = environment(args.command)
   import jax
   from jaxinfer import LLM, SamplingParams
   llm = LLM(None, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -93,13 +89,9 @@ def main() -> None:
   print("| kind | ms / step | share | ops / step |\n|---|---:|---:|---:|")
   for r in rows[:15]:
     print(f"| {r['kind']} | {r['ms_per_step']:.3f} | {r['share']:.1%} | {r['ops_per_step']:g} |")
-  from bench_peers import write_results
   out = write_results(f"trace-step-{fmt}", dict(format=fmt, kv_cache_dtype=kv, batch=args.batch,
                                                 prompt_len=args.prompt_len or len(prompt), steps=args.steps,
                                                 jax=jax.__version__,
-                                                device_ms_per_step=round(total, 3), kinds=rows), args.out)
+                                                device_ms_per_step=round(total, 3), kinds=rows), args.out, env=env)
   print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The KV-aware router past one machine: its real index and cost function over simulated workers.
 
 No model runs. A synthetic multi-turn chat trace with shared system prompts
@@ -38,9 +37,9 @@ simulation's own objects brought close) is counted, and the p99 is also
 given without those calls, so a GC pause is not mistaken for the index's
 cost. The load average is read before and after each run.
 
-  python scripts/simulate_router.py                          # 8, 64, 512 workers x 1e5 requests
-  python scripts/simulate_router.py --workers 64 --requests 1000000 --policies kv
-  python scripts/simulate_router.py --workers 4 --requests 2000 --out /tmp/sim.json
+  jaxinfer bench router-sim                          # 8, 64, 512 workers x 1e5 requests
+  jaxinfer bench router-sim --workers 64 --requests 1000000 --policies kv
+  jaxinfer bench router-sim --workers 4 --requests 2000 --out /tmp/sim.json
 
 Writes benchmarks/results/router-sim-<date>.json (or --out) and prints a table.
 """
@@ -54,17 +53,13 @@ import heapq
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from jaxinfer.engine.kv_manager import KVEvent, hash_blocks  # noqa: E402
-from jaxinfer.serving.kv_router import KVRouter, RouterConfig  # noqa: E402
+from jaxinfer.bench.harness import UsageError, environment, write_results
+from jaxinfer.engine.kv_manager import KVEvent, hash_blocks
+from jaxinfer.serving.kv_router import KVRouter, RouterConfig
 
 POLICIES = ("kv", "round_robin", "random")
 
@@ -284,8 +279,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           + f" | {r['load_average_before'][0]:.2f} / {r['load_average_after'][0]:.2f} |")
 
 
-def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--workers", default="8,64,512", help="comma-separated worker counts")
   p.add_argument("--policies", default=",".join(POLICIES))
   p.add_argument("--requests", type=int, default=100_000)
@@ -299,19 +293,20 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--event-lag", type=float, default=0.05, help="seconds before the router sees events")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
-  args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
   policies = [x.strip() for x in args.policies.split(",") if x.strip()]
   for pol in policies:
     if pol not in POLICIES:
-      p.error(f"--policies: unknown policy {pol!r} (known: {', '.join(POLICIES)})")
+      raise UsageError(f"--policies: unknown policy {pol!r} (known: {', '.join(POLICIES)})")
   try:
     worker_counts = [int(w) for w in args.workers.split(",")]
   except ValueError as e:
-    p.error(f"--workers: {e}")
+    raise UsageError(f"--workers: {e}") from None
   if min(worker_counts) < 1 or args.requests < 1:
-    p.error("--workers and --requests must be >= 1")
-
-  from bench_peers import write_results
+    raise UsageError("--workers and --requests must be >= 1")
+  env = environment(args.command)
 
   rows = []
   for w in worker_counts:
@@ -319,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"simulating {w} workers, {pol}, {args.requests} requests", file=sys.stderr, flush=True)
       rows.append(simulate(args, w, pol))
   print_table(rows)
-  path = write_results("router-sim", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-                                      "rows": rows}, args.out)
+  path = write_results("router-sim", {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "command")},
+                                      "rows": rows}, args.out, env=env)
   print(f"wrote {path}", file=sys.stderr)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
