@@ -39,7 +39,6 @@ odd ones (`WeightSpec.interleave`), its bias [E, 2F] alike.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 

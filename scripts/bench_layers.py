@@ -152,11 +152,10 @@ def compile_seconds(cfg, params, batch: int, ctx: int, dtype) -> float:
 
 
 def llama3_8b(layers: int, vocab: int | None = None):
-  """Llama-3-8B's config (tests/test_config.py) with `layers` layers (and `vocab` entries)."""
+  """Llama-3-8B's shapes (jaxinfer bench offline's) with `layers` layers (and `vocab` entries)."""
   import dataclasses
+  from jaxinfer.bench.offline import LLAMA3_8B
   from jaxinfer.config import ModelConfig
-  sys.path.insert(0, str(ROOT / "tests"))
-  from test_config import LLAMA3_8B
   cfg = dataclasses.replace(ModelConfig.from_hf(LLAMA3_8B), num_layers=layers)
   return dataclasses.replace(cfg, vocab_size=vocab) if vocab else cfg
 

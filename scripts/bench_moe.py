@@ -664,6 +664,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, str(ROOT))
-  sys.path.insert(0, str(ROOT / "scripts"))
   sys.exit(main())

@@ -178,7 +178,6 @@ def head_forward(p, embed, cfg, h, next_tokens, positions, length):
 
 def check_against_engine(cfg, params, head, h, tokens, length, page_size=16):
   """The training forward equals the engine's paged mtp_hidden on one sequence."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
   from jaxinfer.models.cache import CacheSpec

@@ -1,8 +1,11 @@
-"""Test helpers: drive an engine by hand; write GGUF files the way llama.cpp's converter does."""
+"""Test helpers: drive an engine by hand; write GGUF files the way llama.cpp's converter does;
+load a script from scripts/."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import gguf
@@ -157,3 +160,13 @@ def lower_for_cuda(fn, *avals) -> str:
   text = lowered.as_text()
   assert "triton" in text  # the pallas_call became a Triton custom call
   return text
+
+
+def load_script(name: str):
+  """scripts/<name>.py as a module, loaded from its path (scripts/ is not a package, and the
+  tests edit no sys.path); registered in sys.modules, where dataclasses look their module up."""
+  spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module

@@ -2,19 +2,16 @@
 scripts/render_performance.py; these tests fail when the page is stale against the results, and
 pin what the renderer does with runs, machines and files it cannot read."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "render_performance.py"
-# Loaded from its path (scripts/ is not a package, and the tests edit no sys.path).
-_spec = importlib.util.spec_from_file_location("render_performance", SCRIPT)
-render_performance = importlib.util.module_from_spec(_spec)
-sys.modules["render_performance"] = render_performance  # dataclasses look their module up there
-_spec.loader.exec_module(render_performance)
+render_performance = load_script("render_performance")
 
 
 def test_the_committed_page_equals_a_fresh_render_of_the_results():

@@ -87,7 +87,7 @@ def test_an_own_shared_head_is_read(tmp_path):
   t = mtp_tensors(cfg, np.random.default_rng(1), head=True)
   save_file(t, str(d / "model-mtp.safetensors"))
   w = read_hf_head(d, cfg)
-  np.testing.assert_array_equal(w["head"], t[f"model.layers.3.shared_head.head.weight"].T)
+  np.testing.assert_array_equal(w["head"], t["model.layers.3.shared_head.head.weight"].T)
 
 
 @pytest.mark.parametrize("broken,message", [

@@ -3,18 +3,16 @@ with replicas), the two dispatches' row arithmetic, and a short rows-only run th
 JSON and PNG (the engine timing is run by hand)."""
 
 import argparse
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from helpers import load_script
 from jaxinfer.models.eplb import Placement
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-bench = importlib.import_module("bench_eplb")
+bench = load_script("bench_eplb")
 
 
 def test_device_rows_by_hand():

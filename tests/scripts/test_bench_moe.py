@@ -3,21 +3,16 @@ shapes (timings set by hand), the per-expert-array grouped matmul it compares ag
 bottleneck it names, and the greedy-agreement and decode-rate arithmetic. (The transformers
 side needs the ref venv and a 2 GB model; the full script is run by hand.)"""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_dir
+from helpers import load_script
 from jaxinfer import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-# Loaded from its path: scripts/ is not a package, and the tests edit no sys.path.
-_spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "scripts" / "bench_moe.py")
-bench_moe = importlib.util.module_from_spec(_spec)
-sys.modules["bench_moe"] = bench_moe  # dataclasses look their module up there
-_spec.loader.exec_module(bench_moe)
+bench_moe = load_script("bench_moe")
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,15 @@
 matrix, and a seeded 40-request trace on 4 ranks where the old rule's first step gives one
 rank 906 tokens and the balanced scheduler caps it at its 512-token share."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-simulate_adp = importlib.import_module("simulate_adp")
+simulate_adp = load_script("simulate_adp")
 
 
 def test_windows_take_max_over_mean_per_step():

@@ -1,22 +1,17 @@
 """scripts/train_mtp.py end to end on a tiny model: it learns, saves the head beside the
 checkpoint, and the engine drafts with that head (greedy output unchanged)."""
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from conftest import tiny_dir
+from helpers import load_script
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.mtp_head import head_paths
 
 ROOT = Path(__file__).resolve().parents[2]
-# Loaded from its path: scripts/ is not a package, and the tests edit no sys.path.
-_spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
-train_mtp = importlib.util.module_from_spec(_spec)
-sys.modules["train_mtp"] = train_mtp  # dataclasses look their module up there
-_spec.loader.exec_module(train_mtp)
+train_mtp = load_script("train_mtp")
 
 PROMPTS = ["Count from one to ten.", "Name three colours.", "Write a haiku about rain.",
            "What is two plus two?", "Spell the word cat.", "Say hello in French."]
