@@ -63,6 +63,9 @@ MOVED_SCRIPTS = {
     "bench_kv_transfer.py": "kv-transfer",
     "bench_serving.py": "serving",
     "bench_long_prompt.py": "long-prompt",
+    "bench_eplb.py": "eplb",
+    "simulate_adp.py": "adp-sim",
+    "bench_layers.py": "layers",
 }
 # Scripts that served one investigation and were removed after it: the commit that still has them.
 REMOVED_SCRIPTS = {

@@ -58,6 +58,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                            "share (schedule, pack, postprocess); a table, a JSON and a picture"),
     "trace": ("trace", "a decode step's device time per XLA operation kind, from a jax.profiler trace"),
     "peer": ("peers", "run one peer (vLLM-CPU, llama.cpp, transformers) alone and print its result"),
+    "eplb": ("eplb", "expert-parallel load balancing: routed rows per device over 8 host devices with and "
+                     "without EPLB under a Zipf skew, the two dispatches' rows, the online re-plan's cost"),
+    "adp-sim": ("adp_sim", "attention-DP balancing on a simulated trace (the real scheduler, no model): per-step "
+                           "max/mean tokens over the data ranks, balanced vs least-loaded"),
+    "layers": ("layers", "fused vs separate q/k/v and gate/up, scanned vs unrolled layers: step time and "
+                         "compile time (fuse | scan | warmup)"),
 }
 
 

@@ -186,7 +186,7 @@ class KVManager:
   def rank_shards(self, token_ids: Sequence[int], loads: Sequence[int], use_cache: bool = True) -> list[int]:
     """Shards for a new request, best first: the longest prefix hit, then the least load,
     then the lowest index. (The scheduler ranks data ranks by predicted load instead,
-    `scheduler.rank_by_load`; this older rule is kept for comparison, scripts/simulate_adp.py.)"""
+    `scheduler.rank_by_load`; this older rule is kept for comparison, `jaxinfer bench adp-sim`.)"""
     hits = self.hit_pages_per_shard(token_ids) if use_cache else [0] * self.num_shards
     return sorted(range(self.num_shards), key=lambda s: (-hits[s], loads[s], s))
 

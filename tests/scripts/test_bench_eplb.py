@@ -1,18 +1,16 @@
-"""scripts/bench_eplb.py's counting: each device's routed rows for a hand-made routing (plain and
+"""`jaxinfer bench eplb`'s counting: each device's routed rows for a hand-made routing (plain and
 with replicas), the two dispatches' row arithmetic, and a short rows-only run that writes its
 JSON and PNG (the engine timing is run by hand)."""
 
 import argparse
 import json
-from pathlib import Path
 
 import numpy as np
 
-from helpers import load_script
+from jaxinfer.bench import eplb as bench
+from jaxinfer.bench import main as bench_main
 from jaxinfer.models.eplb import Placement
 
-ROOT = Path(__file__).resolve().parents[2]
-bench = load_script("bench_eplb")
 
 
 def test_device_rows_by_hand():
@@ -37,7 +35,7 @@ def test_dispatch_rows():
 
 def test_short_run_writes_json_and_png(tmp_path, capsys):
   out = tmp_path / "eplb.json"
-  assert bench.main(["--experts", "8", "--top-k", "2", "--devices", "4", "--redundant", "4", "--layers", "1",
+  assert bench_main(["eplb", "--experts", "8", "--top-k", "2", "--devices", "4", "--redundant", "4", "--layers", "1",
                      "--steps", "12", "--tokens", "32", "--shift-every", "6", "--window", "2", "--interval", "2",
                      "--no-timing", "--out", str(out)]) == 0
   result = json.loads(out.read_text())

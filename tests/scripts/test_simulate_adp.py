@@ -1,16 +1,14 @@
-"""scripts/simulate_adp.py at a toy size: the windows' arithmetic on a hand-made step
+"""`jaxinfer bench adp-sim` at a toy size: the windows' arithmetic on a hand-made step
 matrix, and a seeded 40-request trace on 4 ranks where the old rule's first step gives one
 rank 906 tokens and the balanced scheduler caps it at its 512-token share."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from helpers import load_script
+from jaxinfer.bench import adp_sim as simulate_adp
+from jaxinfer.bench import main as bench
 
-ROOT = Path(__file__).resolve().parents[2]
-simulate_adp = load_script("simulate_adp")
 
 
 def test_windows_take_max_over_mean_per_step():
@@ -26,7 +24,7 @@ def test_windows_take_max_over_mean_per_step():
 
 def test_a_seeded_trace_balances_and_is_recorded(tmp_path):
   out = tmp_path / "adp.json"
-  assert simulate_adp.main(["--requests", "40", "--loads", "1.5", "--out", str(out)]) == 0
+  assert bench(["adp-sim", "--requests", "40", "--loads", "1.5", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert result["commit"] and result["machine"]["cpu_model"] and len(result["load_average_before"]) == 3
   (run,) = result["runs"]

@@ -36,8 +36,8 @@ sets the pace, whoever got it). Each window gives the mean, p50 and p95 of
 the per-step ratio and the step-weighted figure sum(max) / sum(mean), the
 padded work over the useful work (what lockstep ranks cost).
 
-  python scripts/simulate_adp.py                  # 4 ranks, 600 requests, loads 1.2, 1.0, 0.9
-  python scripts/simulate_adp.py --ranks 8 --requests 2000 --loads 1.5 --out /tmp/adp.json
+  jaxinfer bench adp-sim                    # 4 ranks, 600 requests, loads 1.2, 1.0, 0.9
+  jaxinfer bench adp-sim --ranks 8 --requests 2000 --loads 1.5 --out /tmp/adp.json
 
 Writes benchmarks/results/adp-sim-<date>.json (or --out; commit, CPU, command,
 load average) and a PNG beside it: per-rank tokens over steps, per policy, at
@@ -54,11 +54,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from jaxinfer.engine.kv_manager import KVManager
 from jaxinfer.engine.scheduler import Request, Scheduler, StepBudget, imbalance
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.bench.harness import UsageError
 
 POLICIES = ("least_loaded", "split", "balanced")
 MIN_PROMPT, MAX_PROMPT = 16, 2048
@@ -189,8 +190,7 @@ def plot(results: dict[str, dict], path: Path, ranks: int, load: float) -> None:
   plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--ranks", type=int, default=4)
   p.add_argument("--requests", type=int, default=600)
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (all ranks together)")
@@ -204,22 +204,24 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
   p.add_argument("--no-plot", action="store_true")
-  args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
   policies = [x.strip() for x in args.policies.split(",") if x.strip()]
   for pol in policies:
     if pol not in POLICIES:
-      p.error(f"--policies: unknown policy {pol!r} (known: {', '.join(POLICIES)})")
+      raise UsageError(f"--policies: unknown policy {pol!r} (known: {', '.join(POLICIES)})")
   if args.ranks < 1 or args.requests < 1 or args.budget < args.ranks:
-    p.error("--ranks and --requests must be >= 1 and --budget >= --ranks")
+    raise UsageError("--ranks and --requests must be >= 1 and --budget >= --ranks")
 
   from jaxinfer.bench.harness import write_results
 
   try:
     loads = [float(x) for x in args.loads.split(",")]
   except ValueError as e:
-    p.error(f"--loads: {e}")
+    raise UsageError(f"--loads: {e}")
   if min(loads) <= 0:
-    p.error("--loads must be > 0")
+    raise UsageError("--loads must be > 0")
 
   load_before = os.getloadavg()
   runs, first = [], None
@@ -257,7 +259,3 @@ def main(argv: list[str] | None = None) -> int:
     plot(first, png, args.ranks, loads[0])
     print(f"wrote {png}", file=sys.stderr)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

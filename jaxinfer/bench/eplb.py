@@ -3,7 +3,7 @@
 and without redundant experts under Zipf-skewed routing, the dispatch's wire and compute rows,
 and the online re-planning's share of an engine step.
 
-  python scripts/bench_eplb.py [--experts 64 --top-k 8 --devices 8 --redundant 8]
+  jaxinfer bench eplb [--experts 64 --top-k 8 --devices 8 --redundant 8]
                                [--zipf 1.0 --steps 400 --tokens 512 --shift-every 100]
                                [--window 32 --interval 8] [--no-timing] [--out PATH]
 
@@ -45,12 +45,11 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -312,8 +311,7 @@ def cpu_model() -> str:
   return platform.processor() or "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--experts", type=int, default=64)
   ap.add_argument("--top-k", type=int, default=8)
   ap.add_argument("--devices", type=int, default=8)
@@ -329,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--no-timing", action="store_true", help="rows only (no engine run)")
   ap.add_argument("--engine-tokens", type=int, default=160, help="timing: tokens generated per request")
   ap.add_argument("--out", type=Path, default=None)
-  args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
   load_before = os.getloadavg()
   sim = simulate(args)
   summary = summarize(sim, args)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
   result = {
-      "benchmark": "eplb", "date": date, "commit": commit, "command": " ".join(["python"] + sys.argv),
+      "benchmark": "eplb", "date": date, "commit": commit, "command": args.command,
       "cpu": {"cpu_model": cpu_model(), "cpus": os.cpu_count()}, "jax": jax.__version__,
       "device": "cpu",
       "ep_devices": f"{args.devices} fake XLA:CPU devices (--xla_force_host_platform_device_count)",
@@ -374,7 +374,3 @@ def main(argv: list[str] | None = None) -> int:
   if not args.no_timing or args.out is not None:
     print(f"wrote {out} and {out.with_suffix('.png').name}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -14,10 +14,10 @@ context in the paged cache, plus the LM head) is compiled, then the variants are
 interleaved rounds (rounds x steps each, the order reversed every other round) and the median step reported with its spread, so a
 change in the machine's load hits both alike. The load average is recorded before and after.
 
-  python scripts/bench_layers.py fuse --batch 1 64 --quantization none int8 \
+  jaxinfer bench layers fuse --batch 1 64 --quantization none int8 \
       --out benchmarks/results/layers-fuse-2026-11-28.json
-  python scripts/bench_layers.py scan --batch 1 64 --out benchmarks/results/layers-scan-2026-11-28.json
-  python scripts/bench_layers.py warmup --rounds 2 --out benchmarks/results/layers-scan-warmup-2026-11-28.json
+  jaxinfer bench layers scan --batch 1 64 --out benchmarks/results/layers-scan-2026-11-28.json
+  jaxinfer bench layers warmup --rounds 2 --out benchmarks/results/layers-scan-warmup-2026-11-28.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
@@ -233,8 +233,7 @@ def run_warmup(args) -> dict:
           "load_average": os.getloadavg()}
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("what", choices=["fuse", "scan", "warmup"])
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
   ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
@@ -246,11 +245,13 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-layers", type=int, nargs="+", default=[4, 8, 16, 32])
   ap.add_argument("--compile-batch", type=int, default=1)
   ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
   load_before = os.getloadavg()
   body = {"fuse": run_fuse, "scan": run_scan, "warmup": run_warmup}[args.what](args)
   result = {"benchmark": f"layers-{args.what}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "commit": git_commit(), "command": " ".join(["python", "scripts/bench_layers.py"] + (argv or sys.argv[1:])),
+            "commit": git_commit(), "command": args.command,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                         **cpu_info()},
             "load_average_before": load_before, "load_average_after": os.getloadavg(), **body}
@@ -259,7 +260,3 @@ def main(argv=None) -> int:
     Path(args.out).write_text(text + "\n")
   print(text)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
