@@ -63,7 +63,8 @@ class LLM:
     enable_prefix_caching, warmup, compilation_cache_dir, attention_impl,
     speculative, e.g. {"method": "ngram", "num_speculative_tokens": 3}; eplb,
     MoE expert placement: a file from `jaxinfer eplb plan`, or e.g.
-    {"num_redundant_experts": 8, "replan_interval": 100}, see jaxinfer.models.eplb).
+    {"num_redundant_experts": 8, "replan_interval": 100}, see jaxinfer.models.eplb;
+    async_scheduling; scan_layers: layers under lax.scan, None for the backend's default).
     """
     known = set(EngineConfig.__dataclass_fields__)
     unknown = sorted(set(engine_options) - known)
