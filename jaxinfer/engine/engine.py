@@ -495,7 +495,7 @@ class LLMEngine:
       seqs.append(ScheduledSeq(
           row=req.row, token_ids=req.token_ids, start=start, num_new=n,
           pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          want_prompt_logprobs=req.output.prompt_lp is not None and _wants_prompt_logprobs(req, start),
+          want_prompt_logprobs=self.outputs.wants_prompt_logprobs(req, start),
           draft_ids=drafts, grammar=req.output.grammar, feed=start == len(req.token_ids)))
     try:
       handle = self.runner.launch(seqs)
@@ -523,9 +523,9 @@ class LLMEngine:
       self.expert_tokens += result.expert_tokens
       if self.eplb is not None:
         self.eplb.observe(result.expert_tokens)
-    accepted = self.scheduler.update_from_output(sched, result.ids, result.num_committed)
     # Python lists once: per-element numpy reads cost ~100 ns each, per token per request.
     ids, logprobs, committed = result.ids.tolist(), result.logprobs.tolist(), result.num_committed.tolist()
+    accepted = self.scheduler.update_from_output(sched, ids, committed)
     outputs = []
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
@@ -713,14 +713,6 @@ def _speculates(params: SamplingParams) -> bool:
   """Whether a request gets drafts. Penalties would need each verified row to see the
   drafts before it in its history; such requests decode without speculation."""
   return not params.uses_penalties
-
-
-def _wants_prompt_logprobs(req: Request, start: int) -> bool:
-  """Whether a step from `start` computes prompt positions' logprobs for req: some are
-  missing, and the step starts before the prompt's last position. (The entries collected lag
-  a step under async scheduling: alone, that test would send the first decode step through
-  the prompt-logprobs program too.)"""
-  return len(req.output.prompt_lp) < req.num_prompt_tokens and start + 1 < req.num_prompt_tokens
 
 
 def _enable_compilation_cache(path: str | None) -> None:

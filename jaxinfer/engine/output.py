@@ -138,13 +138,13 @@ class OutputProcessor:
     return reason
 
   @staticmethod
-  def wants_prompt_logprobs(req: Request) -> bool:
-    """Whether the step about to be packed for req computes prompt positions' logprobs: some
+  def wants_prompt_logprobs(req: Request, start: int) -> bool:
+    """Whether a step of req's from position `start` computes prompt positions' logprobs: some
     are missing, and the step starts before the prompt's last position. (The entries
     collected lag a step under async scheduling: alone, that test would send the first
     decode step through the prompt-logprobs program too.)"""
     lp = req.output.prompt_lp
-    return lp is not None and len(lp) < req.num_prompt_tokens and req.num_computed + 1 < req.num_prompt_tokens
+    return lp is not None and len(lp) < req.num_prompt_tokens and start + 1 < req.num_prompt_tokens
 
   @staticmethod
   def add_prompt_logprobs(req: Request, start: int, num_new: int, target_lp, top_ids, top_lp) -> None:

@@ -224,20 +224,19 @@ class Scheduler:
 
   def update_from_output(self, out: SchedulerOutput, ids: Any = None, num_committed: Any = None) -> list[list[int]]:
     """Settles a step that `schedule` planned, once its sampled ids [S, k + 1] and each
-    sequence's committed count [S] are on the host (None: the step failed). Its samples are
+    sequence's committed count [S] (arrays or lists) are on the host (None: the step failed). Its samples are
     no longer in flight; of a running request, the drafts the step accepted become computed
     and the blocks its known tokens complete are cached (rejected drafts' KV stays in the
     pages past num_computed: overwritten later, never cached). Returns each request's
     accepted drafts; the output processor commits them and the token after them."""
     accepted_all = []
-    committed = num_committed.tolist() if num_committed is not None else None  # (one conversion, not S)
     for i, (req, _) in enumerate(out.scheduled):
       req.num_inflight -= out.samples[i]
       req.num_inflight_drafts -= len(out.drafts[i])
-      c = committed[i] if committed is not None else 0
-      accepted = ids[i, :c - 1].tolist() if c > 1 else []
+      c = int(num_committed[i]) if num_committed is not None else 0
+      accepted = [int(t) for t in ids[i][:c - 1]] if c > 1 else []
       accepted_all.append(accepted)
-      if committed is None or req.status is not Status.RUNNING:
+      if num_committed is None or req.status is not Status.RUNNING:
         continue  # failed, ended or preempted meanwhile: nothing of it is computed
       req.num_computed += len(accepted)
       # Under async scheduling num_computed may count a token still in flight.
