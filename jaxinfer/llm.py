@@ -106,8 +106,9 @@ class LLM:
 
   # ---- generation --------------------------------------------------------------
 
-  def _add(self, prompts: Any, sampling_params: Any, apply_chat_template: bool) -> list[str]:
-    """Validates every prompt first (a bad one queues nothing), then queues them all."""
+  def _add(self, prompts: Any, sampling_params: Any, apply_chat_template: bool, stream: bool) -> list[str]:
+    """Validates every prompt first (a bad one queues nothing), then queues them all
+    (`stream`: each step reports their progress; else only their ends)."""
     plist = self._as_prompt_list(prompts)
     params = validate_per_request(sampling_params, len(plist))
     valid = []
@@ -119,7 +120,7 @@ class LLM:
     ids = []
     for request in valid:
       rid = f"llm-{next(self._ids)}"
-      self.engine.add_request(rid, request)
+      self.engine.add_request(rid, request, stream=stream)
       ids.append(rid)
     return ids
 
@@ -131,7 +132,7 @@ class LLM:
     `sampling_params` is one SamplingParams for all, or a list with one per
     prompt. `apply_chat_template=True` wraps text prompts as a single user turn.
     """
-    order = self._add(prompts, sampling_params, apply_chat_template)
+    order = self._add(prompts, sampling_params, apply_chat_template, stream=False)
     if not order:
       return []
     final: dict[str, RequestOutput] = {}
@@ -154,7 +155,7 @@ class LLM:
     prompts interleave: `out.index` is the prompt's position in `prompts`.
     Leaving the loop early aborts what is still running.
     """
-    ids = self._add(prompts, sampling_params, apply_chat_template)
+    ids = self._add(prompts, sampling_params, apply_chat_template, stream=True)
     index = {rid: i for i, rid in enumerate(ids)}
     for out in self._run(ids):
       out.index = index[out.request_id]

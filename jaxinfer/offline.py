@@ -130,7 +130,7 @@ def generate_jsonl(llm, input_path: str | Path, output_path: str | Path,
     def drain(until: int) -> None:
       while len(in_flight) > until:
         for o in engine.step():
-          summary.generated_tokens += len(o.new_token_ids)
+          summary.generated_tokens += len(o.new_token_ids)  # (final outputs only: the whole output)
           if o.finished:
             rid = in_flight.pop(o.request_id)
             write(_record(rid, o))
@@ -154,7 +154,7 @@ def generate_jsonl(llm, input_path: str | Path, output_path: str | Path,
           try:
             text, ids = llm.encode_prompt(req["prompt"], apply_chat_template)
             engine_id = f"offline-{n}"
-            engine.add_request(engine_id, ids, req["params"], prompt=text)
+            engine.add_request(engine_id, ids, req["params"], prompt=text, stream=False)
             in_flight[engine_id] = rid
           except JaxinferError as e:
             req = {"error": f"line {n}: {e}"}

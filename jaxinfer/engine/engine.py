@@ -288,7 +288,7 @@ class LLMEngine:
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | ValidRequest,
                   params: SamplingParams | None = None, *, prompt: str | None = None,
-                  hold_kv: bool = False, kv_source: str | None = None) -> None:
+                  hold_kv: bool = False, kv_source: str | None = None, stream: bool = True) -> None:
     """Queues a request; raises InvalidRequestError (and queues nothing) on bad input.
 
     A `ValidRequest` from this engine's `frontend` (ids, params and prompt text checked where
@@ -298,6 +298,8 @@ class LLMEngine:
     hold_kv: when it finishes, its pages stay allocated (for `export_kv`) until `release_kv`.
     kv_source: for a KV connector that imports prompts' KV, the worker to import it from
     (the connector checks it); None: the connector chooses.
+    stream: `step()` returns this request's output after every step that produced tokens;
+    False: only its final output (what `LLM.generate` reads; each step skips making it).
     """
     if request_id in self._requests or request_id in self.scheduler.held:
       raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -307,7 +309,8 @@ class LLMEngine:
     ids, params, prompt = valid.prompt_token_ids, valid.params, valid.prompt
     seed = params.seed if params.seed is not None else secrets.randbits(32)
     req = Request(request_id, ids, params, seed, prompt=prompt, hold_kv=hold_kv, kv_source=kv_source)
-    self.outputs.start(req, self.grammars.matcher(params.structured) if params.structured is not None else None)
+    self.outputs.start(req, self.grammars.matcher(params.structured) if params.structured is not None else None,
+                       stream=stream)
     self._requests[request_id] = req
     self.scheduler.add(req)
 
@@ -425,7 +428,8 @@ class LLMEngine:
       reason = self.outputs.commit_one(req, int(first_token), float(logprob), top_ids, top_lps)
       if reason is not None:
         self._finish(req, reason)
-      self._pending.append(self.outputs.output(req))
+      if req.output.stream or reason is not None:
+        self._pending.append(self.outputs.output(req))
     except Exception as e:  # like a step's postprocessing: this request fails, nobody else
       log.exception("request %s failed", request_id)
       self._pending.append(self._fail(req, e))
@@ -441,7 +445,8 @@ class LLMEngine:
   # ---- the step ----------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one engine step; returns an output for every request that produced something.
+    """Runs one engine step; returns an output for every request that finished, and for
+    every streaming one (`add_request(stream=True)`, the default) that produced tokens.
 
     With `async_scheduling`, the step launched here runs on the device while the host
     postprocesses the one the previous call launched (detokenization and stop checks one
@@ -542,7 +547,9 @@ class LLMEngine:
                                        len(accepted[i]))
           if reason is not None:
             self._finish(req, reason)
-          outputs.append(self.outputs.output(req))
+            outputs.append(self.outputs.output(req))
+          elif req.output.stream:
+            outputs.append(self.outputs.output(req))
           if result.drafts is not None and result.drafts.shape[1] and req.finish_reason is None:
             # MTP: drafted on device for exactly the tokens committed now (spec_decode.MtpDrafter).
             self.drafter.record(req.request_id, len(req.token_ids), result.drafts[i].tolist())

@@ -55,8 +55,9 @@ class RequestOutput:
 class OutputState:
   """One request's output so far: logprobs, detokenized text, what was sent, its matcher."""
 
-  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
+  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int], stream: bool = True):
     p = req.params
+    self.stream = stream  # an output after every step (else only the final one)
     self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
     self.logprobs: list[float] = []
     self.top: list[dict[int, float]] | None = [] if p.logprobs is not None else None
@@ -70,6 +71,10 @@ class OutputState:
     self.stopped_by_text = False
     self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
     self.accepted_drafts = 0  # speculative decoding: accepted drafts that joined the output
+    # No top logprobs, stop strings or grammar: a token's commit is a few appends and two
+    # checks (OutputProcessor.commit inlines it; most decode rows of most steps are this).
+    self.plain = self.top is None and not p.stop
+    self.max_tokens = p.max_tokens
 
   def visible_text(self, finished: bool) -> str:
     if self.detok is None:
@@ -88,9 +93,9 @@ class OutputProcessor:
     self.eos_ids = tuple(eos_ids)
     self.num_generated_tokens = 0
 
-  def start(self, req: Request, grammar=None) -> None:
+  def start(self, req: Request, grammar=None, stream: bool = True) -> None:
     """Gives a new request its output state (and its structured-output matcher)."""
-    req.output = OutputState(req, self.tokenizer, self.eos_ids)
+    req.output = OutputState(req, self.tokenizer, self.eos_ids, stream)
     req.output.grammar = grammar
 
   def commit(self, req: Request, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray,
@@ -98,6 +103,17 @@ class OutputProcessor:
     """Appends up to `count` of the sampled tokens ids[:count] (the first `num_drafts` of them
     accepted drafts), stopping at the first that finishes the request; returns its finish
     reason ('stop', 'length') or None."""
+    out = req.output
+    if count == 1 and out.plain and out.grammar is None:  # commit_one, inlined for the common row
+      token = ids[0]
+      req.token_ids.append(token)
+      self.num_generated_tokens += 1
+      out.logprobs.append(logprobs[0])
+      if out.detok is not None:
+        out.detok.push(token)
+      if token in out.stop_ids:
+        return "stop"
+      return "length" if len(req.token_ids) - len(req.prompt_token_ids) >= out.max_tokens else None
     before = len(req.token_ids)
     reason = None
     for j in range(count):

@@ -70,7 +70,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.grammar import Grammar, fill_bitmasks, mask_words
+from jaxinfer.engine.batch import (InputBatch, SamplerInputs, ScheduledSeq, StepBatch, bucket, from_buffers, pack,
+                                   pack_shards, to_buffers)
+from jaxinfer.engine.grammar import mask_words
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.models import eplb, mtp
@@ -81,8 +83,7 @@ from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, sta
 from jaxinfer import quant
 from jaxinfer.params import model_dtype
 from jaxinfer.engine.spec_decode import accept, relax
-from jaxinfer.sampling import (MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
-                               chosen_logprobs, sample)
+from jaxinfer.sampling import MAX_LOGPROBS, WARM_MODES, SamplerMode, chosen_logprobs, sample
 from pallas_kernels.spec_accept import spec_accept
 
 log = logging.getLogger(__name__)
@@ -98,175 +99,6 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
     b *= 2
   out.append(hi)
   return tuple(out)
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-  for b in buckets:
-    if n <= b:
-      return b
-  raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-  """One sequence's share of a step: token_ids[start:] (num_new - len(draft_ids)
-  of them) followed by the drafts, at positions start, start + 1, ..."""
-
-  row: int  # sampler-history row
-  token_ids: Sequence[int]  # all committed tokens of the request (prompt + output)
-  start: int  # tokens before this are already in the cache
-  num_new: int  # tokens this step computes, drafts included
-  pages: Sequence[int]
-  params: SamplingParams
-  seed: int
-  want_prompt_logprobs: bool = False
-  draft_ids: Sequence[int] = ()  # speculative tokens to verify after the committed ones
-  grammar: Grammar | None = None  # structured output: its matcher, at the committed tokens
-  # Async scheduling: the one token to compute is the one the step before sampled, still on
-  # the device (not yet in token_ids); the step reads it from its history row. Drafts of a
-  # fed sequence are placeholders: the step reads the MTP drafts that step made, and shifts
-  # the positions by the drafts it accepted (known on the device only).
-  feed: bool = False
-
-  @property
-  def num_committed_new(self) -> int:
-    return self.num_new - len(self.draft_ids)
-
-  @property
-  def samples(self) -> bool:
-    """Whether this step reaches the end of the known tokens (else: a prefill chunk)."""
-    return self.feed or self.start + self.num_committed_new == len(self.token_ids)
-
-
-class StepBatch(NamedTuple):
-  """Everything one step reads, as arrays (a pytree: host numpy in, device arrays in the step)."""
-
-  tokens: Any  # [T]
-  positions: Any  # [T]
-  paged: PagedBatch  # slot mapping, kv lens, page table, cu_q_lens, num_seqs
-  logits_indices: Any  # [L] the row of the T rows that each logits row reads
-  sampling: SamplingBatch  # [L] per logits row
-  rows: Any  # [L] sampler-history row of each logits row
-  samples: Any  # [S] bool: the sequence commits tokens this step (not a prefill chunk)
-  draft_ids: Any  # [S, k]
-  num_drafts: Any  # [S]
-  targets: Any  # [T] next known token of each row (prompt logprobs, the MTP module's input)
-  allowed: Any  # [L, W] int32 allowed-token bitmask per logits row (-1: any token); None: no row has one
-  # Async scheduling. feed [T]: row * (k + 1) + j for the j-th token of a sequence fed from
-  # history row `row` (j = 0 its last committed token, j >= 1 its MTP draft j); -1: tokens[t].
-  # shift [S]: the history row whose last step's accepted drafts shift this sequence's
-  # positions, KV slots and lengths (the host packed it without them); -1: none.
-  feed: Any
-  shift: Any
-
-
-class SamplerInputs(NamedTuple):
-  """The part of a StepBatch the sampler reads: no [T] array, so its program is keyed by the
-  step's sequence rows, not its tokens."""
-
-  sampling: SamplingBatch  # [L]
-  rows: Any  # [L]
-  samples: Any  # [S]
-  draft_ids: Any  # [S, k]
-  num_drafts: Any  # [S]
-  allowed: Any  # [L, W] or None
-  shift: Any  # [S]
-
-  @classmethod
-  def of(cls, b: StepBatch) -> "SamplerInputs":
-    return cls(b.sampling, b.rows, b.samples, b.draft_ids, b.num_drafts, b.allowed, b.shift)
-
-
-def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
-         scratch_row: int, vocab_size: int) -> StepBatch:
-  """Packs the scheduled sequences, in order, into one padded StepBatch of T tokens,
-  S sequences and S * (k + 1) logits rows. Padding tokens write to page 0 (NULL_PAGE);
-  padding sequences and logits rows are greedy on the scratch history row. Grammar
-  masks are computed here for the rows that sample (this reads matcher state only)."""
-  if len(seqs) > S:
-    raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
-  ps, K1, m = page_size, k + 1, len(seqs)
-  L = S * K1
-  # Per sequence, then per token and per logits row by np.repeat: at 256 decodes a loop of
-  # small numpy ops per sequence was most of the host's step time.
-  n = np.fromiter((s.num_new for s in seqs), np.int32, m)
-  nd = np.fromiter((len(s.draft_ids) for s in seqs), np.int32, m)
-  if m and nd.max() > k:
-    raise ValueError(f"{nd.max()} drafts exceed the step's {k} speculative tokens")
-  start = np.fromiter((s.start for s in seqs), np.int32, m)
-  end = start + n
-  cu = np.zeros(S + 1, np.int32)
-  cu[1:m + 1] = np.cumsum(n)
-  cu[m + 1:] = cu[m]
-  t = int(cu[m])
-  tok_seq = np.repeat(np.arange(m, dtype=np.int32), n)  # [t] the sequence of each token row
-  pos = start[tok_seq] + np.arange(t, dtype=np.int32) - cu[tok_seq]
-  page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
-  for i, s in enumerate(seqs):
-    page_indices[i, :len(s.pages)] = s.pages
-  tokens = np.zeros(T, np.int32)
-  positions = np.zeros(T, np.int32)
-  slots = np.full(T, NULL_PAGE * ps, np.int32)
-  targets = np.zeros(T, np.int32)
-  # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
-  # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
-  tokens[:t] = [x for s in seqs for x in
-                ((0,) * s.num_new if s.feed else (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids))]
-  feed = np.full(T, -1, np.int32)
-  shift = np.full(S, -1, np.int32)
-  fed = [i for i, s in enumerate(seqs) if s.feed]
-  if fed:
-    if any(s.num_committed_new != 1 for s in map(seqs.__getitem__, fed)):
-      raise ValueError("a sequence fed its in-flight token computes that token and its drafts only")
-    fed = np.asarray(fed)
-    shift[fed] = [seqs[i].row for i in fed]
-    f_tok = np.repeat(fed, n[fed])  # the fed sequences' token rows
-    f_j = np.arange(len(f_tok)) - np.repeat(np.cumsum(n[fed]) - n[fed], n[fed])
-    feed[cu[f_tok] + f_j] = shift[f_tok] * K1 + f_j
-  targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
-  positions[:t] = pos
-  slots[:t] = page_indices[tok_seq, pos // ps] * ps + pos % ps
-  kv_lens = np.zeros(S, np.int32)
-  kv_lens[:m] = end
-  samples = np.zeros(S, bool)
-  samples[:m] = [s.samples for s in seqs]
-  draft_ids = np.zeros((S, k), np.int32)
-  num_drafts = np.zeros(S, np.int32)
-  num_drafts[:m] = nd
-  constrained: list[tuple[Grammar, int, Sequence[int]]] = []
-  for i, s in enumerate(seqs):
-    if len(s.draft_ids):
-      draft_ids[i, :len(s.draft_ids)] = s.draft_ids
-    if s.grammar is not None and s.samples:  # a prefill chunk's row is never sampled
-      constrained.append((s.grammar, i * K1, s.draft_ids))
-  # Logits rows i*(k+1) .. i*(k+1)+nd read the last nd + 1 token rows; row j samples the
-  # token at position end - nd + j.
-  row_seq = np.repeat(np.arange(m, dtype=np.int32), nd + 1)
-  j = np.arange(len(row_seq), dtype=np.int32) - np.repeat(np.cumsum(nd + 1) - (nd + 1), nd + 1)
-  li = row_seq * K1 + j
-  logits_indices = np.zeros(L, np.int32)
-  logits_indices[li] = cu[1:m + 1][row_seq] - nd[row_seq] - 1 + j
-  rows = np.full(L, scratch_row, np.int32)
-  rows[li] = np.fromiter((s.row for s in seqs), np.int32, m)[row_seq]
-  seeds = np.zeros(L, np.uint32)
-  seeds[li] = np.fromiter((s.seed for s in seqs), np.uint32, m)[row_seq]
-  sample_pos = np.zeros(L, np.int32)
-  sample_pos[li] = (end - nd)[row_seq] + j
-  params: list[SamplingParams | None] = [None] * L
-  for r, i in zip(li.tolist(), row_seq.tolist()):
-    params[r] = seqs[i].params
-  sampling = SamplingBatch.from_params(params, seeds, sample_pos)
-  allowed = None  # no [L, W] mask crosses to the device unless some row has a grammar
-  if constrained:
-    allowed = np.full((L, mask_words(vocab_size)), -1, np.int32)
-    fill_bitmasks(constrained, allowed)
-  return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
-                   logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed, shift)
-
-
-def _padded(ids: Sequence[int], n: int) -> Sequence[int]:
-  """ids, then zeros up to n."""
-  return ids if len(ids) == n else (*ids, *([0] * (n - len(ids))))
 
 
 @dataclasses.dataclass
@@ -299,46 +131,6 @@ class LaunchedStep(NamedTuple):
   prompt: tuple | None  # prompt logprobs (target, top-n ids, top-n logprobs), if asked
   drafts: jax.Array | None  # MTP drafts [S, k]
   order: tuple[np.ndarray, np.ndarray] | None  # attention DP: (seq rows, token rows) of `pack_shards`
-
-
-class BufferLayout(NamedTuple):
-  """Where each leaf of a host pytree lies in its two flat buffers (hashable: a static argument)."""
-
-  treedef: Any
-  leaves: tuple[tuple[str, int, tuple[int, ...], str], ...]  # (buffer 'i' / 'f', offset, shape, dtype)
-
-
-def to_buffers(tree: Any) -> tuple[np.ndarray, np.ndarray, BufferLayout]:
-  """A host pytree as one int32 and one float32 buffer (bools and uint32 ride in the int32 one):
-  two host->device copies per step, however many arrays the step reads."""
-  leaves, treedef = jax.tree.flatten(tree)
-  parts = {"i": [], "f": []}
-  size = {"i": 0, "f": 0}
-  spec = []
-  for x in leaves:
-    x = np.asarray(x)
-    kind = "f" if x.dtype.kind == "f" else "i"
-    flat = x.astype(np.float32) if kind == "f" else x.view(np.int32) if x.dtype == np.uint32 else x.astype(np.int32)
-    parts[kind].append(flat.reshape(-1))
-    spec.append((kind, size[kind], x.shape, x.dtype.str))
-    size[kind] += x.size
-  cat = lambda kind, dt: np.concatenate(parts[kind]) if parts[kind] else np.zeros(0, dt)
-  return cat("i", np.int32), cat("f", np.float32), BufferLayout(treedef, tuple(spec))
-
-
-def from_buffers(layout: BufferLayout, ints: jax.Array, floats: jax.Array) -> Any:
-  """The pytree of `to_buffers`, on device (static slices: no gather)."""
-  out = []
-  for kind, off, shape, dtype in layout.leaves:
-    n = math.prod(shape)
-    x = (ints if kind == "i" else floats)[off:off + n].reshape(shape)
-    dtype = np.dtype(dtype)
-    if dtype == np.uint32:
-      x = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    elif dtype == np.bool_:
-      x = x != 0
-    out.append(x)
-  return jax.tree.unflatten(layout.treedef, out)
 
 
 def _pack_results(*arrays: jax.Array) -> jax.Array:
@@ -425,6 +217,7 @@ class ModelRunner:
     self.expert_parallelism = ExpertParallelism.from_rules(mesh, self.sharding_rules)
     self._result_order = None  # set by pack_step for launch_packed under attention DP
     self.scratch_row = max_num_seqs  # the last history row is scratch for padding sequences
+    self.input_batch = InputBatch(self.scratch_row, self.pages_per_seq, page_size, num_speculative_tokens)
     self.reset_state()
     # Programs over several devices trace int8 / int4 matmuls as XLA dots the partitioner can split.
     traced = lambda fn: quant.tracing_on(mesh, tracing_with(self.expert_parallelism, fn))
@@ -575,8 +368,12 @@ class ModelRunner:
     if self.page_shards == 1:
       if T is None:
         T = self.step_bucket(sum(s.num_new for s in seqs), len(seqs))
-      return T, lp, pack(seqs, T, self.num_seqs_bucket(T), self.num_speculative_tokens, self.pages_per_seq,
-                         self.page_size, self.scratch_row, self.cfg.vocab_size)
+      S = self.num_seqs_bucket(T)
+      batch = self.input_batch.pack_decodes(seqs, T, S)  # the steady state: decodes only
+      if batch is None:
+        batch = pack(seqs, T, S, self.num_speculative_tokens, self.pages_per_seq, self.page_size,
+                     self.scratch_row, self.cfg.vocab_size)
+      return T, lp, batch
     shards = [s.pages[0] // self.shard_pages for s in seqs]
     if T is None:
       load = np.bincount(shards, [s.num_new for s in seqs], self.page_shards) if seqs else [0]
@@ -826,34 +623,6 @@ class ModelRunner:
     out = self._logits(self.params, tokens, np.int32(len(token_ids)))
     # Slice on the host: a device-side slice would compile once per length.
     return np.asarray(out)[:len(token_ids)]
-
-
-def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards: int, shard_pages: int,
-                T: int, S: int, k: int, pages_per_seq: int, page_size: int, scratch_row: int,
-                vocab_size: int) -> tuple[StepBatch, tuple[np.ndarray, np.ndarray]]:
-  """Attention DP: one `pack` per data shard, of that shard's sequences with their page ids
-  made shard-local (local page 0 is the shard's padding page), concatenated: T tokens,
-  S sequences and S * (k + 1) logits rows per shard, in shard order. Also returns where each
-  scheduled sequence's result row and each of its tokens landed, to undo the grouping."""
-  groups = [[i for i, d in enumerate(shards) if d == shard] for shard in range(num_shards)]
-  parts = []
-  for d, group in enumerate(groups):
-    local = [dataclasses.replace(seqs[i], pages=[p - d * shard_pages for p in seqs[i].pages]) for i in group]
-    b = pack(local, T, S, k, pages_per_seq, page_size, scratch_row, vocab_size)
-    # Shard d's hidden rows follow the d * T rows of the shards before it.
-    parts.append(b._replace(logits_indices=b.logits_indices + d * T,
-                            paged=b.paged._replace(num_seqs=np.atleast_1d(b.paged.num_seqs))))
-  batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-  seq_rows = np.zeros(len(seqs), np.int64)
-  token_start = np.zeros(len(seqs), np.int64)
-  for d, group in enumerate(groups):
-    t = d * T
-    for j, i in enumerate(group):
-      seq_rows[i], token_start[i] = d * S + j, t
-      t += seqs[i].num_new
-  token_rows = np.concatenate([np.arange(token_start[i], token_start[i] + s.num_new) for i, s in enumerate(seqs)]
-                              + [np.zeros(0, np.int64)])
-  return batch, (seq_rows, token_rows)
 
 
 def _stacked(cfg: ModelConfig, params: Any, mtp_params: Any, page_shards: int) -> Any:

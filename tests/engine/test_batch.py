@@ -1,0 +1,95 @@
+"""engine/batch.py: InputBatch.pack_decodes lays out a decode step exactly as `pack` does,
+from rows it keeps across steps (no model)."""
+
+import numpy as np
+import pytest
+
+import jax
+
+from jaxinfer.engine.batch import InputBatch, ScheduledSeq, pack
+from jaxinfer.sampling import SamplingParams
+
+PS, P, SCRATCH = 4, 10, 9  # page size, pages per sequence, scratch row (rows 0..8 are real)
+PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=2),
+          SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
+                         frequency_penalty=0.25)]
+
+
+def assert_same_batch(got, want):
+  leaves_got, tree_got = jax.tree.flatten(got)
+  leaves_want, tree_want = jax.tree.flatten(want)
+  assert tree_got == tree_want
+  for a, b in zip(leaves_got, leaves_want):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
+    np.testing.assert_array_equal(a, b)
+
+
+class Requests:
+  """Running decodes, each with its own live page list (as the KV manager keeps one)."""
+
+  def __init__(self, rng):
+    self.rng, self.live = rng, {}
+
+  def admit(self, row):
+    n = int(self.rng.integers(1, P * PS - 16))  # room for 12 decodes and one token in flight
+    ids = self.rng.integers(1, 100, n).tolist()
+    pages = self.rng.choice(np.arange(1, 60), -(-(n + 1) // PS), replace=False).tolist()
+    self.live[row] = dict(ids=ids, pages=pages, params=PARAMS[row % 3], seed=int(self.rng.integers(2**32)))
+
+  def decode(self, row):  # one more known token; pages for it and the one after (in flight)
+    r = self.live[row]
+    r["ids"].append(int(self.rng.integers(1, 100)))
+    if len(r["ids"]) + 1 > len(r["pages"]) * PS:
+      r["pages"].append(int(self.rng.integers(60, 90)))
+
+  def seqs(self, rows, fed=()):
+    out = []
+    for row in rows:
+      r = self.live[row]
+      feed = row in fed  # async: its newest token is the one in flight
+      start = len(r["ids"]) if feed else len(r["ids"]) - 1
+      out.append(ScheduledSeq(row=row, token_ids=r["ids"], start=start, num_new=1, pages=r["pages"],
+                              params=r["params"], seed=r["seed"], feed=feed))
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_pack_decodes_equals_pack_over_steps_with_rows_growing_and_changing_hands(k):
+  rng = np.random.default_rng(k)
+  reqs = Requests(rng)
+  ib = InputBatch(SCRATCH, P, PS, k)
+  for row in range(6):
+    reqs.admit(row)
+  for step in range(12):
+    if step in (4, 8):  # a request ends; another takes its row (a fresh page list)
+      reqs.admit(int(rng.integers(0, 6)))
+    rows = rng.permutation(6)[:int(rng.integers(1, 7))].tolist()
+    fed = set(rng.choice(rows, int(rng.integers(0, len(rows) + 1)), replace=False).tolist())
+    seqs = reqs.seqs(rows, fed)
+    T, S = 8, 8
+    got = ib.pack_decodes(seqs, T, S)
+    assert got is not None
+    assert_same_batch(got, pack(seqs, T, S, k, P, PS, SCRATCH, vocab_size=64))
+    for row in rows:
+      reqs.decode(row)
+
+
+def test_pack_decodes_leaves_other_steps_to_pack():
+  rng = np.random.default_rng(0)
+  reqs = Requests(rng)
+  ib = InputBatch(SCRATCH, P, PS, 2)
+  reqs.admit(0)
+  reqs.admit(1)
+  decode, other = reqs.seqs([0, 1])
+  ids = reqs.live[1]["ids"]
+  chunk = ScheduledSeq(row=1, token_ids=ids, start=len(ids) - 3, num_new=1, pages=reqs.live[1]["pages"],
+                       params=PARAMS[1], seed=1)  # the last token of a chunk that stops short
+  drafts = ScheduledSeq(row=1, token_ids=ids, start=len(ids) - 1, num_new=3, pages=reqs.live[1]["pages"],
+                        params=PARAMS[1], seed=1, draft_ids=[5, 6])
+  lp = ScheduledSeq(row=1, token_ids=ids, start=len(ids) - 1, num_new=1, pages=reqs.live[1]["pages"],
+                    params=PARAMS[1], seed=1, want_prompt_logprobs=True)
+  for s in (chunk, drafts, lp):
+    assert ib.pack_decodes([decode, s], 8, 8) is None
+  assert ib.pack_decodes([decode, other], 8, 8) is not None
+  with pytest.raises(ValueError, match="2 sequences do not fit the 2-token bucket"):
+    ib.pack_decodes([decode, other], 2, 1)
