@@ -109,6 +109,8 @@ from jaxinfer.bench.trace import top_level_ops
 from pallas_kernels.gemv_mgpu import MOSAIC_AVAILABLE
 
 PHASES = ("env", "ceilings", "step", "trace", "gemv", "attention")
+# Lines of a GPU process in a jax.profiler trace that are not device activity.
+NOT_ACTIVITY = re.compile(r"XLA Modules|XLA Ops|Steps|Framework|Source|TraceContext|Launch Stats", re.I)
 GAP_US = 20.0  # a gap between GPU activity longer than this is host time the device waited for
 
 # compiler_options per variant of the step (XLA DebugOptions, parsed as XLA_FLAGS would be).
@@ -328,9 +330,14 @@ def summarize_trace(events: list[dict], steps: int, wall_s: float) -> dict:
   everywhere and says which it read."""
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
   gpu = {pid for pid, n in names.items() if re.search(r"gpu|GPU", n)}
   if gpu:
-    acts = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
+    # The GPU's streams; its other lines (XLA modules and ops, steps) span the kernels they
+    # launch and would count a whole program as one busy "kernel".
+    acts = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")
+            and not NOT_ACTIVITY.search(threads.get((e["pid"], e.get("tid")), ""))]
     source = "gpu: " + "; ".join(sorted(names[p] for p in gpu))[:300]
   else:
     acts = [e for e in top_level_ops(events) if e.get("dur")]

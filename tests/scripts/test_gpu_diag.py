@@ -50,16 +50,20 @@ def test_smoke_runs_every_phase(tmp_path):
 
 
 def test_trace_summary_per_step():
-  """Two steps of a made-up GPU trace: 3 kernels and one device -> host copy each."""
+  """Two steps of a made-up GPU trace: 3 kernels and one device -> host copy each on a stream,
+  and the XLA module spanning them on a line of its own (not counted)."""
   meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "XLA Modules"}}]
   acts = []
   for step in range(2):
     t = 1000.0 * step
-    acts += [{"ph": "X", "pid": 1, "name": "gemm_fusion_dot.3", "ts": t, "dur": 300.0},
-             {"ph": "X", "pid": 1, "name": "gemm_fusion_dot.7", "ts": t + 310, "dur": 300.0},  # 10 us gap
-             {"ph": "X", "pid": 1, "name": "loop_add_fusion", "ts": t + 650, "dur": 50.0},  # 40 us gap
-             {"ph": "X", "pid": 1, "name": "MemcpyDtoH", "ts": t + 700, "dur": 20.0}]
+    acts += [{"ph": "X", "pid": 1, "tid": 1, "name": "jit__forward_step", "ts": t, "dur": 720.0},  # not a kernel
+             {"ph": "X", "pid": 1, "tid": 7, "name": "gemm_fusion_dot.3", "ts": t, "dur": 300.0},
+             {"ph": "X", "pid": 1, "tid": 7, "name": "gemm_fusion_dot.7", "ts": t + 310, "dur": 300.0},  # 10 us gap
+             {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": t + 650, "dur": 50.0},  # 40 us gap
+             {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyDtoH", "ts": t + 700, "dur": 20.0}]
   host = [{"ph": "X", "pid": 2, "name": "PjitFunction", "ts": 0.0, "dur": 5000.0}]  # not GPU activity
   s = gpu_diag.summarize_trace(meta + acts + host, steps=2, wall_s=2e-3)
   assert s["source"] == "gpu: /device:GPU:0"
