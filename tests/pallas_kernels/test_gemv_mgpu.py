@@ -128,13 +128,18 @@ def test_bad_operands_are_refused():
 @pytest.mark.parametrize("stage_in_smem", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("M", [1, 16])
-def test_lowers_for_cuda(M, dtype, stage_in_smem):
+@pytest.mark.parametrize("O,I", [
+    (4096, 14336),   # w_down: C = 7 splits of 16 steps
+    (1024, 4096),    # wk: C = 32, one step per program (fewer steps than pipeline stages)
+    (128256, 4096),  # an int8-channel LM head: 2004 row tiles, no split
+])
+def test_lowers_for_cuda(O, I, M, dtype, stage_in_smem):
   """The compiled form (wgmma from registers, or from the staged bf16 tile) lowers for CUDA
-  on the 8B's w_down shape: Mosaic GPU's layout inference and its dtype conversions
-  accept it. Nothing is compiled or run."""
-  x = jax.ShapeDtypeStruct((M, 14336), jnp.bfloat16)
-  q = jax.ShapeDtypeStruct((4096, 14336), dtype)
-  s = jax.ShapeDtypeStruct((1, 4096), jnp.float32)
+  at the 8B's shapes: Mosaic GPU's layout inference and its dtype conversions accept it.
+  Nothing is compiled or run."""
+  x = jax.ShapeDtypeStruct((M, I), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((O, I), dtype)
+  s = jax.ShapeDtypeStruct((1, O), jnp.float32)
   fn = functools.partial(gemv_mgpu, block_sizes=BlockSizes(stage_in_smem=stage_in_smem))
   text = jax.jit(fn).trace(x, q, s).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
