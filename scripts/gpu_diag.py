@@ -133,6 +133,7 @@ class Plan:
   gemv_tokens: tuple[int, ...]
   gemv_formats: tuple[str, ...]
   attention: tuple[tuple[int, int], ...]  # (B, kv_len) decode cases
+  mosaic_attention: tuple[str, ...]  # of 'mosaic', 'mosaic_ws' (with a producer warpgroup)
   page_size: int
   shapes: object  # jaxinfer.bench.kernels.Shapes: ceilings and timing reps
   reduce_mib: int
@@ -142,12 +143,12 @@ D, F, KV = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"], 8 * 128
 GPU = Plan(model=LLAMA3_8B, batches=(1, 256), kv_len=512, steps=20, trace_steps=8, kv_cache_gb=24.0,
            gemv_shapes=(("wq", D, D), ("wk", KV, D), ("w_gate", F, D), ("w_down", D, F)),
            gemv_tokens=(1, 16), gemv_formats=("fp8", "int8"),
-           attention=((1, 512), (256, 512), (64, 2048)), page_size=16,
+           attention=((1, 512), (256, 512), (64, 2048)), mosaic_attention=("mosaic", "mosaic_ws"), page_size=16,
            shapes=dataclasses.replace(FULL, reps=10, warmup=2, burst=4), reduce_mib=2048)
 # The smoke model's head dim is 64, the Mosaic attention kernel's smallest.
 SMOKE_PLAN = Plan(model=dict(SMOKE_MODEL, hidden_size=256), batches=(1, 4), kv_len=40, steps=2, trace_steps=2, kv_cache_gb=0.01,
                   gemv_shapes=(("w", 128, 256),), gemv_tokens=(1,), gemv_formats=("fp8", "int8"),
-                  attention=((3, 40),), page_size=16, shapes=dataclasses.replace(SMOKE, reps=1, warmup=0),
+                  attention=((3, 40),), mosaic_attention=("mosaic",), page_size=16, shapes=dataclasses.replace(SMOKE, reps=1, warmup=0),
                   reduce_mib=4)
 
 
@@ -456,9 +457,10 @@ def attention_phase(plan: Plan, ceil: dict, smoke: bool, record) -> None:
   xla = jax.jit(ragged_paged_attention_xla)
   impls = [("pallas", triton)]
   if MOSAIC_AVAILABLE:
-    impls += [("mosaic", jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke))),
-              ("mosaic_ws", jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
-                                                      block_sizes=BlockSizes(warp_specialized=True))))]
+    block_sizes = {"mosaic": None, "mosaic_ws": BlockSizes(warp_specialized=True)}
+    impls += [(name, jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
+                                               block_sizes=block_sizes[name])))
+              for name in plan.mosaic_attention]
   for B, kv_len in plan.attention:
     batch = paged_batch(rng, ((B, 1, kv_len),), plan.page_size, Hq, Hkv, Dh)
     nbytes = kv_bytes(batch)
