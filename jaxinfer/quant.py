@@ -68,6 +68,12 @@ input (head_logits). An untied embedding is only gathered and stays in the model
   over the converted values in the activations' dtype (bf16 for a bf16 model: exact for
   int8 and e4m3 values, and on a GPU XLA fuses the convert into the GEMM) and the
   per-channel scales after.
+- On an sm_90+ GPU under jax >= 0.11, in a program on one device, per-channel fp8 and int8
+  weights times 1-16 bfloat16 tokens (decode of a small batch) run
+  pallas_kernels.gemv_mgpu instead: the weight read at one byte an element, converted in
+  registers, the scale once per output channel (gemv_choice; XLA's GEMM fusion widened the
+  one-byte weight and read it no faster than bf16, issue 38). More tokens, group-wise
+  weights and older GPUs or jax keep the XLA dot.
 
 Why kernels: XLA CPU does not fuse a convert into its dot. It writes a float32 [in, out]
 copy of an int8 / fp8 / int4 weight per call, and widens an int8 weight read by a one-row
@@ -685,6 +691,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
   activations the kernel forms per row (a = max|x| / 32767, x16 = round(x / a)), and
   per-channel fp8 cpu_kernels.fp8_matmul (float32 activations, or bfloat16 where the CPU
   has AVX512-BF16: cpu_kernels.fp8_activations()).
+  Per channel on an sm_90+ GPU with 1-16 bf16 tokens (gemv_choice): pallas_kernels.gemv_mgpu.
   Otherwise per channel (G = 1, no mins): the dot over the converted values in the
   activations' dtype (_in_compute_dtype: bf16 for a bf16 model), then the scales (exact
   factoring); group-wise (Q8_0, int4): the scales differ along the
@@ -700,11 +707,35 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Ar
                                          None if mins is None else mins.astype(jnp.float32))
   if G > 1 or mins is not None:
     return _dot_t(x.astype(jnp.float32), dequantize_groups(q, scales, mins))
+  if gemv_choice(x, q, scales, mins) == "mosaic":
+    from pallas_kernels.gemv_mgpu import gemv_mgpu
+    # Off a GPU only where a test chose the kernel by hand: interpret mode there.
+    return gemv_mgpu(x, q, scales[0], interpret=jax.default_backend() != "gpu")
   if q.dtype == jnp.float8_e4m3fn and use_cpu_kernels():
     return cpu_kernels.fp8_matmul(x.astype(jnp.float32), q, scales[0])
   if q.dtype == jnp.int8:
     return int8_matmul(x, q) * scales[0]
   return _dot_t(*_in_compute_dtype(x, q)) * scales[0]
+
+
+def gemv_choice(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None = None) -> str:
+  """'mosaic' where quantized_matmul runs pallas_kernels.gemv_mgpu (few tokens, per-channel
+  fp8 / int8, bf16 activations, an sm_90+ GPU under jax >= 0.11, one device), else 'xla'.
+  The decision is gemv_mgpu.choose_gemv's, from this process's backend and GPU."""
+  from pallas_kernels.gemv_mgpu import choose_gemv
+  backend = jax.default_backend()
+  fmt = {np.dtype(v): k for k, v in VALUE_DTYPES.items()}.get(np.dtype(q.dtype), str(q.dtype))
+  return choose_gemv(backend=backend, capability=_gpu_capability() if backend == "gpu" else None,
+                     jax_version=jax.__version__, tokens=x.shape[0], weight_format=fmt,
+                     per_channel=scales.shape[0] == 1 and mins is None, x_dtype=x.dtype,
+                     one_device=_CPU_KERNEL.get(), shape=tuple(q.shape))
+
+
+@functools.cache
+def _gpu_capability() -> str | None:
+  """The first GPU's compute capability ('9.0'), None if jax does not say."""
+  cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  return None if cc is None else str(cc)
 
 
 def _in_compute_dtype(x: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -742,7 +773,8 @@ def use_cpu_kernels() -> bool:
 
 
 # Off while tracing a program split over several devices: XLA's partitioner cannot split a
-# custom call, it would gather its operands whole onto every device.
+# custom call, it would gather its operands whole onto every device. The GPU GEMV
+# (gemv_choice) is a custom call too and follows it.
 _CPU_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("cpu_kernel", default=True)
 
 

@@ -15,6 +15,9 @@
 - `ragged_paged_attention_mgpu` (import it from its module; it runs under jax >= 0.11):
   the ragged kernel on Pallas Mosaic GPU for Hopper, TMA + wgmma, tested in
   Mosaic GPU interpret mode (`ragged_paged_attention_mgpu.py`).
+- `gemv_mgpu` (likewise jax >= 0.11): a few-token (1-16) GEMV over per-channel fp8 / int8
+  weights on Mosaic GPU, read at one byte a weight; `jaxinfer.quant.linear` runs it on an
+  sm_90+ GPU (`gemv_mgpu.py`).
 
 The others are written for the Pallas Triton lowering (any recent NVIDIA GPU) and
 run on CPU with `interpret=True`, which is how the tests check them against
