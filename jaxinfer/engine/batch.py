@@ -38,7 +38,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
   raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
   """One sequence's share of a step: token_ids[start:] (num_new - len(draft_ids)
   of them) followed by the drafts, at positions start, start + 1, ..."""

@@ -491,16 +491,17 @@ class LLMEngine:
     if not sched.scheduled:
       return sched, None, None
     seqs = []
-    for (req, n), start, drafts, samples in zip(sched.scheduled, sched.starts, sched.drafts, sched.samples):
+    pages, wants_prompt_logprobs = self.kv.pages, self.outputs.wants_prompt_logprobs
+    for (req, n), start, drafts in zip(sched.scheduled, sched.starts, sched.drafts):
       if req.needs_history:
         self.runner.set_history(req.row, req.prompt_token_ids, req.output_token_ids)
         req.needs_history = False
-      # (samples was read before the step counted as computed: the start is what the
-      # scheduler saw. A start at the end of the known tokens feeds the token in flight.)
+      # (The start is what the scheduler saw, before the step counted as computed; a start
+      # at the end of the known tokens feeds the token in flight.)
       seqs.append(ScheduledSeq(
-          row=req.row, token_ids=req.token_ids, start=start, num_new=n,
-          pages=self.kv.pages(req.request_id), params=req.params, seed=req.seed,
-          want_prompt_logprobs=self.outputs.wants_prompt_logprobs(req, start),
+          row=req.row, token_ids=req.token_ids, start=start, num_new=n, pages=pages(req.request_id),
+          params=req.params, seed=req.seed,
+          want_prompt_logprobs=req.output.prompt_lp is not None and wants_prompt_logprobs(req, start),
           draft_ids=drafts, grammar=req.output.grammar, feed=start == len(req.token_ids)))
     try:
       handle = self.runner.launch(seqs)
@@ -510,7 +511,7 @@ class LLMEngine:
     self.num_computed_tokens += sched.num_tokens
     # Grammar masks and n-gram drafts for the next step are made from this step's tokens.
     ngram = self.spec is not None and self.spec.method == "ngram"
-    needs_host = any(s.samples and (s.grammar is not None or (ngram and _speculates(s.params)))
+    needs_host = any((s.grammar is not None or (ngram and _speculates(s.params))) and s.samples
                      for s in seqs)
     return sched, _Launched(sched, seqs, handle, needs_host), None
 
@@ -532,25 +533,28 @@ class LLMEngine:
     ids, logprobs, committed = result.ids.tolist(), result.logprobs.tolist(), result.num_committed.tolist()
     accepted = self.scheduler.update_from_output(sched, ids, committed)
     outputs = []
+    prompt_lp = result.prompt is not None
+    mtp_drafts = result.drafts is not None and result.drafts.shape[1] > 0
+    commit, output = self.outputs.commit, self.outputs.output
     t = 0
     for i, (req, n) in enumerate(sched.scheduled):
       try:
         if req.finish_reason is not None:
           continue  # ended (stop, abort) while this step ran: its work is dropped
         seq = seqs[i]
-        if result.prompt is not None and seq.want_prompt_logprobs:
+        if prompt_lp and seq.want_prompt_logprobs:
           self.outputs.add_prompt_logprobs(req, seq.start, seq.num_new, *(a[t:t + n] for a in result.prompt))
-        self._count_acceptance(len(seq.draft_ids), len(accepted[i]))
+        if seq.draft_ids:
+          self._count_acceptance(len(seq.draft_ids), len(accepted[i]))
         c = committed[i]  # 0 for a partial prefill chunk
         if c:
-          reason = self.outputs.commit(req, ids[i], logprobs[i], result.top_ids[i], result.top_logprobs[i], c,
-                                       len(accepted[i]))
+          reason = commit(req, ids[i], logprobs[i], result.top_ids, result.top_logprobs, c, len(accepted[i]), i)
           if reason is not None:
             self._finish(req, reason)
-            outputs.append(self.outputs.output(req))
+            outputs.append(output(req))
           elif req.output.stream:
-            outputs.append(self.outputs.output(req))
-          if result.drafts is not None and result.drafts.shape[1] and req.finish_reason is None:
+            outputs.append(output(req))
+          if mtp_drafts and req.finish_reason is None:
             # MTP: drafted on device for exactly the tokens committed now (spec_decode.MtpDrafter).
             self.drafter.record(req.request_id, len(req.token_ids), result.drafts[i].tolist())
       except Exception as e:  # one request's failure must not end the others

@@ -199,6 +199,10 @@ class KVManager:
     # A cached page nobody references counts as free until it is taken.
     return new + sum(1 for p in cached if self._ref[p] == 0)
 
+  def holds(self, request_id: str, num_tokens: int) -> bool:
+    """Whether the request's pages already hold `num_tokens` tokens (allocate would take none)."""
+    return len(self._pages.get(request_id, ())) * self.page_size >= num_tokens
+
   def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (),
                    shard: int = 0) -> bool:
     """`shard` only counts on a request's first allocation; later ones use its shard."""

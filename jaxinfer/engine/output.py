@@ -99,10 +99,11 @@ class OutputProcessor:
     req.output.grammar = grammar
 
   def commit(self, req: Request, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray,
-             top_logprobs: np.ndarray, count: int, num_drafts: int = 0) -> str | None:
+             top_logprobs: np.ndarray, count: int, num_drafts: int = 0, row: int | None = None) -> str | None:
     """Appends up to `count` of the sampled tokens ids[:count] (the first `num_drafts` of them
     accepted drafts), stopping at the first that finishes the request; returns its finish
-    reason ('stop', 'length') or None."""
+    reason ('stop', 'length') or None. Top logprobs are top_ids[j] / top_logprobs[j], or with
+    `row` the step's whole arrays' [row, j] (read only when the request wants them)."""
     out = req.output
     if count == 1 and out.plain and out.grammar is None:  # commit_one, inlined for the common row
       token = ids[0]
@@ -114,6 +115,8 @@ class OutputProcessor:
       if token in out.stop_ids:
         return "stop"
       return "length" if len(req.token_ids) - len(req.prompt_token_ids) >= out.max_tokens else None
+    if row is not None:
+      top_ids, top_logprobs = top_ids[row], top_logprobs[row]
     before = len(req.token_ids)
     reason = None
     for j in range(count):

@@ -205,20 +205,25 @@ class Scheduler:
     self._schedule_running(out, budget)
     if not out.preempted:
       self._schedule_waiting(out, budget)
+    sharded = self.kv.num_shards > 1
     self.rank_tokens = [0] * self.kv.num_shards
+    starts, all_drafts, all_samples = out.starts, out.drafts, out.samples
     for req, n in out.scheduled:
-      if self.kv.num_shards > 1:
+      if sharded:
         self.rank_tokens[self.kv.request_shard(req.request_id)] += n
       drafts = req.spec_token_ids
+      committed = n - len(drafts)
       # A caught-up request's one token may be the one the step in flight samples (async).
-      samples = req.num_computed + n - len(drafts) >= len(req.token_ids)
-      out.starts.append(req.num_computed)
-      out.drafts.append(drafts)
-      out.samples.append(samples)
-      req.num_computed += n - len(drafts)
-      req.num_inflight += samples
-      req.num_inflight_drafts += len(drafts)
-    if self.kv.num_shards == 1:
+      samples = req.num_computed + committed >= len(req.token_ids)
+      starts.append(req.num_computed)
+      all_drafts.append(drafts)
+      all_samples.append(samples)
+      req.num_computed += committed
+      if samples:
+        req.num_inflight += 1
+      if drafts:
+        req.num_inflight_drafts += len(drafts)
+    if not sharded:
       self.rank_tokens[0] = out.num_tokens
     return out
 
@@ -230,18 +235,25 @@ class Scheduler:
     pages past num_computed: overwritten later, never cached). Returns each request's
     accepted drafts; the output processor commits them and the token after them."""
     accepted_all = []
+    failed = num_committed is None
+    cache_blocks, running = self.kv.cache_blocks, Status.RUNNING
     for i, (req, _) in enumerate(out.scheduled):
-      req.num_inflight -= out.samples[i]
-      req.num_inflight_drafts -= len(out.drafts[i])
-      c = int(num_committed[i]) if num_committed is not None else 0
+      if out.samples[i]:
+        req.num_inflight -= 1
+      drafts = out.drafts[i]
+      if drafts:
+        req.num_inflight_drafts -= len(drafts)
+      c = 0 if failed else num_committed[i]
       accepted = [int(t) for t in ids[i][:c - 1]] if c > 1 else []
       accepted_all.append(accepted)
-      if num_committed is None or req.status is not Status.RUNNING:
+      if failed or req.status is not running:
         continue  # failed, ended or preempted meanwhile: nothing of it is computed
-      req.num_computed += len(accepted)
+      known = req.token_ids
+      if accepted:
+        req.num_computed += len(accepted)
+        known = known + accepted
       # Under async scheduling num_computed may count a token still in flight.
-      known = req.token_ids + accepted if accepted else req.token_ids
-      self.kv.cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
+      cache_blocks(req.request_id, known, min(req.num_computed, len(known)))
     return accepted_all
 
   @property
@@ -291,36 +303,40 @@ class Scheduler:
     return fits, self.kv.lookup(req.token_ids, fits) if use_cache else []
 
   def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    kv, max_len, left = self.kv, self.max_model_len, budget.left
+    sharded = kv.num_shards > 1
     i = 0
-    while i < len(self.running) and budget:
+    while i < len(self.running) and (left[0] > 0 if not sharded else budget):
       req = self.running[i]
-      rank = self.kv.request_shard(req.request_id) or 0
-      if req.last_token_inflight or budget.of(rank) <= 0:
+      rank = (kv.request_shard(req.request_id) or 0) if sharded else 0
+      b = left[rank]
+      if b <= 0 or (req.num_inflight and req.last_token_inflight):
         i += 1
         continue
-      n = min(req.num_uncomputed, budget.of(rank))
-      # Drafts only follow a caught-up request's last token, as far as the budget goes.
-      spec = req.spec_token_ids[:budget.of(rank) - n] if n == req.num_uncomputed == 1 else []
-      req.spec_token_ids = spec
-      n += len(spec)
+      u = req.num_uncomputed
+      n = min(u, b)
+      if req.spec_token_ids:
+        # Drafts only follow a caught-up request's last token, as far as the budget goes.
+        req.spec_token_ids = req.spec_token_ids[:b - n] if n == u == 1 else []
+        n += len(req.spec_token_ids)
       # Tokens computed by the step in flight beyond num_computed (accepted drafts) push
       # this step's on; none goes past max_model_len (runner._feed sends those to no page).
       need = req.num_computed + n + req.num_inflight_drafts
-      need = min(need, self.max_model_len) if self.max_model_len else need
-      grow = self.kv.pages_needed(req.request_id, need) > 0  # (most decode steps fit their pages)
-      while grow and not self.kv.can_allocate(req.request_id, need):
-        shard = self.kv.request_shard(req.request_id)
-        victim = next(r for r in reversed(self.running) if self.kv.request_shard(r.request_id) == shard)
-        self._preempt(victim)
-        out.preempted.append(victim)
-        if victim is req:
-          break
-      if req.status is not Status.RUNNING:
-        break  # preempted itself: nobody after it is running either
-      if grow:
-        self.kv.allocate(req.request_id, need)
+      if max_len and need > max_len:
+        need = max_len
+      if not kv.holds(req.request_id, need):  # (most decode steps fit their pages)
+        while not kv.can_allocate(req.request_id, need):
+          shard = kv.request_shard(req.request_id)
+          victim = next(r for r in reversed(self.running) if kv.request_shard(r.request_id) == shard)
+          self._preempt(victim)
+          out.preempted.append(victim)
+          if victim is req:
+            break
+        if req.status is not Status.RUNNING:
+          break  # preempted itself: nobody after it is running either
+        kv.allocate(req.request_id, need)
       out.scheduled.append((req, n))
-      budget.take(rank, n)
+      left[rank] -= n
       i += 1
 
   def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
