@@ -84,7 +84,8 @@ split-KV (BlockSizes.kv_splits: each q block's KV range in C parts merged by
 log-sum-exp, so that few long sequences fill the SMs). Not covered
 (NotImplementedError; jaxinfer.ops 'mosaic' falls back to the Triton kernel):
 float32 caches, a quantized cache with a float32 q, other G, D and page
-sizes. Not done: P kept in registers, a split count chosen per batch (the
+sizes (D = 32: the [64, 32] PV wgmma fails Mosaic GPU's layout inference in
+jax 0.11.2). Not done: P kept in registers, a split count chosen per batch (the
 caller picks kv_splits statically), scales stored head-major by the cache
 itself (the wrapper's transpose moves the whole scale pool each call, 8 / D of
 the 8-bit pool's bytes; the kernel reads only the sequences' pages), fp8 x fp8
@@ -515,18 +516,20 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   C = bs.kv_splits
   sink_rows = jnp.concatenate([sink_rows[None], jnp.full((C - 1, Hkv, ROWS), -jnp.inf)])  # [C, Hkv, R]
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  cache_swizzled = swizzled
-  if scales:  # 8-bit rows of D bytes: the widest swizzle a row fills (64 B at D = 64)
-    swizzle = plgpu.find_swizzle(D * 8)
-    cache_swizzled = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+  def swizzled(dt, cols):
+    """The widest swizzle a row of `cols` elements fills (128 B for 16-bit rows of >= 64)."""
+    bits = jnp.dtype(dt).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
   arrivals = bs.pages_per_block * (2 if scales else 1)  # a page, and its scales if quantized
   scratch = [
       plgpu.SMEM((ROWS, D), dtype),  # q_raw
-      plgpu.SMEM((ROWS, D), dtype, transforms=swizzled),  # q_smem
-      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled),  # p_smem
-      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype, transforms=cache_swizzled),  # k_smem
-      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype, transforms=cache_swizzled),  # v_smem
+      plgpu.SMEM((ROWS, D), dtype, transforms=swizzled(dtype, D)),  # q_smem
+      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled(dtype, block_kv)),  # p_smem
+      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype,
+                 transforms=swizzled(k_pages.dtype, D)),  # k_smem
+      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype,
+                 transforms=swizzled(k_pages.dtype, D)),  # v_smem
       plgpu.SMEM((ROWS,), jnp.float32),  # sink_smem
       plgpu.Barrier(num_arrivals=block_q),  # q_bar: one arrival per token slot
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=bs.num_stages),  # k_bar
@@ -540,8 +543,8 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
     out_type = (jax.ShapeDtypeStruct((C, T, Hkv, G, D), jnp.float32),
                 jax.ShapeDtypeStruct((C, T, Hkv, G), jnp.float32))
   if scales:
-    scratch += [plgpu.SMEM((block_kv, D), dtype, transforms=swizzled),  # kd_smem
-                plgpu.SMEM((block_kv, D), dtype, transforms=swizzled),  # vd_smem
+    scratch += [plgpu.SMEM((block_kv, D), dtype, transforms=swizzled(dtype, D)),  # kd_smem
+                plgpu.SMEM((block_kv, D), dtype, transforms=swizzled(dtype, D)),  # vd_smem
                 plgpu.SMEM((bs.num_stages, block_kv), jnp.float32),  # ks_smem
                 plgpu.SMEM((bs.num_stages, block_kv), jnp.float32)]  # vs_smem
     # Head-major [N, Hkv, p]: a page's scales of one head become one contiguous
