@@ -45,7 +45,8 @@ Per step (FlashAttention-2, Dao 2023, Algorithm 1; scores in float32):
   s = q @ k^T (wgmma, q and K from shared memory) * sm_scale, soft-capped,
   masked to the causal (and sliding-window) range; running max m and sum l,
   acc rescaled by exp(m_old - m_new); p = exp(s - m) rounded to the dots'
-  dtype (the cache's, or q's with a quantized cache), written to shared memory and multiplied by V (wgmma). One division at
+  dtype (the cache's, or q's with a quantized cache), written to shared
+  memory and multiplied by V (wgmma). One division at
   the end. Sinks (GPT-OSS) start a row at m = sink, l = 1, as in the Triton
   kernel. The block's last step zeroes the V rows past its causal limit in
   shared memory before its PV wgmma: slots past kv_len may hold anything (NaN
@@ -403,13 +404,14 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           p_smem[...] = p.astype(dtype)
 
         plgpu.barrier_wait(v_bar.at[slot])
-        v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
+        v_first = (kb0 + step) * block_kv  # the step's first key
         if quantized:
           # Rows past kv_stop (past kv_len: NaN in an fp8 cache; or not fetched)
           # become 0 on the way to vd_smem: p = 0 does not cancel NaN. A select per
           # element, on every step (a no-op but the last), costs less than a branch.
           v = dequantize(v_tile)
-          vd_smem[...] = jnp.where((kb0 + step) * block_kv + v_row < kv_stop, v, jnp.zeros_like(v))
+          v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
+          vd_smem[...] = jnp.where(v_first + v_row < kv_stop, v, jnp.zeros_like(v))
           # Each value row's scale folds into its probability column (0 past kv_stop,
           # where scales may be NaN or stale); l keeps the unscaled p.
           v_scale = plgpu.load(vs_smem.at[slot], layout=layout.reduce(0))  # [block_kv]
@@ -421,8 +423,9 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
         else:
           @pl.when((kb0 + step + 1) * block_kv > kv_stop)
           def _():  # the block's last step: V rows past kv_stop (past kv_len, or not fetched) become 0
+            v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
             v = v_tile[...]
-            v_tile[...] = jnp.where((kb0 + step) * block_kv + v_row < kv_stop, v, jnp.zeros_like(v))
+            v_tile[...] = jnp.where(v_first + v_row < kv_stop, v, jnp.zeros_like(v))
 
           plgpu.commit_smem()
 
