@@ -212,7 +212,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                       "(with --speculative-method mtp too; ngram drafts need each step's tokens on "
                       "the host, so those steps do not overlap)")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret"],
-                 help="attention kernel: auto = Pallas on GPU, XLA elsewhere")
+                 help="attention kernel: auto = Mosaic GPU on sm_90 under jax >= 0.11, else Pallas (Triton) on GPU, XLA elsewhere")
   p.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],
                  help="speculative decoding: ngram = prompt lookup, mtp = the model's MTP head (default: off)")
   p.add_argument("--num-speculative-tokens", type=int, default=3,

@@ -2,19 +2,23 @@
 
 The model calls these ops and never a kernel directly. `impl` picks the
 implementation (the engine passes `EngineConfig.attention_impl`):
-  'auto'              the Pallas kernel on GPU, the XLA reference elsewhere
-                      (on CPU the reference is the fast path: Pallas there
-                      only runs in interpret mode, an emulator for tests);
+  'auto'              on a Hopper (sm_90) GPU under jax >= 0.11, 'mosaic'; on other
+                      GPUs, 'pallas'; elsewhere, the XLA reference (on CPU the
+                      reference is the fast path: Pallas there only runs in
+                      interpret mode, an emulator for tests);
   'xla'               the XLA reference on any backend;
   'pallas'            the Pallas (Triton) kernel; GPU only;
   'pallas_interpret'  the same kernel in Pallas interpret mode (CPU tests);
   'mosaic'            the Pallas Mosaic GPU ragged attention kernel
                       (pallas_kernels/ragged_paged_attention_mgpu.py; jax >= 0.11,
-                      sm_90+ GPUs) for the operands it covers, the Triton kernel for
-                      the rest (quantized caches, other head / page sizes, MLA);
+                      sm_90 GPUs: wgmma is Hopper's alone) for the operands it covers
+                      (`ragged_attention_kernel`), the Triton kernel for the rest
+                      (float32 caches, a quantized cache under a float32 model,
+                      other head / page sizes, MLA);
   'mosaic_interpret'  the same choice in interpret mode (Mosaic GPU's on the CPU
                       for the Mosaic kernel; needs jax >= 0.11).
-'auto' does not pick 'mosaic' yet: the kernel has not been measured on a GPU.
+`choose_attention_impl` is that table as a pure function of the backend, the
+GPU's compute capability and whether this jax has Mosaic GPU.
 
 Legend: T packed query tokens (of many sequences), S sequences, N pages,
 P pages per sequence, p page_size, H query heads, K kv heads,
@@ -52,30 +56,68 @@ _PREFILL_KEYS = 256
 _BLOCK_Q = 64
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
-  """'auto' -> 'pallas' on GPU, 'xla' elsewhere; an error for a choice this backend cannot run."""
+def choose_attention_impl(impl: str, *, backend: str, compute_capability: str | None,
+                          mosaic_available: bool) -> str:
+  """The attention implementation `impl` resolves to (the table in the module docstring).
+
+  backend: jax's ('gpu', 'cpu', ...). compute_capability: the GPU's, 'major.minor'
+  (None: unknown, no GPU in this process). mosaic_available: this jax has Mosaic GPU
+  with interpret mode (jax >= 0.11). 'auto' picks 'mosaic' only on a known sm_90
+  GPU: the kernel's wgmma exists on sm_90a alone (Ampere and Ada lack it and TMA,
+  Blackwell replaced it with tcgen05). InvalidRequestError for a choice this
+  backend cannot run.
+  """
   if impl not in ATTENTION_IMPLS:
     raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-  backend = backend or jax.default_backend()
+  major = None if compute_capability is None else int(str(compute_capability).split(".")[0])
   if impl == "auto":
-    return "pallas" if backend == "gpu" else "xla"
+    if backend != "gpu":
+      return "xla"
+    return "mosaic" if mosaic_available and major == 9 else "pallas"
   if impl in ("pallas", "mosaic") and backend != "gpu":
     raise InvalidRequestError(f"attention_impl={impl!r} compiles for GPU only (this backend is {backend!r}); "
                      f"use '{impl}_interpret' to run the kernel in interpret mode, or 'xla'")
-  if impl.startswith("mosaic"):
-    from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
-    if not MOSAIC_AVAILABLE:
-      raise InvalidRequestError(f"attention_impl={impl!r} needs jax >= 0.11 (Mosaic GPU with interpret "
-                                f"mode); this is jax {jax.__version__}: use 'pallas' or 'pallas_interpret'")
-  if impl == "mosaic":  # TMA and wgmma: Hopper (sm_90) and newer
-    try:
-      cc = getattr(jax.devices("gpu")[0], "compute_capability", "9.0")
-    except RuntimeError:  # backend named by the caller, no GPU in this process: nothing to check
-      cc = "9.0"
-    if int(str(cc).split(".")[0]) < 9:
-      raise InvalidRequestError(f"attention_impl='mosaic' needs an sm_90+ GPU (this one is sm_{cc}); "
-                                "use 'pallas'")
+  if impl.startswith("mosaic") and not mosaic_available:
+    raise InvalidRequestError(f"attention_impl={impl!r} needs jax >= 0.11 (Mosaic GPU with interpret "
+                              f"mode); this is jax {jax.__version__}: use 'pallas' or 'pallas_interpret'")
+  if impl == "mosaic" and major is not None and major != 9:
+    raise InvalidRequestError(f"attention_impl='mosaic' needs a Hopper (sm_90) GPU for wgmma (this one is "
+                              f"sm_{compute_capability}); use 'pallas'")
   return impl
+
+
+def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
+  """`choose_attention_impl` for this process: its backend (or `backend`), GPU 0's compute
+  capability and jax's Mosaic GPU."""
+  backend = backend or jax.default_backend()
+  cc = None
+  mosaic_available = False
+  if backend == "gpu" or str(impl).startswith("mosaic"):  # else pallas_kernels need not be imported
+    from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
+    mosaic_available = MOSAIC_AVAILABLE
+    try:
+      cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:  # backend named by the caller, no GPU in this process
+      cc = None
+  return choose_attention_impl(impl, backend=backend, compute_capability=cc,
+                               mosaic_available=mosaic_available)
+
+
+def ragged_attention_kernel(impl: str, q: jax.Array, k_pages: jax.Array,
+                            k_scale: jax.Array | None = None) -> str:
+  """'mosaic' or 'pallas': the kernel a resolved Pallas `impl` runs for these operands.
+
+  'mosaic(_interpret)' takes the Mosaic GPU kernel where it covers the operands
+  (`ragged_paged_attention_mgpu.unsupported_reason` is None), the Triton kernel
+  elsewhere; 'pallas(_interpret)' always the Triton kernel. Shapes and dtypes
+  only: q [T, H, d], k_pages [N, p, K, d] as values (not a CPU-stored cache's bits).
+  """
+  if not impl.startswith("mosaic"):
+    return "pallas"
+  from pallas_kernels.ragged_paged_attention_mgpu import unsupported_reason
+  reason = unsupported_reason(q.shape, k_pages.shape, k_pages.dtype, quantized=k_scale is not None,
+                              q_dtype=q.dtype)
+  return "mosaic" if reason is None else "pallas"
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
@@ -131,11 +173,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   # The kernels read values: a CPU-stored (uint16 / uint8) cache only reaches them in interpret mode.
   k_values, v_values = values(k_pages), values(v_pages)
   kernel = pallas_kernels.ragged_paged_attention
-  if impl.startswith("mosaic"):
-    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-    if mgpu.unsupported_reason(q.shape, k_values.shape, k_values.dtype,
-                               quantized=k_scale is not None) is None:
-      kernel = mgpu.ragged_paged_attention_mgpu
+  if ragged_attention_kernel(impl, q, k_values, k_scale) == "mosaic":
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu as kernel
   out = kernel(q, k_values, v_values, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
                v_scale=v_scale, interpret=interpret)

@@ -23,8 +23,9 @@ The others are written for the Pallas Triton lowering (any recent NVIDIA GPU) an
 run on CPU with `interpret=True`, which is how the tests check them against
 their references. The model reaches the ragged kernels only through
 `jaxinfer.ops.ragged_paged_attention` / `jaxinfer.ops.ragged_paged_mla`
-(attention_impl 'pallas', the default on GPU, or 'pallas_interpret'; 'mosaic' /
-'mosaic_interpret' for the Mosaic GPU kernel);
+(attention_impl 'pallas' or 'pallas_interpret'; 'mosaic' / 'mosaic_interpret' for
+the Mosaic GPU kernel; 'auto' on GPU takes 'mosaic' on sm_90 under jax >= 0.11,
+else 'pallas');
 flash_attention is not dispatched to yet.
 """
 

@@ -11,6 +11,10 @@ Shapes (legend, as in ragged_paged_attention.py):
   R = 64 rows of a q tile (the wgmma M), block_q = R / G tokens per q tile,
   block_kv = pages_per_block * p keys per KV step.
 
+  k_scale, v_scale [N, p, Hkv] float32: a quantized (int8 / float8_e4m3fn) cache,
+  key j of head h is k_pages[j, h] * k_scale[j, h] (the kernel reads them
+  head-major, [N, Hkv, p], transposed by the wrapper).
+
 Work split. As in the Triton kernel, the wrapper numbers the q blocks (block_q
 consecutive tokens of one sequence) and the grid is (q block bound, Hkv), or
 (q block bound, Hkv, kv_splits) with split-KV; a program past the real q
@@ -40,13 +44,27 @@ compute path.
 Per step (FlashAttention-2, Dao 2023, Algorithm 1; scores in float32):
   s = q @ k^T (wgmma, q and K from shared memory) * sm_scale, soft-capped,
   masked to the causal (and sliding-window) range; running max m and sum l,
-  acc rescaled by exp(m_old - m_new); p = exp(s - m) rounded to the cache
-  dtype, written to shared memory and multiplied by V (wgmma). One division at
+  acc rescaled by exp(m_old - m_new); p = exp(s - m) rounded to the dots'
+  dtype (the cache's, or q's with a quantized cache), written to shared
+  memory and multiplied by V (wgmma). One division at
   the end. Sinks (GPT-OSS) start a row at m = sink, l = 1, as in the Triton
   kernel. The block's last step zeroes the V rows past its causal limit in
   shared memory before its PV wgmma: slots past kv_len may hold anything (NaN
   in the tests), pages past the limit were not fetched (the slot holds an
   older step's or uninitialised data), and p = 0 does not cancel NaN.
+
+Quantized caches (int8 / float8_e4m3fn with float32 scales per token and kv
+head). The pages cross HBM and TMA at one byte per element into 8-bit slots;
+each step converts its K and V tiles in registers to q's dtype (exact: int8
+and e4m3 values fit bf16 and f16) and stores them into one swizzled 16-bit
+tile each, which wgmma reads. The scales ride the same barriers as their pages
+(p floats per page and head, one TMA box) and are applied as the Triton kernel
+applies them: each key's scale multiplies its column of the scores (before
+the soft cap), each value row's scale its column of p before p is rounded for
+the PV wgmma, while l sums the unscaled p. V rows past kv_stop are zeroed
+while converting and their scales replaced by 0 (fp8 slots past kv_len may be
+NaN). The 8-bit slot is refilled (or handed to the producer) as soon as both
+tiles are converted, before the PV wgmma.
 
 Why q and p go through shared memory: GPU interpret mode (what the tests run
 on a CPU) only simulates wgmma with both operands in shared memory; wgmma can
@@ -57,7 +75,8 @@ moved through registers into the swizzled buffer wgmma reads; the output
 leaves through the untiled buffer the same way, token by token, only rows of
 real tokens written.
 
-Covered: bf16 / f16 caches (q is cast to the cache dtype), any mix of decode,
+Covered: bf16 / f16 caches (q is cast to the cache dtype), int8 / float8_e4m3fn
+caches with k_scale / v_scale and a bf16 / f16 q, any mix of decode,
 verify and prefill rows (ragged cu_q_lens; a prefill block reads only its
 causal range), GQA with G dividing 64, D a multiple of 64 up to 256, pages of
 >= 8 tokens with block_kv a multiple of 64 up to 256, sliding window, soft cap,
@@ -65,9 +84,13 @@ sinks; optionally a producer warpgroup (BlockSizes.warp_specialized) and
 split-KV (BlockSizes.kv_splits: each q block's KV range in C parts merged by
 log-sum-exp, so that few long sequences fill the SMs). Not covered
 (NotImplementedError; jaxinfer.ops 'mosaic' falls back to the Triton kernel):
-quantized caches (k_scale / v_scale), float32 caches, other G, D and page
-sizes. Not done: P kept in registers, a split count chosen per batch (the
-caller picks kv_splits statically).
+float32 caches, a quantized cache with a float32 q, other G, D and page
+sizes (D = 32: the [64, 32] PV wgmma fails Mosaic GPU's layout inference in
+jax 0.11.2). Not done: P kept in registers, a split count chosen per batch (the
+caller picks kv_splits statically), scales stored head-major by the cache
+itself (the wrapper's transpose moves the whole scale pool each call, 8 / D of
+the 8-bit pool's bytes; the kernel reads only the sequences' pages), fp8 x fp8
+wgmmas with q quantized (the conversion above keeps q exact).
 
 The scalar metadata (q block schedule, cu_q_lens, kv_lens, page ids) is read
 from global memory as scalars; a page id is read right before its copy is
@@ -108,6 +131,8 @@ class BlockSizes:
   num_stages: shared-memory slots for K and V tiles (>= 2). Shared memory per
     program is about num_stages * 2 * block_kv * D * 2 B + 40 KiB at D = 128
     (2 stages: 104 KiB, two programs per H100/H200 SM).
+    A quantized cache halves the slots (8-bit) and adds one 16-bit K and V
+    tile for the converted step (2 stages at D = 128: 105 KiB as well).
   warp_specialized: False: one warpgroup computes and, after each step,
     refills the slot it has just used (num_stages - 1 steps in flight while it
     computes; the page ids' global loads sit on its path). True: a second,
@@ -144,19 +169,27 @@ class BlockSizes:
     return dataclasses.replace(self, pages_per_block=ppb)
 
 
-def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False) -> str | None:
-  """Why the kernel cannot take these operands (None: it can). Shapes only, no data.
+def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False,
+                       q_dtype=jnp.bfloat16) -> str | None:
+  """Why the kernel cannot take these operands (None: it can). Shapes and dtypes only, no data.
 
-  q_shape [T, Hq, D], kv_shape [N, p, Hkv, D]. jaxinfer.ops uses this to fall
-  back to the Triton kernel.
+  q_shape [T, Hq, D], kv_shape [N, p, Hkv, D]; quantized: the cache comes with
+  k_scale / v_scale, and its tiles convert to q_dtype for the dots (an
+  unquantized cache's own dtype is the dots', q is cast to it). jaxinfer.ops
+  uses this to fall back to the Triton kernel.
   """
   if not MOSAIC_AVAILABLE:
     return "Mosaic GPU with interpret mode needs jax >= 0.11"
   _, Hq, D = q_shape
   _, page_size, Hkv, _ = kv_shape
+  wgmma_dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   if quantized:
-    return "quantized (int8 / float8) caches are not covered yet"
-  if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+      return f"quantized cache dtype {jnp.dtype(kv_dtype).name}: int8 / float8_e4m3fn only"
+    if jnp.dtype(q_dtype) not in wgmma_dtypes:
+      return (f"q dtype {jnp.dtype(q_dtype).name} with a quantized cache: the tiles convert to q's "
+              "dtype, and wgmma here takes bfloat16 / float16 only")
+  elif jnp.dtype(kv_dtype) not in wgmma_dtypes:
     return f"cache dtype {jnp.dtype(kv_dtype).name}: wgmma here takes bfloat16 / float16 only"
   if Hq % Hkv or ROWS % (Hq // Hkv):
     return f"G = Hq / Hkv = {Hq}/{Hkv} must divide {ROWS} (the q tile's rows)"
@@ -170,11 +203,14 @@ def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False) 
 def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
                 sink_rows_ref, q_ref, k_pages_ref, v_pages_ref, *refs, sm_scale: float,
                 sliding_window: int | None, soft_cap: float | None, pages_per_block: int,
-                num_stages: int, warp_specialized: bool, kv_splits: int):
+                num_stages: int, warp_specialized: bool, kv_splits: int, quantized: bool):
   """One q block (block_q tokens of one sequence) x one kv head (x one KV split).
 
-  refs: the outputs, then the scratch. One split: o_ref [T, Hkv, G, D] in the
-  cache dtype. kv_splits C > 1: o_ref [C, T, Hkv, G, D] float32, each split's
+  refs: with a quantized cache first k_scale_ref, v_scale_ref [N, Hkv, p]
+  float32 (the cache's scales, head-major so that a page's scales of one head
+  are one contiguous TMA box); then the outputs, then the scratch. One split:
+  o_ref [T, Hkv, G, D] in the dot dtype (the cache's, or q's for a quantized
+  cache). kv_splits C > 1: o_ref [C, T, Hkv, G, D] float32, each split's
   own softmax-normalised output, and lse_ref [C, T, Hkv, G] float32, its
   log-sum-exp (-inf: no key); the wrapper merges them. Split c walks steps
   [c * per, (c + 1) * per) of the block's KV range, per = ceil(steps / C).
@@ -186,8 +222,15 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   consumed_bar [num_stages] (used when warp-specialized): the consumer
   warpgroup arrives when it is done with a slot, the producer waits on it
   before refilling the slot. With splits also o32_smem [R, D] and lse_smem [R]
-  float32, untiled.
+  float32, untiled. Quantized: k_smem / v_smem hold the 8-bit pages, and the
+  scratch ends with kd_smem / vd_smem [block_kv, D] swizzled in the dot dtype
+  (the step's tiles, dequantized) and ks_smem / vs_smem [num_stages, block_kv]
+  float32 (the step's scales, arriving on k_bar / v_bar with their pages).
   """
+  k_scale_ref = v_scale_ref = None
+  if quantized:
+    k_scale_ref, v_scale_ref, *refs = refs
+    *refs, kd_smem, vd_smem, ks_smem, vs_smem = refs
   if kv_splits == 1:
     (o_ref, q_raw, q_smem, p_smem, k_smem, v_smem, sink_smem, q_bar, k_bar, v_bar, sink_bar,
      consumed_bar) = refs
@@ -199,7 +242,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   P = page_indices_ref.shape[1]
   block_q = ROWS // G
   block_kv = pages_per_block * page_size
-  dtype = k_smem.dtype
+  dtype = q_smem.dtype  # the dots' operand dtype
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   c = lax.axis_index("c") if kv_splits > 1 else 0
@@ -238,6 +281,8 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           plgpu.barrier_arrive(q_bar)
       plgpu.copy_gmem_to_smem(sink_rows_ref.at[c, h], sink_smem, sink_bar)
 
+    copies_per_page = 2 if quantized else 1  # on each of k_bar, v_bar: the page (and its scales)
+
     def fetch(step, slot):
       """TMA the pages of KV step `step` (relative to kb0) into `slot`."""
       for j in range(pages_per_block):
@@ -251,11 +296,15 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           rows = pl.ds(j * page_size, page_size)
           plgpu.copy_gmem_to_smem(k_pages_ref.at[page, :, h, :], k_smem.at[slot, rows], k_bar.at[slot])
           plgpu.copy_gmem_to_smem(v_pages_ref.at[page, :, h, :], v_smem.at[slot, rows], v_bar.at[slot])
+          if quantized:  # p float32 scales, one contiguous box of >= 32 bytes (p >= 8)
+            plgpu.copy_gmem_to_smem(k_scale_ref.at[page, h], ks_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_scale_ref.at[page, h], vs_smem.at[slot, rows], v_bar.at[slot])
 
         @pl.when(~needed)
         def _():
-          plgpu.barrier_arrive(k_bar.at[slot])
-          plgpu.barrier_arrive(v_bar.at[slot])
+          for _ in range(copies_per_page):
+            plgpu.barrier_arrive(k_bar.at[slot])
+            plgpu.barrier_arrive(v_bar.at[slot])
 
     def fetch_first_steps():
       for i in range(num_stages):
@@ -299,17 +348,44 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
       acc0 = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), layout)
 
+      def dequantize(ref):
+        """An 8-bit [block_kv, D] tile in shared memory -> registers in the dot dtype (WGMMA layout).
+
+        The values convert exactly (int8 and e4m3 fit bf16 / f16); the scales are
+        applied to the scores and probabilities in float32, as the Triton kernel does.
+        WGMMA_UPCAST_2X: 32-bit shared-memory loads of 4 bytes, one warp shuffle to WGMMA.
+        """
+        x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        if x.dtype == jnp.float8_e4m3fn and dtype == jnp.bfloat16:
+          x = x.astype(jnp.float16)  # sm_90 converts e4m3 to f16 only; f16 -> bf16 is exact here
+        return plgpu.layout_cast(x.astype(dtype), layout)
+
+      def release(step, slot):
+        """The slot's contents are used up: refill it, or let the producer."""
+        if warp_specialized:
+          plgpu.barrier_arrive(consumed_bar.at[slot])
+        else:
+          pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
+
       def kv_step(step, carry):
         acc, m, l = carry
         slot = lax.rem(step, jnp.int32(num_stages))
         kv_pos = (kb0 + step) * block_kv + col  # [R, block_kv]
         plgpu.barrier_wait(k_bar.at[slot])
+        k_tile = k_smem.at[slot]
+        if quantized:
+          kd_smem[...] = dequantize(k_tile)
+          plgpu.commit_smem()
+          k_tile = kd_smem
 
         def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          plgpu.wgmma(acc_ref, q_smem, k_tile.T)
           return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
+        if quantized:  # each key's scale: a column scale of the scores
+          k_scale = plgpu.load(ks_smem.at[slot], layout=layout.reduce(0))  # [block_kv]
+          s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
         if soft_cap is not None:
           s = soft_cap * jnp.tanh(s / soft_cap)
         visible = kv_pos <= q_pos
@@ -323,29 +399,43 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
         p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_smem[...] = p.astype(dtype)
+        v_tile = v_smem.at[slot]
+        if not quantized:
+          p_smem[...] = p.astype(dtype)
 
         plgpu.barrier_wait(v_bar.at[slot])
-
-        @pl.when((kb0 + step + 1) * block_kv > kv_stop)
-        def _():  # the block's last step: V rows past kv_stop (past kv_len, or not fetched) become 0
+        v_first = (kb0 + step) * block_kv  # the step's first key
+        if quantized:
+          # Rows past kv_stop (past kv_len: NaN in an fp8 cache; or not fetched)
+          # become 0 on the way to vd_smem: p = 0 does not cancel NaN. A select per
+          # element, on every step (a no-op but the last), costs less than a branch.
+          v = dequantize(v_tile)
           v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
-          v = v_smem.at[slot][...]
-          v_smem.at[slot][...] = jnp.where((kb0 + step) * block_kv + v_row < kv_stop, v,
-                                           jnp.zeros_like(v))
+          vd_smem[...] = jnp.where(v_first + v_row < kv_stop, v, jnp.zeros_like(v))
+          # Each value row's scale folds into its probability column (0 past kv_stop,
+          # where scales may be NaN or stale); l keeps the unscaled p.
+          v_scale = plgpu.load(vs_smem.at[slot], layout=layout.reduce(0))  # [block_kv]
+          v_scale = jnp.where(kv_pos < kv_stop, lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
+          p_smem[...] = (p * v_scale).astype(dtype)
+          plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the slot
+          release(step, slot)  # the 8-bit slot is used up: its next pages load during the wgmmas
+          v_tile = vd_smem
+        else:
+          @pl.when((kb0 + step + 1) * block_kv > kv_stop)
+          def _():  # the block's last step: V rows past kv_stop (past kv_len, or not fetched) become 0
+            v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, D), 0, layout=layout)
+            v = v_tile[...]
+            v_tile[...] = jnp.where(v_first + v_row < kv_stop, v, jnp.zeros_like(v))
 
-        plgpu.commit_smem()
+          plgpu.commit_smem()
 
         def values(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_smem, v_tile)
           return acc_ref[...]
 
         acc = acc + pl.run_scoped(values, plgpu.ACC((ROWS, D), jnp.float32))
-        # The slot's wgmmas are done (their results were read): refill it, or let the producer.
-        if warp_specialized:
-          plgpu.barrier_arrive(consumed_bar.at[slot])
-        else:
-          pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
+        if not quantized:  # the slot's wgmmas are done (their results were read)
+          release(step, slot)
         return acc, m_new, l
 
       acc, m, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
@@ -401,7 +491,8 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   scales = () if k_scale is None else (jnp.asarray(k_scale), jnp.asarray(v_scale))
   _check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                 sliding_window, soft_cap, sinks, *scales)
-  reason = unsupported_reason(q.shape, k_pages.shape, k_pages.dtype, quantized=bool(scales))
+  reason = unsupported_reason(q.shape, k_pages.shape, k_pages.dtype, quantized=bool(scales),
+                              q_dtype=q.dtype)
   if reason:
     raise NotImplementedError(f"ragged_paged_attention_mgpu: {reason}")
   T, Hq, D = q.shape
@@ -418,7 +509,8 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   block_kv = bs.pages_per_block * page_size
   num_blocks = min(T, (T + S * (block_q - 1)) // block_q)
   block_seq, block_idx = _schedule(cu_q_lens, num_seqs.astype(jnp.int32), block_q, num_blocks)
-  dtype = k_pages.dtype
+  # The dots' operand dtype: the cache's, or q's for a quantized cache (whose tiles convert to it).
+  dtype = q.dtype if scales else k_pages.dtype
   sink_heads = (jnp.full((Hq,), -jnp.inf, jnp.float32) if sinks is None
                 else sinks.astype(jnp.float32))
   # Row r of kv head h's tile is query head h * G + r % G.
@@ -427,17 +519,24 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   C = bs.kv_splits
   sink_rows = jnp.concatenate([sink_rows[None], jnp.full((C - 1, Hkv, ROWS), -jnp.inf)])  # [C, Hkv, R]
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  def swizzled(dt, cols):
+    """The widest swizzle a row of `cols` elements fills (128 B for 16-bit rows of >= 64)."""
+    bits = jnp.dtype(dt).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+  arrivals = bs.pages_per_block * (2 if scales else 1)  # a page, and its scales if quantized
   scratch = [
       plgpu.SMEM((ROWS, D), dtype),  # q_raw
-      plgpu.SMEM((ROWS, D), dtype, transforms=swizzled),  # q_smem
-      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled),  # p_smem
-      plgpu.SMEM((bs.num_stages, block_kv, D), dtype, transforms=swizzled),  # k_smem
-      plgpu.SMEM((bs.num_stages, block_kv, D), dtype, transforms=swizzled),  # v_smem
+      plgpu.SMEM((ROWS, D), dtype, transforms=swizzled(dtype, D)),  # q_smem
+      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled(dtype, block_kv)),  # p_smem
+      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype,
+                 transforms=swizzled(k_pages.dtype, D)),  # k_smem
+      plgpu.SMEM((bs.num_stages, block_kv, D), k_pages.dtype,
+                 transforms=swizzled(k_pages.dtype, D)),  # v_smem
       plgpu.SMEM((ROWS,), jnp.float32),  # sink_smem
       plgpu.Barrier(num_arrivals=block_q),  # q_bar: one arrival per token slot
-      plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=bs.num_stages),  # k_bar
-      plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=bs.num_stages),  # v_bar
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=bs.num_stages),  # k_bar
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=bs.num_stages),  # v_bar
       plgpu.Barrier(num_arrivals=1),  # sink_bar
       plgpu.Barrier(num_arrivals=1, num_barriers=bs.num_stages),  # consumed_bar
   ]
@@ -446,11 +545,21 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
     scratch += [plgpu.SMEM((ROWS, D), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     out_type = (jax.ShapeDtypeStruct((C, T, Hkv, G, D), jnp.float32),
                 jax.ShapeDtypeStruct((C, T, Hkv, G), jnp.float32))
+  if scales:
+    scratch += [plgpu.SMEM((block_kv, D), dtype, transforms=swizzled(dtype, D)),  # kd_smem
+                plgpu.SMEM((block_kv, D), dtype, transforms=swizzled(dtype, D)),  # vd_smem
+                plgpu.SMEM((bs.num_stages, block_kv), jnp.float32),  # ks_smem
+                plgpu.SMEM((bs.num_stages, block_kv), jnp.float32)]  # vs_smem
+    # Head-major [N, Hkv, p]: a page's scales of one head become one contiguous
+    # TMA box (TMA boxes need a contiguous innermost dim of >= 16 bytes; in the
+    # cache's [N, p, Hkv] they are Hkv floats apart). A transpose of the whole
+    # scale pool per call, 8 / D of the 8-bit pool's bytes moved: see "Not done".
+    scales = tuple(x.transpose(0, 2, 1) for x in scales)
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(D ** -0.5 if sm_scale is None else sm_scale),
       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
       pages_per_block=bs.pages_per_block, num_stages=bs.num_stages,
-      warp_specialized=bs.warp_specialized, kv_splits=C)
+      warp_specialized=bs.warp_specialized, kv_splits=C, quantized=bool(scales))
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -463,7 +572,7 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
                  else plgpu.InterpretGPUParams() if interpret else None),
       kernel_name=f"ragged_paged_attention_mgpu_q{block_q}_kv{block_kv}",
   )(block_seq, block_idx, cu_q_lens, kv_lens, page_indices, sink_rows,
-    q.astype(dtype).reshape(T, Hkv, G, D), k_pages, v_pages)
+    q.astype(dtype).reshape(T, Hkv, G, D), k_pages, v_pages, *scales)
   if C > 1:
     out = _merge_splits(*out)
   return out.reshape(T, Hq, D).astype(q.dtype)

@@ -8,7 +8,8 @@
 #      kernel ('mosaic': one warpgroup; 'mosaic_ws': plus a producer warpgroup) against the
 #      Triton one ('pallas'), as K/V bytes read / time and % of the copy bandwidth measured in
 #      the same run, and dot_product_attention (cuDNN) on the same K/V stored densely; then
-#      4 x 16k keys with and without split-KV (kv_splits 8); then the Mosaic kernel's stages /
+#      4 x 16k keys with and without split-KV (kv_splits 8); then an fp8 KV cache (64 x 2048,
+#      16-token pages; the bench docstring has its expected outcome); then the Mosaic kernel's stages /
 #      pages per step / warp specialization on 64 x 2048 at 16-token pages -> mosaic.json
 #      (rewritten after every case).
 # Expected (written before any GPU run; the reasoning is in jaxinfer/bench/mosaic.py's docstring):

@@ -28,6 +28,45 @@ def with_trained_head(tmp_path_factory) -> Path:
   return d
 
 
+def widen_heads(src: Path, dst: Path, head_dim: int = 64) -> Path:
+  """A copy of the tiny HF llama-family model in `src` with every attention head widened to
+  `head_dim`, computing the same function: the same ids as transformers' goldens for `src`.
+
+  For kernels that take only wider heads (the Mosaic GPU kernel: D a multiple of 64) on
+  the tiny models' fixtures (d = 16). Each head's d dims go to dims r * i (i < d / 2) and
+  r * (i - d / 2) + D / 2 of D = r * d, the rest zero: RoPE's rotate-half pairs dim i with
+  i + d / 2 at frequency theta^(-2i / d), and dims r * i and r * i + D / 2 of D get the same
+  pair and the same frequency (llama3 scaling is a function of the frequency). q is scaled
+  by sqrt(r), so that q . k * D^-0.5 equals the old q . k * d^-0.5 (r a power of 4: exact).
+  """
+  import shutil
+  from safetensors.numpy import save_file
+  shutil.copytree(src, dst)
+  cfg = json.loads((src / "config.json").read_text())
+  d, H, K, D = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim
+  r = D // d
+  assert D % d == 0 and d % 2 == 0 and round(np.sqrt(r)) ** 2 == r, (d, D)
+  dims = np.array([r * i if i < d // 2 else r * (i - d // 2) + D // 2 for i in range(d)])
+
+  def heads(w, n, scale=1):  # [n * d, F] -> [n * D, F]
+    out = np.zeros((n * D,) + w.shape[1:], w.dtype)
+    for h in range(n):
+      out[h * D + dims] = w[h * d:(h + 1) * d] * scale
+    return out
+
+  w = load_file(src / "model.safetensors")
+  for name in w:
+    if name.endswith("q_proj.weight"):
+      w[name] = heads(w[name], H, round(np.sqrt(r)))
+    elif name.endswith(("k_proj.weight", "v_proj.weight")):
+      w[name] = heads(w[name], K)
+    elif name.endswith("o_proj.weight"):
+      w[name] = np.ascontiguousarray(heads(w[name].T, H).T)
+  save_file(w, dst / "model.safetensors")
+  (dst / "config.json").write_text(json.dumps(dict(cfg, head_dim=D)))
+  return dst
+
+
 class FailingTokenizer:
   """An engine's tokenizer whose detokenizers made while `armed` raise RuntimeError('boom')
   when pushed their `fail_at`-th token: the requests added meanwhile fail in postprocessing

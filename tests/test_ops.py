@@ -150,6 +150,35 @@ def test_auto_is_xla_on_cpu_and_pallas_on_gpu():
     ops.resolve_attention_impl("triton", "gpu")
 
 
+@pytest.mark.parametrize("backend,cc,mosaic,want", [
+    ("gpu", "9.0", True, "mosaic"),    # H100 / H200 under jax >= 0.11
+    ("gpu", "10.0", True, "pallas"),   # Blackwell: wgmma is sm_90a only (sm_100 has tcgen05)
+    ("gpu", "8.9", True, "pallas"),    # Ada: no TMA / wgmma, the Triton kernel
+    ("gpu", "9.0", False, "pallas"),   # jax 0.10: no Mosaic GPU
+    ("gpu", None, True, "pallas"),     # no GPU in this process to ask: not assumed to be Hopper
+    ("cpu", None, True, "xla"),
+    ("tpu", None, False, "xla"),
+])
+def test_auto_picks_mosaic_on_hopper_with_jax_0_11(backend, cc, mosaic, want):
+  assert ops.choose_attention_impl("auto", backend=backend, compute_capability=cc,
+                                   mosaic_available=mosaic) == want
+
+
+def test_explicit_impls_are_checked_against_the_machine():
+  choose = ops.choose_attention_impl
+  assert choose("mosaic", backend="gpu", compute_capability="9.0", mosaic_available=True) == "mosaic"
+  assert choose("pallas", backend="gpu", compute_capability="9.0", mosaic_available=True) == "pallas"
+  assert choose("mosaic_interpret", backend="cpu", compute_capability=None,
+                mosaic_available=True) == "mosaic_interpret"
+  for cc in ("8.0", "10.0"):
+    with pytest.raises(ValueError, match=f"needs a Hopper .sm_90. GPU for wgmma .this one is sm_{cc}"):
+      choose("mosaic", backend="gpu", compute_capability=cc, mosaic_available=True)
+  with pytest.raises(ValueError, match="needs jax >= 0.11"):
+    choose("mosaic", backend="gpu", compute_capability="9.0", mosaic_available=False)
+  with pytest.raises(ValueError, match="compiles for GPU only"):
+    choose("mosaic", backend="cpu", compute_capability=None, mosaic_available=True)
+
+
 def test_mosaic_is_asked_for_explicitly_and_needs_jax_0_11():
   from pallas_kernels.ragged_paged_attention_mgpu import MOSAIC_AVAILABLE
   with pytest.raises(ValueError, match="'mosaic' compiles for GPU only"):

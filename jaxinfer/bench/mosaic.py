@@ -16,7 +16,11 @@ paged batches, timing and copy ceiling):
      where it runs), the issue's other yardstick;
   3. few long sequences (4 x 16k keys): the kernels without and with split-KV
      (kv_splits 8: 4 x 8 kv heads = 32 programs become 256);
-  4. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
+  4. an fp8 KV cache (float8_e4m3fn values, a float32 scale per token and kv
+     head, quantized as jaxinfer.models.cache does) on the first decode
+     shape at the first page size: both kernels, bytes = the 8-bit K and V
+     plus their scales;
+  5. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
      specialization) on one decode shape.
 The JSON is rewritten after every case, so a run cut short by its time limit
 keeps what it measured. A case that fails (say the Mosaic kernel does not
@@ -34,6 +38,13 @@ the compute path) 5-15 points above 'mosaic'. At 4 x 16k keys without
 splits (32 programs on 132 SMs) every kernel reads at <= 30%; split 8 ways,
 the Mosaic kernel 55-80%. B = 64 x 8 kv heads = 512 programs fill 132 SMs ~4
 times over; at B = 256 the tail matters less.
+fp8 cache (written before any run of it): the kernels read (D + 4) / 2D of
+bf16's bytes (0.52 at D = 128), so at equal bandwidth ~1.9x faster. Expected:
+the Mosaic kernel 1.5-1.8x its bf16 time (GB/s 15-30% below its bf16 figure:
+each step converts K and V in registers and stores them to shared memory
+again, and the wrapper transposes the scale pool, an extra 8 / D of the pool's
+bytes and one more launch per call); Triton 1.2-1.6x (its tiles convert
+after the load too, with no TMA).
 
   jaxinfer bench mosaic --smoke     # CPU: tiny shapes, both kernels in interpret mode
   jaxinfer bench mosaic --out $OUT/mosaic.json   # GPU (sm_90)
@@ -51,11 +62,13 @@ from pathlib import Path
 
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.bench.harness import environment
 from jaxinfer.bench.kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, has_gpu, kv_bytes,
                                     max_err, paged_batch, time_us)
+from jaxinfer.models.cache import quantize_tokens
 from jaxinfer.ops import ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
@@ -131,9 +144,13 @@ def run(args: argparse.Namespace) -> int:
     return jax.jit(functools.partial(ragged_paged_attention_mgpu, interpret=smoke,
                                      block_sizes=block_sizes))
 
-  def run_case(B, kv_len, page_size, impls, dense=False):
+  def run_case(B, kv_len, page_size, impls, dense=False, kv_dtype=None):
     batch = paged_batch(rng, ((B, 1, kv_len),), page_size, Hq, Hkv, D)
     nbytes = kv_bytes(batch)
+    if kv_dtype is not None:  # a quantized cache: 1-byte values + a float32 scale per token and head
+      for name in ("k", "v"):
+        batch[f"{name}_pages"], batch[f"{name}_scale"] = quantize_tokens(batch[f"{name}_pages"], kv_dtype)
+      nbytes = nbytes // 2 * (D + 4) // D
     want = jax.block_until_ready(xla(**batch))
     calls = [(name, functools.partial(fn, **batch), want, extra) for name, fn, extra in impls]
     if dense:
@@ -146,14 +163,15 @@ def run(args: argparse.Namespace) -> int:
       except RuntimeError as e:  # neither cuDNN nor XLA: recorded in the log, the run goes on
         print(f"dense attention: {e}")
     case = {"section": "decode", "B": B, "kv_len": kv_len, "page_size": page_size, "Hq": Hq,
-            "Hkv": Hkv, "D": D, "dtype": "bfloat16", "kv_bytes": nbytes}
+            "Hkv": Hkv, "D": D, "dtype": "bfloat16", "kv_bytes": nbytes,
+            "kv_dtype": jnp.dtype(kv_dtype or jnp.bfloat16).name}
     for name, call, want_of_call, extra in calls:
       row = {**case, **decode_row(name, call, want_of_call, nbytes, ceil, shapes, extra)}
       report["results"].append(row)
       save()
       shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
                if "us" in row else row["error"][:300])
-      print(f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {name:8} {extra or ''} {shown} "
+      print(f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8} {extra or ''} {shown} "
             f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
   def decode_shape(B, kv_len):
@@ -171,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
       (f"mosaic_split{C}", mosaic(BlockSizes(kv_splits=C)), {}),
       (f"mosaic_ws_split{C}", mosaic(BlockSizes(kv_splits=C, warp_specialized=True)), {})],
       dense=True)
+  run_case(*cases.decode[0], cases.page_sizes[0],
+           [("pallas", triton, {}), ("mosaic", mosaic(), {}),
+            ("mosaic_ws", mosaic(BlockSizes(warp_specialized=True)), {})], kv_dtype=jnp.float8_e4m3fn)
   for B, kv_len in cases.decode[1:]:
     decode_shape(B, kv_len)
   B, kv_len, page_size = cases.sweep_shape

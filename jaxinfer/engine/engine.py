@@ -80,7 +80,7 @@ class EngineConfig:
   enable_prefix_caching: bool = True
   warmup: bool = True
   compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
-  attention_impl: str = "auto"  # jaxinfer.ops.ATTENTION_IMPLS: 'auto' (Pallas on GPU, XLA elsewhere), 'xla', 'pallas', 'mosaic' (+ '_interpret')
+  attention_impl: str = "auto"  # jaxinfer.ops.ATTENTION_IMPLS: 'auto' (Mosaic on sm_90 + jax >= 0.11, else Pallas on GPU, XLA elsewhere), 'xla', 'pallas', 'mosaic' (+ '_interpret')
   # The KV cache's dtype: 'auto' (the model's), 'float32', 'bfloat16', or quantized 'int8' /
   # 'fp8' (float8 e4m3) with a float32 scale per token and kv head (jaxinfer.models.cache).
   kv_cache_dtype: str = "auto"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, tiny_dir
-from helpers import FailingTokenizer, run_engine
+from helpers import FailingTokenizer, run_engine, widen_heads
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import InvalidRequestError
 
@@ -57,6 +57,35 @@ def test_golden_batch_through_the_pallas_kernel_in_interpret_mode(family):
   outs, _ = run_engine(llm.engine, prompts, [greedy(g["max_new_tokens"])] * len(prompts))
   for r, out in zip(g["records"], outs):
     assert out.token_ids == r["greedy_ids"]
+
+
+@pytest.mark.mosaic
+def test_golden_batch_through_the_mosaic_kernel_in_interpret_mode(tmp_path, monkeypatch):
+  """Attention forced to the Mosaic GPU kernel (Mosaic GPU interpret mode on CPU): still
+  transformers' greedy ids. The tiny mistral (G = 2, sliding window 8) with its heads
+  widened to 64 dims (the kernel's smallest; `widen_heads` keeps the function) and a
+  bfloat16 cache (the kernel's dtype; transformers' float32 ids still come out). Two
+  prompts of the batch golden: 7 tokens, and 70 (chunked prefill under the 64-token
+  budget beside the other's decode), 6 new tokens each: interpret mode costs seconds per
+  step, so the batch is small."""
+  from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+  if not mgpu.MOSAIC_AVAILABLE:
+    pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11 (Python 3.12 venv)")
+  calls = []
+  kernel = mgpu.ragged_paged_attention_mgpu
+  # Counted as the step is traced: the ops dispatch took this kernel, not the Triton fallback.
+  monkeypatch.setattr(mgpu, "ragged_paged_attention_mgpu", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  g = batch_golden("mistral")
+  records = [g["records"][i] for i in (1, 5)]
+  assert [len(r["prompt_ids"]) for r in records] == [7, 70]
+  llm = LLM(widen_heads(tiny_dir("mistral"), tmp_path / "mistral"), max_num_seqs=16, max_num_batched_tokens=64,
+            warmup=False, attention_impl="mosaic_interpret", kv_cache_dtype="bfloat16")
+  assert llm.runner.attention_impl == "mosaic_interpret"
+  n = 6
+  outs, _ = run_engine(llm.engine, [r["prompt_ids"] for r in records], [greedy(n)] * len(records))
+  assert calls
+  for r, out in zip(records, outs):
+    assert out.token_ids == r["greedy_ids"][:n]
 
 
 def test_attention_impl_is_checked():

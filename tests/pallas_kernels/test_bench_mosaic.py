@@ -32,3 +32,8 @@ def test_smoke_run_writes_report(tmp_path):
   assert all(r["max_abs_err_vs_xla_reference"] < 0.05 and r["us"] > 0 and r["gb_s"] > 0
              for r in rows)
   assert [r["block_sizes"]["num_stages"] for r in rows if "block_sizes" in r] == [3]  # the sweep
+  # The fp8 cache section: both kernels on 1-byte values, bytes counted with their scales.
+  fp8 = [r for r in rows if r["kv_dtype"] == "float8_e4m3fn"]
+  assert {r["impl"] for r in fp8} == {"pallas", "mosaic", "mosaic_ws"}
+  bf16 = next(r for r in rows if r["kv_dtype"] == "bfloat16")
+  assert all(r["kv_bytes"] * 2 * r["D"] == bf16["kv_bytes"] * (r["D"] + 4) for r in fp8)

@@ -32,7 +32,7 @@ from pallas_kernels.ragged_paged_attention_mgpu import (
     ragged_paged_attention_mgpu,
     unsupported_reason,
 )
-from test_ragged_paged_attention import TOLERANCES, make_batch
+from test_ragged_paged_attention import TOLERANCES, make_batch, quantize_int8
 
 pytestmark = [
     pytest.mark.mosaic,
@@ -177,6 +177,45 @@ def test_null_page_padding_rows():
   check(batch)
 
 
+def quantize_fp8(x):
+  """x [..., D] (NaN-poisoned slots allowed) -> float8_e4m3fn values and float32 scales [...]:
+  max|x| / 448 per token and head. A poisoned vector keeps NaN in its values too (e4m3fn
+  has NaN; int8 has none, so quantize_int8 poisons the scales only)."""
+  x = np.asarray(x, np.float32)
+  scale = np.abs(x).max(-1) / 448
+  return jnp.asarray(x / scale[..., None], jnp.float8_e4m3fn), jnp.asarray(scale)
+
+
+QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
+# Each case once: both 8-bit dtypes, pages of 16 / 32 / 64 (4 / 2 / 1 pages and their scales
+# per step), G 1 / 4 / 8, D 64 / 128 (64- and 128-byte swizzles of the 8-bit tiles), q in bf16
+# and f16 (fp8 -> bf16 goes through f16 on sm_90), a producer warpgroup, and split-KV with a
+# window, sinks and a soft cap on the scaled scores.
+@pytest.mark.parametrize("kv,page_size,Hq,Hkv,D,q_dtype,seqs,block_sizes,options", [
+    ("fp8", 16, 8, 2, 128, jnp.bfloat16, [(1, kv) for kv in DECODE_KV_LENS], None, {}),
+    ("int8", 32, 16, 2, 64, jnp.bfloat16, MIXED, None, {}),
+    ("fp8", 64, 2, 2, 64, jnp.float16, [(1, 1), (4, 77), (37, 37), (1, 200)],
+     BlockSizes(warp_specialized=True), {}),
+    ("int8", 16, 8, 2, 64, jnp.bfloat16, [(1, 400), (1, 1), (3, 150), (12, 40)],
+     BlockSizes(kv_splits=3, warp_specialized=True),
+     {"sliding_window": 200, "soft_cap": 5.0, "sm_scale": 0.2,
+      "sinks": np.linspace(-3.0, 5.0, 8).astype(np.float32)}),
+])
+def test_quantized_cache(kv, page_size, Hq, Hkv, D, q_dtype, seqs, block_sizes, options):
+  """int8 / fp8 pages with float32 scales per token and kv head == the reference, which
+  dequantizes the whole cache in float32 first. Slots past kv_len carry NaN scales (and NaN
+  fp8 values): a V row or a value scale read unmasked there turns the row NaN."""
+  rng = np.random.default_rng(page_size + Hq + D)
+  batch = make_batch(rng, seqs, page_size=page_size, Hq=Hq, Hkv=Hkv, D=D, dtype=q_dtype)
+  batch["k_pages"], batch["k_scale"] = QUANTIZE[kv](batch["k_pages"])
+  batch["v_pages"], batch["v_scale"] = QUANTIZE[kv](batch["v_pages"])
+  if "soft_cap" in options:
+    batch["q"] = batch["q"] * 4  # larger logits, so the cap bends them
+  check(batch, q_dtype, block_sizes=block_sizes, **options)
+
+
 def test_unsupported_operands_raise():
   rng = np.random.default_rng(1)
   batch = make_batch(rng, [(1, 20)], page_size=16, Hq=6, Hkv=2, D=64, dtype=jnp.bfloat16)
@@ -187,8 +226,12 @@ def test_unsupported_operands_raise():
     kernel(**batch)
   scale = np.ones(batch["k_pages"].shape[:3], np.float32)
   batch.update(k_pages=batch["k_pages"].astype(jnp.int8), v_pages=batch["v_pages"].astype(jnp.int8))
-  with pytest.raises(NotImplementedError, match="quantized"):
-    kernel(**batch, k_scale=scale, v_scale=scale)
+  with pytest.raises(NotImplementedError, match="q dtype float32 with a quantized cache"):
+    kernel(**batch, k_scale=scale, v_scale=scale)  # the tiles would convert to float32 q
+  assert unsupported_reason((1, 4, 64), (9, 16, 2, 64), jnp.int8, quantized=True,
+                            q_dtype=jnp.bfloat16) is None
+  assert "int8 / float8_e4m3fn only" in unsupported_reason((1, 4, 64), (9, 16, 2, 64), jnp.bfloat16,
+                                                           quantized=True)
   with pytest.raises(NotImplementedError, match="multiple of 64"):
     kernel(**make_batch(rng, [(1, 20)], page_size=16, Hq=4, Hkv=2, D=64, dtype=jnp.bfloat16),
            block_sizes=BlockSizes(pages_per_block=1))
@@ -208,6 +251,10 @@ def test_unsupported_operands_raise():
     (16, 32, 8, 128, BlockSizes(warp_specialized=True), {}),
     (64, 32, 8, 128, BlockSizes(num_stages=4, warp_specialized=True), {"sliding_window": 512}),
     (16, 32, 8, 128, BlockSizes(kv_splits=8, warp_specialized=True), {"sinks": True}),
+    # Quantized: 8-bit smem tiles, their upcast to the WGMMA layout, the scales' column layout.
+    (16, 32, 8, 128, BlockSizes(), {"kv": jnp.int8}),
+    (16, 32, 8, 128, BlockSizes(warp_specialized=True), {"kv": jnp.float8_e4m3fn}),
+    (64, 16, 2, 64, BlockSizes(kv_splits=4), {"kv": jnp.float8_e4m3fn, "q": jnp.float16}),
 ])
 def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, options):
   """Pallas -> Mosaic GPU lowering for CUDA (sm_90, what Mosaic GPU assumes with no GPU present).
@@ -220,18 +267,23 @@ def test_lowers_for_sm90_without_a_gpu(page_size, Hq, Hkv, D, block_sizes, optio
   import jax
   T, S, P, N = 256, 128, 64, 2048
   sds = jax.ShapeDtypeStruct
-  args = (sds((T, Hq, D), jnp.bfloat16), sds((N, page_size, Hkv, D), jnp.bfloat16),
-          sds((N, page_size, Hkv, D), jnp.bfloat16), sds((S,), jnp.int32), sds((S, P), jnp.int32),
+  options = dict(options)
+  kv_dtype = options.pop("kv", jnp.bfloat16)
+  q_dtype = options.pop("q", jnp.bfloat16)
+  args = (sds((T, Hq, D), q_dtype), sds((N, page_size, Hkv, D), kv_dtype),
+          sds((N, page_size, Hkv, D), kv_dtype), sds((S,), jnp.int32), sds((S, P), jnp.int32),
           sds((S + 1,), jnp.int32), sds((), jnp.int32))
   sinks = sds((Hq,), jnp.float32) if options.pop("sinks", False) else None
-  fn = jax.jit(lambda *a, sinks: ragged_paged_attention_mgpu(*a, sinks=sinks, block_sizes=block_sizes,
-                                                             **options))
-  text = fn.trace(*args, sinks=sinks).lower(lowering_platforms=("cuda",)).as_text()
+  scale = sds((N, page_size, Hkv), jnp.float32) if kv_dtype != jnp.bfloat16 else None
+  fn = jax.jit(lambda *a, sinks, scale: ragged_paged_attention_mgpu(
+      *a, sinks=sinks, k_scale=scale, v_scale=scale, block_sizes=block_sizes, **options))
+  text = fn.trace(*args, sinks=sinks, scale=scale).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
 def test_ops_dispatch_takes_the_mosaic_kernel_where_it_covers_the_operands():
   """jaxinfer.ops with impl 'mosaic(_interpret)': this kernel for a bf16 cache, the Triton one for the rest."""
+  import jax
   from jaxinfer import ops
   from pallas_kernels import ragged_paged_attention
   impl = "mosaic" if ON_GPU else "mosaic_interpret"
@@ -246,3 +298,14 @@ def test_ops_dispatch_takes_the_mosaic_kernel_where_it_covers_the_operands():
   got = ops.ragged_paged_attention(**batch, impl=impl)
   np.testing.assert_array_equal(np.asarray(got[:real]), np.asarray(
       ragged_paged_attention(**batch, interpret=INTERPRET)[:real]))
+
+  # The choice per operands (shapes and dtypes only): quantized caches under a 16-bit q too.
+  sds = jax.ShapeDtypeStruct
+  q, pages = sds((4, 8, 64), jnp.bfloat16), sds((9, 16, 2, 64), jnp.bfloat16)
+  pages8, scale = sds((9, 16, 2, 64), jnp.float8_e4m3fn), sds((9, 16, 2), jnp.float32)
+  assert ops.ragged_attention_kernel(impl, q, pages) == "mosaic"
+  assert ops.ragged_attention_kernel(impl, q, pages8, scale) == "mosaic"
+  assert ops.ragged_attention_kernel(impl, sds(q.shape, jnp.float32), pages8, scale) == "pallas"
+  assert ops.ragged_attention_kernel(impl, q, sds(pages.shape, jnp.float32)) == "pallas"
+  assert ops.ragged_attention_kernel(impl, sds((4, 6, 64), jnp.bfloat16), pages) == "pallas"  # G = 3
+  assert ops.ragged_attention_kernel(impl.replace("mosaic", "pallas"), q, pages) == "pallas"
