@@ -40,6 +40,25 @@ def test_batch_of_mixed_lengths_equals_each_alone(tiny_llms):
     assert out.token_ids == llm.generate([p], GREEDY)[0].token_ids
 
 
+@pytest.mark.parametrize("family", ["llama3", "mistral"])  # byte-level BPE; sentencepiece
+def test_generate_detokenizing_at_the_end_equals_streaming_token_by_token(tiny_llms, family):
+  """LLM.generate makes no output before the end and detokenizes then (engine/output.py:
+  OutputState.deferred); LLM.stream detokenizes each token as it comes. Same text, same ids."""
+  llm = tiny_llms[family]
+  params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)  # random bytes too
+  prompts = ["Hello world", "Über 1000 ünïcödé"]
+  final = llm.generate(prompts, params)
+  streamed = {}
+  for out in llm.stream(prompts, params):
+    streamed.setdefault(out.index, []).append(out)
+  for i, out in enumerate(final):
+    last = streamed[i][-1]
+    assert last.finished and (out.text, out.token_ids) == (last.text, last.token_ids)
+    assert "".join(o.new_text for o in streamed[i]) == out.text
+    assert len(streamed[i]) > 1  # streamed outputs came step by step; generate's only at the end
+  assert any(out.text for out in final)
+
+
 def test_stop_token_ids_and_max_tokens(tiny_llms):
   llm = tiny_llms["qwen2"]
   full = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids

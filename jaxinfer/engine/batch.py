@@ -207,22 +207,30 @@ class BufferLayout(NamedTuple):
   leaves: tuple[tuple[str, int, tuple[int, ...], str], ...]  # (buffer 'i' / 'f', offset, shape, dtype)
 
 
+_LAYOUTS: dict[Any, BufferLayout] = {}  # one per step shape: the same object every step
+
+
 def to_buffers(tree: Any) -> tuple[np.ndarray, np.ndarray, BufferLayout]:
   """A host pytree as one int32 and one float32 buffer (bools and uint32 ride in the int32 one):
-  two host->device copies per step, however many arrays the step reads."""
+  two host->device copies per step, however many arrays the step reads. The layout, a static
+  argument of the step's programs, is built once per treedef and leaf shapes."""
   leaves, treedef = jax.tree.flatten(tree)
-  parts = {"i": [], "f": []}
-  size = {"i": 0, "f": 0}
-  spec = []
-  for x in leaves:
-    x = np.asarray(x)
-    kind = "f" if x.dtype.kind == "f" else "i"
-    flat = x.astype(np.float32) if kind == "f" else x.view(np.int32) if x.dtype == np.uint32 else x.astype(np.int32)
-    parts[kind].append(flat.reshape(-1))
-    spec.append((kind, size[kind], x.shape, x.dtype.str))
-    size[kind] += x.size
-  cat = lambda kind, dt: np.concatenate(parts[kind]) if parts[kind] else np.zeros(0, dt)
-  return cat("i", np.int32), cat("f", np.float32), BufferLayout(treedef, tuple(spec))
+  leaves = [np.asarray(x) for x in leaves]
+  key = (treedef, tuple((x.shape, x.dtype.char) for x in leaves))
+  layout = _LAYOUTS.get(key)
+  if layout is None:
+    size = {"i": 0, "f": 0}
+    spec = []
+    for x in leaves:
+      kind = "f" if x.dtype.kind == "f" else "i"
+      spec.append((kind, size[kind], x.shape, x.dtype.str))
+      size[kind] += x.size
+    layout = _LAYOUTS.setdefault(key, BufferLayout(treedef, tuple(spec)))
+  ints = [x.reshape(-1) for x, (kind, *_) in zip(leaves, layout.leaves) if kind == "i"]
+  floats = [x.reshape(-1) for x, (kind, *_) in zip(leaves, layout.leaves) if kind == "f"]
+  # casting="unsafe": bools become 0 / 1 and uint32 keeps its bits (from_buffers undoes both).
+  cat = lambda parts, dt: np.concatenate(parts, dtype=dt, casting="unsafe") if parts else np.zeros(0, dt)
+  return cat(ints, np.int32), cat(floats, np.float32), layout
 
 
 def from_buffers(layout: BufferLayout, ints: jax.Array, floats: jax.Array) -> Any:

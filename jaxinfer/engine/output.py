@@ -64,6 +64,10 @@ class OutputState:
     self.prompt_lp: list[dict[int, float] | None] | None = (
         [None] if p.prompt_logprobs is not None else None)
     self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+    # Nobody reads the text before the end (not streamed, no stop string to find): the
+    # tokens are detokenized when the final output is made, in one tight loop, instead of
+    # one at a time between device steps.
+    self.deferred = not stream and not p.stop
     self.text = ""  # the final text once a stop string cut it; else detok.text
     self.hold = max((len(s) for s in p.stop), default=1) - 1  # chars a stop string may still claim
     self.sent_tokens = 0
@@ -110,7 +114,7 @@ class OutputProcessor:
       req.token_ids.append(token)
       self.num_generated_tokens += 1
       out.logprobs.append(logprobs[0])
-      if out.detok is not None:
+      if out.detok is not None and not out.deferred:
         out.detok.push(token)
       if token in out.stop_ids:
         return "stop"
@@ -136,7 +140,7 @@ class OutputProcessor:
     if out.top is not None:
       out.top.append(logprob_entry(top_ids, top_lps, p.logprobs, token, logprob))
     reason = None
-    if out.detok is not None:
+    if out.detok is not None and not out.deferred:
       before = len(out.detok.text)
       out.detok.push(token)
       if p.stop:
@@ -181,8 +185,11 @@ class OutputProcessor:
     """The request's output now: cumulative state plus the delta since the last one made."""
     out = req.output
     finished = req.finish_reason is not None
-    text = out.visible_text(finished)
     ids = req.output_token_ids
+    if out.deferred and out.detok is not None:
+      for token in ids[len(out.detok.ids):]:
+        out.detok.push(token)
+    text = out.visible_text(finished)
     o = RequestOutput(
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
         text=text, token_ids=ids, logprobs=list(out.logprobs), finish_reason=req.finish_reason,
