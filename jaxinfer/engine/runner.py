@@ -6,7 +6,7 @@
 
 Every scheduled request contributes its new tokens (a prefill chunk, one
 decode token, or 1 + k to verify k drafts) to one packed batch of T tokens
-from S sequences, built by the pure function `pack`. Each sequence owns
+from S sequences, built on the host by engine/batch.py. Each sequence owns
 k + 1 logits rows (`logits_indices`; k = the engine's speculative tokens,
 0 without speculation): the last row of a prefill chunk or decode, or all
 1 + k rows of a verified sequence; the step samples every row, accepts the
