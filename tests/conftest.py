@@ -5,7 +5,7 @@ cold-cache test (66 s vs 18 s warm for the 16 concurrent goldens), and level 0 c
 such tests by 17-30% with the same results. Its fusions are emitted by XLA's elemental IR
 emitters rather than the MLIR fusion emitters (--xla_cpu_use_fusion_emitters=false): the
 tiny llama3's 33-program warm-up compiles in half the CPU time, with logits and sampled
-ids bit for bit the same, and the tiny-model test files take 30-40% less CPU
+ids bit for bit the same, and the tiny-model test files measured take 31-42% less CPU
 (benchmarks/results/test-suite-xla-flags-2026-11-28.json; the real SmolLM2's steps run
 slower that way, and its files are the suite's few). Kernels and numerics are XLA's either
 way; what the tests check does not depend on LLVM's loop optimizations. A test that reads
