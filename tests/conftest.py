@@ -29,6 +29,16 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in ("--xla_backend_optimization_level
 # program's text and temporaries show, follows the emitter (under the flag a bfloat16
 # weight's float32 copy is a bare convert, not the `fusion` the quantization tests look for).
 USER_XLA = {"xla_cpu_use_fusion_emitters": True} if FUSION_EMITTERS_OFF else {}
+# The persistent compilation cache on from the start (in the engine's own directory) for
+# every program however quick to compile: the engine's default keeps only those over 0.5 s,
+# and with the fusion emitters off most of a tiny model's programs compile faster than that,
+# while the suite's engines and its server and router processes compile the same ones over
+# and over (test_router_disagg: 84.9 -> 61.4 s of CPU, benchmarks/results/
+# test-suite-xla-flags-2026-11-28.json). A cache directory set in the environment is one the
+# engine leaves as it is ("the user configured it"); subprocesses inherit both.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
+    "JAXINFER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
