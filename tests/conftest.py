@@ -2,14 +2,43 @@
 
 XLA's CPU backend compiles with LLVM's cheapest pipeline here: compiling is ~70% of a
 cold-cache test (66 s vs 18 s warm for the 16 concurrent goldens), and level 0 cut three
-such tests by 17-30% with the same results. Kernels and numerics are XLA's either way;
-what the tests check does not depend on LLVM's loop optimizations. The caller's own
-XLA_FLAGS follow it (subprocesses the tests start inherit both)."""
+such tests by 17-30% with the same results. Its fusions are emitted by XLA's elemental IR
+emitters rather than the MLIR fusion emitters (--xla_cpu_use_fusion_emitters=false): the
+tiny llama3's 33-program warm-up compiles in half the CPU time, with logits and sampled
+ids bit for bit the same, and the tiny-model test files measured take 31-42% less CPU
+(benchmarks/results/test-suite-xla-flags-2026-11-28.json; the real SmolLM2's steps run
+slower that way, and its files are the suite's few). Kernels and numerics are XLA's either
+way; what the tests check does not depend on LLVM's loop optimizations. A test that reads
+a compiled program (HLO text, memory analysis) compiles it with USER_XLA, the options a
+user's XLA has. The caller's own XLA_FLAGS follow these (subprocesses the tests start
+inherit them all)."""
 
 import os
+from importlib.metadata import version
 
-os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+# jaxlib 0.11's XLA has no such flag (an XLA aborts on a flag it does not know): there the
+# suite compiles with the fusion emitters, and test_packaging's Python 3.12 venv, whose pip
+# resolves jax >= 0.11, runs without it (it inherits the rest).
+FUSION_EMITTERS_OFF = ("--xla_cpu_use_fusion_emitters=false"
+                       if tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11) else "")
+os.environ["XLA_FLAGS"] = " ".join(f for f in ("--xla_backend_optimization_level=0", FUSION_EMITTERS_OFF,
+                                             os.environ.get("XLA_FLAGS", "").strip(),
+                                             "--xla_force_host_platform_device_count=8") if f)
+# Per-compile options (`jax.jit(f).lower(...).compile(compiler_options=USER_XLA)`) that undo
+# FUSION_EMITTERS_OFF for one program: which fusions XLA forms, and so what a compiled
+# program's text and temporaries show, follows the emitter (under the flag a bfloat16
+# weight's float32 copy is a bare convert, not the `fusion` the quantization tests look for).
+USER_XLA = {"xla_cpu_use_fusion_emitters": True} if FUSION_EMITTERS_OFF else {}
+# The persistent compilation cache on from the start (in the engine's own directory) for
+# every program however quick to compile: the engine's default keeps only those over 0.5 s,
+# and with the fusion emitters off most of a tiny model's programs compile faster than that,
+# while the suite's engines and its server and router processes compile the same ones over
+# and over (test_router_disagg: 84.9 -> 61.4 s of CPU, benchmarks/results/
+# test-suite-xla-flags-2026-11-28.json). A cache directory set in the environment is one the
+# engine leaves as it is ("the user configured it"); subprocesses inherit both.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
+    "JAXINFER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

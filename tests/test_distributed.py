@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from conftest import DATA, tiny_dir
+from conftest import DATA, FUSION_EMITTERS_OFF, tiny_dir
 from jaxinfer import distributed
 from jaxinfer.cli import main
 from jaxinfer.engine.runner import ModelRunner
@@ -53,10 +53,10 @@ def test_a_two_process_decode_worker_takes_kv_from_a_prefill_worker(tmp_path):
   from jaxinfer.serving.process import JaxinferProcess
   from jaxinfer.serving.proto import inference_pb2_grpc as pb_grpc
   g = json.loads((DATA / "golden" / f"batch_{FAMILY}.json").read_text())
-  # 4 devices per process, and the suite's cheapest LLVM pipeline (tests/conftest.py): the
-  # processes compile every warm-up program, most of this test's time.
-  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  # 4 devices per process, and the suite's cheapest LLVM pipeline and fusion emitters
+  # (tests/conftest.py): the processes compile every warm-up program, most of this test's time.
+  xla_flags = ("--xla_backend_optimization_level=0", FUSION_EMITTERS_OFF, "--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, XLA_FLAGS=" ".join(f for f in xla_flags if f), JAX_PLATFORMS="cpu")
   engine = ["--model", str(tiny_dir(FAMILY)), "--max-model-len", "128", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "8", "--metrics-port", "0"]  # 4 step buckets to warm up
   prefill_port = free_port()

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import USER_XLA
 from jaxinfer.indexing import BITS, set_at, storage_dtype, take, values
 from jaxinfer.models.cache import CacheSpec, gqa_layer
 
@@ -34,8 +35,8 @@ def test_xla_cpu_converts_a_whole_bfloat16_operand_to_gather_or_scatter_it():
   # Why jaxinfer.indexing exists: if this stops holding (a newer XLA), the uint16 storage can go.
   cache, ids, new = _bf16((N, P, K, D)), jnp.array([[3, 7]]), _bf16((4, K, D), 1)
   slots = jnp.array([5, 6, 40, 41])
-  gather = jax.jit(lambda c, i: c[i]).lower(cache, ids).compile().as_text()
-  scatter = jax.jit(lambda c, s, n: c.at[s // P, s % P].set(n)).lower(cache, slots, new).compile().as_text()
+  gather = jax.jit(lambda c, i: c[i]).lower(cache, ids).compile(compiler_options=USER_XLA).as_text()
+  scatter = jax.jit(lambda c, s, n: c.at[s // P, s % P].set(n)).lower(cache, slots, new).compile(compiler_options=USER_XLA).as_text()
   for hlo in (gather, scatter):
     assert any(a.startswith("f32:") and "convert" in a for a in _arrays_of_size(hlo, N * P * K * D))
 
@@ -43,11 +44,11 @@ def test_xla_cpu_converts_a_whole_bfloat16_operand_to_gather_or_scatter_it():
 def test_take_and_set_at_on_stored_bits_make_no_copy_of_the_operand():
   stored = jax.lax.bitcast_convert_type(_bf16((N, P, K, D)), BITS)
   ids, slots, new = jnp.array([[3, 7]]), jnp.array([5, 6, 40, 41]), _bf16((4, K, D), 1)
-  gather = jax.jit(take).lower(stored, ids).compile().as_text()
+  gather = jax.jit(take).lower(stored, ids).compile(compiler_options=USER_XLA).as_text()
   assert not [a for a in _arrays_of_size(gather, N * P * K * D) if "gather" not in a and "bitcast-convert" not in a]
   assert not [a for a in _arrays_of_size(gather, N * P * K * D) if a.startswith("f32")]
   scatter = jax.jit(lambda c, s, n: set_at(c, (s // P, s % P), n), donate_argnums=0).lower(
-      stored, slots, new).compile().as_text()
+      stored, slots, new).compile(compiler_options=USER_XLA).as_text()
   # The one whole-size array left is the update itself (in place when donated), in uint16.
   whole = _arrays_of_size(scatter, N * P * K * D)
   assert whole and all(a.startswith("u16:") and "convert" not in a.split("=", 1)[1].split("(")[0] for a in whole)
@@ -82,13 +83,13 @@ def test_a_float8_cache_is_stored_as_its_bits_too_and_int8_as_it_is():
   does bfloat16, so the pages hold uint8 bits; int8 needs nothing. Scales stay float32."""
   f8 = _bf16((N, P, K, D)).astype(jnp.float8_e4m3fn)
   ids, slots, new = jnp.array([[3, 7]]), jnp.array([5, 6, 40, 41]), _bf16((4, K, D), 1)
-  plain = jax.jit(lambda c, i: c[i]).lower(f8, ids).compile().as_text()
+  plain = jax.jit(lambda c, i: c[i]).lower(f8, ids).compile(compiler_options=USER_XLA).as_text()
   assert any(a.startswith(("f32:", "f16:", "bf16:")) and "convert" in a for a in _arrays_of_size(plain, N * P * K * D))
   stored = jax.lax.bitcast_convert_type(f8, jnp.uint8)
-  gather = jax.jit(take).lower(stored, ids).compile().as_text()
+  gather = jax.jit(take).lower(stored, ids).compile(compiler_options=USER_XLA).as_text()
   assert not [a for a in _arrays_of_size(gather, N * P * K * D) if "convert(" in a]
   scatter = jax.jit(lambda c, s, n: set_at(c, (s // P, s % P), n), donate_argnums=0).lower(
-      stored, slots, new).compile().as_text()
+      stored, slots, new).compile(compiler_options=USER_XLA).as_text()
   whole = _arrays_of_size(scatter, N * P * K * D)
   assert whole and all(a.startswith("u8:") for a in whole)
   got = set_at(stored, (slots // P, slots % P), new)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from conftest import golden, tiny_dir
+from conftest import USER_XLA, golden, tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint.hf import read_config
 from jaxinfer.config import ModelConfig
@@ -193,7 +193,7 @@ def test_linear_refuses_an_equation_it_cannot_flatten():
 # ---- the compiled HLO at a SmolLM2-135M decode shape (D=576 -> F=1536, one token) -------------
 
 def _hlo(f, *args) -> str:
-  return jax.jit(f).lower(*args).compile().as_text()
+  return jax.jit(f).lower(*args).compile(compiler_options=USER_XLA).as_text()
 
 
 def test_bfloat16_activations_dot_the_per_channel_values_in_bfloat16_with_a_float32_sum():
@@ -302,7 +302,7 @@ def test_one_token_linear_allocates_no_copy_of_the_weight(quantization, devices)
   f = lambda x, w: linear("TD,DF->TF", x, w)
   if devices > 1:
     f = quant.tracing_on(jax.make_mesh((devices,), ("model",), devices=jax.devices()[:devices]), f)
-  temp = jax.jit(f).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+  temp = jax.jit(f).lower(x, w).compile(compiler_options=USER_XLA).memory_analysis().temp_size_in_bytes
   assert temp < 576 * 1536, temp
   np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), np.full((1, 1536), 576.0), rtol=1e-5)
 

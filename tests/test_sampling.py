@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import USER_XLA
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import (ALL_WORK, CANDIDATES, MAX_LOGPROBS, WARM_MODES, SamplerMode, SamplingBatch, SamplingParams,
                                _bits_are_per_index,
@@ -361,7 +362,7 @@ def test_the_host_picks_the_mode_and_the_program_never_branches(controls, at_onc
   sp = batch_of(LOGITS, **controls)
   assert SamplerMode.of(jax.device_get(sp), LOGITS.shape[1], rows_at_once=at_once) == mode
   history = jnp.zeros((4, 50), jnp.int32), jnp.zeros((4, 50), bool), jnp.arange(4)
-  hlo = sampler(CANDIDATES_FOR_TEST, mode).lower(jnp.asarray(LOGITS), sp, *history).compile().as_text()
+  hlo = sampler(CANDIDATES_FOR_TEST, mode).lower(jnp.asarray(LOGITS), sp, *history).compile(compiler_options=USER_XLA).as_text()
   assert data_dependent_control_flow(hlo) == []
 
 
@@ -392,5 +393,5 @@ def test_the_candidates_fallback_loop_is_the_only_loop_and_only_without_rows_at_
   sp = batch_of(LOGITS, temperature=0.8, top_p=0.9)
   history = jnp.zeros((4, 50), jnp.int32), jnp.zeros((4, 50), bool), jnp.arange(4)
   hlo = sampler(CANDIDATES_FOR_TEST, SamplerMode(truncate=True)).lower(
-      jnp.asarray(LOGITS), sp, *history).compile().as_text()
+      jnp.asarray(LOGITS), sp, *history).compile(compiler_options=USER_XLA).as_text()
   assert len(data_dependent_control_flow(hlo)) == 1 and " conditional(" not in hlo

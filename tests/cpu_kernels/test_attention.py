@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
+from conftest import USER_XLA
 from cpu_kernels import decode_attention, decode_attention_reference, pages_as_float
 from jaxinfer import ops, quant
 
@@ -139,7 +140,7 @@ def _decode_hlo(dtype, pages_dtype=None, same_kv=False, **kw):
   fn = jax.jit(lambda q, k, v: ops.ragged_paged_attention(
       q, k, k if same_kv else v, jnp.array([5], jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.array([0, 1], jnp.int32),
       jnp.int32(1), impl="xla", **kw))
-  return fn.lower(q, pages, pages).compile().as_text()
+  return fn.lower(q, pages, pages).compile(compiler_options=USER_XLA).as_text()
 
 
 @needs_kernel

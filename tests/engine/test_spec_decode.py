@@ -60,6 +60,14 @@ def greedy(n):
   return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def plain():
+  """The engine without drafts that the sampling tests hold the speculating ones to: one for
+  the module, so its programs are traced and compiled once. A prompt it has run before hits
+  its prefix cache, which changes no token (tests/engine/test_engine.py)."""
+  return make_llm()
+
+
 def test_a_speculating_step_pads_sequence_rows_by_k_plus_one_tokens():
   """A decoding sequence verifies k + 1 tokens, so a T-token program holds T // (k + 1)
   sequences (each padded row would cost k + 1 LM-head rows); the largest holds any step."""
@@ -99,7 +107,7 @@ def test_greedy_with_ngram_drafts_equals_transformers(family, k, preempt):
   assert small.engine.stats()["preemptions"] > 0
 
 
-def test_relaxed_acceptance_commits_near_top_drafts_for_greedy_rows_only():
+def test_relaxed_acceptance_commits_near_top_drafts_for_greedy_rows_only(plain):
   """Relaxed acceptance (opt-in, lossy): by the model's own full forward (LLM.logits), each
   committed greedy token is the argmax or a draft among the top 3 within 0.3 of the top
   probability, with that token's logprob; some are not the argmax. Seeded sampled rows in
@@ -111,7 +119,7 @@ def test_relaxed_acceptance_commits_near_top_drafts_for_greedy_rows_only():
   llm = make_llm(speculative=ngram(3) | dict(relaxed_top_n=3, relaxed_delta=0.3))
   outs = llm.generate(prompts, params)
   sampled = [i for i, p in enumerate(params) if p.temperature]
-  want = make_llm().generate([prompts[i] for i in sampled], [params[i] for i in sampled])
+  want = plain.generate([prompts[i] for i in sampled], [params[i] for i in sampled])
   assert [outs[i].token_ids for i in sampled] == [w.token_ids for w in want]
   relaxed = 0
   for prompt, p, o in zip(prompts, params, outs):
@@ -131,18 +139,18 @@ def test_relaxed_acceptance_commits_near_top_drafts_for_greedy_rows_only():
 
 # ---- sampling: the same tokens, and the target's distribution ----------------------------
 
-def test_seeded_sampling_commits_the_same_tokens_with_and_without_drafts():
+def test_seeded_sampling_commits_the_same_tokens_with_and_without_drafts(plain):
   """Each target token is drawn with the key its position has without speculation, so a
   seeded request's tokens, logprobs, stop and length handling are unchanged."""
   g = batch_golden("llama3")
   prompts = [r["prompt_ids"] for r in g["records"]]
-  base = make_llm().generate(prompts, greedy(24))
+  base = plain.generate(prompts, greedy(24))
   stop_at = [o.token_ids[5] for o in base]  # a stop id that greedy decoding meets mid-run
   params = [SamplingParams(temperature=(0.0, 0.2, 0.8, 0.2)[i % 4], top_k=(0, 7)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0],
                            seed=100 + i, max_tokens=(24, 9)[i % 2], ignore_eos=True, logprobs=2,
                            stop_token_ids=(stop_at[i],) if i % 4 == 0 else ())
             for i in range(len(prompts))]
-  want = make_llm().generate(prompts, params)
+  want = plain.generate(prompts, params)
   llm = make_llm(speculative=ngram(3))
   got = llm.generate(prompts, params)
   for w, o in zip(want, got):

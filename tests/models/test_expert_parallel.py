@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_dir
+from conftest import USER_XLA, tiny_dir
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ShardingError
 from jaxinfer.models import moe
@@ -123,7 +123,7 @@ def test_experts_are_split_and_tokens_move_by_all_to_all(mesh_name, n, tp):
   expert_shapes = inputs[:3]  # w_down, w_gate, w_up (dict order)
   assert sorted(expert_shapes) == sorted([(E // n, F // tp, D), (E // n, D, F // tp), (E // n, D, F // tp)])
   assert inputs[-1] == (-(-13 // n), D)  # and its own tokens
-  hlo = ep.lower(ps, x).compile().as_text()
+  hlo = ep.lower(ps, x).compile(compiler_options=USER_XLA).as_text()
   assert "all-to-all(" in hlo
   # Nothing 3-D is all-gathered: the [E/n, ., .] expert weights never travel.
   for line in hlo.splitlines():
@@ -179,7 +179,7 @@ def test_wide_ep_nested_in_attention_dp_shard_map():
   f = jax.jit(jax.shard_map(shard, mesh=mesh, axis_names={"data"}, check_vma=False,
                             in_specs=(pspec, P("data")), out_specs=P("data")))
   np.testing.assert_allclose(f(ps, x), ref, atol=2e-6, rtol=1e-5)
-  hlo = f.lower(ps, x).compile().as_text()
+  hlo = f.lower(ps, x).compile(compiler_options=USER_XLA).as_text()
   groups = [l for l in hlo.splitlines() if "all-to-all(" in l]
   assert groups and all("replica_groups={{0,2,4,6},{1,3,5,7}}" in l for l in groups)
 

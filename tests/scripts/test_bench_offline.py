@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import DATA
+from conftest import DATA, USER_XLA
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer import bench
@@ -34,7 +34,7 @@ def test_xla_cpus_dequantized_copy_is_a_weight_copy():
   w = jax.tree.map(jnp.asarray, quant.quantize(np.ones((576, 1536), np.float32), 1, "fp8"))
   x = jnp.ones((1, 576), jnp.float32)
   f = quant.tracing_on(mesh, lambda x, w: quant.linear("TD,DF->TF", x, w))
-  copies = bench_offline.materialized_weight_copies(jax.jit(f).lower(x, w).compile().as_text(),
+  copies = bench_offline.materialized_weight_copies(jax.jit(f).lower(x, w).compile(compiler_options=USER_XLA).as_text(),
                                                     ("[1536,576]", "[576,1536]"))
   assert len(copies) == 1 and "f32[1536,576]" in copies[0], copies
 
