@@ -304,12 +304,12 @@ class Scheduler:
 
   def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
     kv, max_len, left = self.kv, self.max_model_len, budget.left
-    sharded = kv.num_shards > 1
+    sharded = kv.num_shards > 1  # (else one rank: its budget read and spent in place)
     i = 0
     while i < len(self.running) and (left[0] > 0 if not sharded else budget):
       req = self.running[i]
       rank = (kv.request_shard(req.request_id) or 0) if sharded else 0
-      b = left[rank]
+      b = budget.of(rank) if sharded else left[0]
       if b <= 0 or (req.num_inflight and req.last_token_inflight):
         i += 1
         continue
@@ -336,7 +336,10 @@ class Scheduler:
           break  # preempted itself: nobody after it is running either
         kv.allocate(req.request_id, need)
       out.scheduled.append((req, n))
-      left[rank] -= n
+      if sharded:
+        budget.take(rank, n)
+      else:
+        left[0] -= n
       i += 1
 
   def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
