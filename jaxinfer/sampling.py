@@ -156,13 +156,16 @@ class SamplingBatch(NamedTuple):
              np.zeros(B, np.float32), np.asarray(seeds, np.uint32), np.asarray(positions, np.int32),
              np.zeros(B, bool))
     for i, p in enumerate(params):
-      if p is None:
-        continue
-      sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-      sp.repetition_penalty[i] = p.repetition_penalty
-      sp.presence_penalty[i], sp.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
-      sp.want_logprobs[i] = bool(p.logprobs)
+      if p is not None:
+        sp.set_row(i, p)
     return sp
+
+  def set_row(self, i: int, p: "SamplingParams") -> None:
+    """Writes row i of host (numpy) rows from p (its seed and position are the caller's)."""
+    self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+    self.repetition_penalty[i] = p.repetition_penalty
+    self.presence_penalty[i], self.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+    self.want_logprobs[i] = bool(p.logprobs)
 
 
 class SamplerMode(NamedTuple):

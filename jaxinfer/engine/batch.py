@@ -302,12 +302,8 @@ class InputBatch:
     if self._owner[row] is not pages:  # a new request on this row
       self._owner[row], self._num_pages[row] = pages, 0
       self.page_table[row] = NULL_PAGE
-      p, sp = s.params, self.sampling
-      sp.temperature[row], sp.top_k[row], sp.top_p[row], sp.min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
-      sp.repetition_penalty[row] = p.repetition_penalty
-      sp.presence_penalty[row], sp.frequency_penalty[row] = p.presence_penalty, p.frequency_penalty
-      sp.want_logprobs[row] = bool(p.logprobs)
-      sp.seed[row] = s.seed
+      self.sampling.set_row(row, s.params)
+      self.sampling.seed[row] = s.seed
     have = self._num_pages[row]
     self.page_table[row, have:len(pages)] = pages[have:]
     self._num_pages[row] = len(pages)
