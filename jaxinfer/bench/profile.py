@@ -15,9 +15,11 @@ scheduler, pack() and postprocessing (append, detokenize, stop checks) per
 step at --host-batches running sequences, with outputs made every step (a
 server streaming) and only at the end (LLM.generate); its split between those
 parts (cProfile, in a run of its own); the same with the device programs
-replayed (the host's work alone, with warm caches, as a GPU's host runs it:
-on the CPU backend a real step evicts the host's caches, which makes the same
-host code ~3x slower after it); then the wall time per step without and with
+replayed over --replay-steps steps (the host's work alone, with warm caches,
+as a GPU's host runs it: on the CPU backend a real step evicts the host's
+caches, which makes the same host code ~3x slower after it), as it comes and
+with the heap frozen as warm-up leaves it (engine.freeze_heap: the worst step
+shows a full garbage collection or its absence); then the wall time per step without and with
 async scheduling, and the share of it the device was idle (wall - device
 time, over wall).
 
@@ -75,7 +77,7 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int, quanti
   return dict(step_ms=step, pack_ms=(time.perf_counter() - t0) / iters * 1000)
 
 
-def host_worker(batch: int, steps: int, stream: bool = True) -> dict:
+def host_worker(batch: int, steps: int, stream: bool = True, replay_steps: int = 200) -> dict:
   """Host ms per engine step at `batch` running decodes (the device call excluded), and
   the wall time per step with and without async scheduling. `stream`: every step makes each
   request's output (a server streaming); False: only final outputs (LLM.generate)."""
@@ -84,13 +86,23 @@ def host_worker(batch: int, steps: int, stream: bool = True) -> dict:
   sync = _host_run(batch, steps, stream, async_scheduling=False, time_device=True)
   device_ms = sync.pop("device_ms")
   phases = _host_run(batch, steps, stream, async_scheduling=False, time_device=True, profile=True)["phases"]
-  replayed = _host_run(batch, steps, stream, async_scheduling=False, time_device=False, replay=True)
+  # Replayed steps cost the host's work only, so many of them: a mean over a few is one
+  # cyclic garbage collection or scheduler hiccup away from another number.
+  replayed = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, replay=True)
+  # The same after warm-up's freeze_heap (what a warmed engine runs with): a full collection
+  # of the start-up heap falls inside some step otherwise (see the worst step of each).
+  frozen = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, replay=True,
+                     freeze=True)
   plain = _host_run(batch, steps, stream, async_scheduling=False, time_device=False)
   overlapped = _host_run(batch, steps, stream, async_scheduling=True, time_device=False)
   host_ms = float(np.median(sync["host"]) * 1000)
   sync_ms, async_ms = plain["wall_ms"], overlapped["wall_ms"]
   # Exposed: the part of a step's wall time the device was not running (host work it waited for).
   return dict(batch=batch, stream=stream, host_ms=host_ms, host_ms_replayed=replayed["wall_ms"],
+              host_ms_replayed_median=float(np.median(replayed["host"]) * 1000), replayed_steps=replay_steps,
+              host_ms_replayed_worst=float(replayed["host"].max() * 1000),
+              host_ms_replayed_frozen=frozen["wall_ms"],
+              host_ms_replayed_frozen_worst=float(frozen["host"].max() * 1000),
               device_ms=device_ms, step_ms=sync_ms, async_step_ms=async_ms,
               host_phases=phases, exposed_share=max(0.0, sync_ms - device_ms) / sync_ms,
               async_exposed_share=max(0.0, async_ms - device_ms) / async_ms)
@@ -101,12 +113,13 @@ HOST_PHASES = {"postprocess": "_postprocess", "schedule": "schedule", "pack": "p
 
 
 def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time_device: bool,
-              profile: bool = False, replay: bool = False) -> dict:
+              profile: bool = False, replay: bool = False, freeze: bool = False) -> dict:
   """profile: the share of host time in each of HOST_PHASES (and 'other': launching,
   drafting, the engine's own loop), from cProfile; its overhead inflates times, not shares.
   replay: the step's programs replaced by one real step's outputs, returned again each step
   (the host's work alone: on the CPU backend a real step leaves the host's caches cold
-  after it, which a GPU's host does not see; its wall time per step is the host's)."""
+  after it, which a GPU's host does not see; its wall time per step is the host's).
+  freeze: the heap frozen before the timed steps, as warm-up leaves it (engine.freeze_heap)."""
   import cProfile
   import pstats
 
@@ -145,6 +158,9 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
   if replay:
     runner._step, runner._sample = _replaying(runner._step), _replaying(runner._sample)
     engine.step()
+  if freeze:
+    from jaxinfer.engine.engine import freeze_heap
+    freeze_heap()
   totals = []
   device.clear()
   profiler = cProfile.Profile() if profile else None
@@ -168,7 +184,7 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
     phases = {phase: cumulative[fn] / host for phase, fn in HOST_PHASES.items()}
     return dict(phases=phases | {"other": 1.0 - sum(phases.values())})
   if not time_device:
-    return dict(wall_ms=wall_ms)
+    return dict(wall_ms=wall_ms, host=np.array(totals))
   per_step = np.array(device).reshape(steps, -1).sum(axis=1)  # the step's programs together
   return dict(host=np.array(totals) - per_step, device_ms=float(np.median(per_step) * 1000), wall_ms=wall_ms)
 
@@ -220,6 +236,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--host-batches", default="64,256")
   ap.add_argument("--kv-len", type=int, default=100)
   ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--replay-steps", type=int, default=200,
+                  help="steps of the host rows' replayed run (host work only: cheap, so many)")
   ap.add_argument("--out", default=None)
 
 
@@ -251,15 +269,17 @@ def run(args: argparse.Namespace) -> int:
   for r in rows:
     print(f"| {r['batch']} | {r['kv_len']} | {r['dtype']} | {r['step_ms']:.1f} | {r['attention_ms']:.1f} | "
           f"{r['sampling_ms']:.1f} | {r['host_pack_ms']:.2f} | {r['rest_ms']:.1f} | {r['tokens_per_s']:.0f} |")
-  host = [_spawn({"host": dict(batch=b, steps=args.iters, stream=stream)})
+  host = [_spawn({"host": dict(batch=b, steps=args.iters, stream=stream, replay_steps=args.replay_steps)})
           for stream in (True, False) for b in map(int, args.host_batches.split(",") if args.host_batches else [])]
   if host:
     print("\n| running sequences | outputs | host ms / step (schedule + pack + postprocess) | host ms, device "
-          "replayed | device ms | step ms | exposed | step ms, async scheduling | exposed, async |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "replayed (mean / median / worst) | the same, heap frozen (mean / worst) | device ms | step ms | exposed | "
+          "step ms, async scheduling | exposed, async |")
+    print("|---" * 10 + "|")
     for h in host:
       print(f"| {h['batch']} | {'every step' if h['stream'] else 'final'} | {h['host_ms']:.2f} | "
-            f"{h['host_ms_replayed']:.2f} | {h['device_ms']:.1f} | {h['step_ms']:.1f} | "
+            f"{h['host_ms_replayed']:.2f} / {h['host_ms_replayed_median']:.2f} / {h['host_ms_replayed_worst']:.1f} | "
+            f"{h['host_ms_replayed_frozen']:.2f} / {h['host_ms_replayed_frozen_worst']:.1f} | {h['device_ms']:.1f} | {h['step_ms']:.1f} | "
             f"{h['exposed_share']:.1%} | {h['async_step_ms']:.1f} | {h['async_exposed_share']:.1%} |")
     print("\n| running sequences | outputs | " + " | ".join(f"host share: {p}" for p in (*HOST_PHASES, "other"))
           + " |")
