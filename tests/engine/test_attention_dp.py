@@ -158,9 +158,10 @@ def test_each_rank_gets_its_share_of_the_step_budget():
 def test_engine_places_each_request_on_one_data_shard():
   mesh = make_mesh(data=2, model=2)
   opts = dict(max_model_len=64, max_num_seqs=4, warmup=False)
-  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, **opts)
+  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, dp_balance={"timeout": 1}, **opts)
   eng = llm.engine
   assert eng.kv.num_shards == 2 and eng.kv.shard_pages * 2 == eng.runner.num_pages
+  assert eng.scheduler.dp_balance == DPBalanceConfig(timeout=1)
   prompts = [list(range(1, 30)), [5, 17, 200, 3], list(range(40, 52)), [7, 8, 9]]
   sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
   for i, p in enumerate(prompts):
@@ -173,7 +174,10 @@ def test_engine_places_each_request_on_one_data_shard():
   # hold (DPBalanceConfig, on by default) cut shard 0's 29 prompt tokens to shard 1's 19.
   stats = eng.stats()
   assert stats["dp_rank_tokens"] == [19, 19] and stats["dp_rank_imbalance"] == 1.0
-  assert eng.scheduler.running[0].num_held_steps == 1
+  q0 = eng.scheduler.running[0]
+  assert q0.num_held_steps == 1 and q0.num_computed == 19
+  eng.step()  # its timeout spent, q0 runs its last 10 though shard 1 only decodes
+  assert q0.num_held_steps == 1 and q0.num_computed == 29 and eng.stats()["dp_rank_tokens"] == [10, 3]
   metrics = Metrics()
   metrics.set_engine_stats(stats)
   text = metrics.exposition().decode()
