@@ -214,7 +214,7 @@ def plot(results: dict[str, dict], path: Path, ranks: int, load: float) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.6 * len(results)), sharex=True, sharey=True)
+  fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.9 * len(results)), sharex=True, sharey=True)
   for ax, (policy, r) in zip(np.atleast_1d(axes), results.items()):
     t = np.array(r["tokens"])
     for rank in range(ranks):
@@ -222,7 +222,7 @@ def plot(results: dict[str, dict], path: Path, ranks: int, load: float) -> None:
     s = r["summary"]["arrivals"]
     t = r["summary"]["ttft_steps"]
     ax.set_title(f"{policy}: max/mean tokens over ranks up to the last arrival: mean {s['mean']:.3f}, "
-                 f"step-weighted {s['step_weighted']:.3f}; {r['summary']['total_steps']} steps, padded work "
+                 f"step-weighted {s['step_weighted']:.3f}\n{r['summary']['total_steps']} steps, padded work "
                  f"{r['summary']['padded_tokens']:,} tokens, first token p50 {t['p50']:g} / p99 {t['p99']:g} steps",
                  fontsize=9)
     ax.set_ylabel("tokens / step")
