@@ -61,7 +61,6 @@ the lowest load (where the ranks idle most between arrivals).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -261,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
   if args.timeout < 0:
     raise UsageError(f"--timeout must be >= 0 steps, got {args.timeout}")
 
-  from jaxinfer.bench.harness import write_results
+  from jaxinfer.bench.harness import environment, write_results
 
   try:
     loads = [float(x) for x in args.loads.split(",")]
@@ -270,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
   if min(loads) <= 0:
     raise UsageError("--loads must be > 0")
 
-  load_before = os.getloadavg()
+  env = environment(getattr(args, "command", None))  # (the load average before the run, too)
   runs, lowest = [], None
   for load in loads:
     trace = make_trace(args, load)
@@ -303,10 +302,9 @@ def run(args: argparse.Namespace) -> int:
            "ttft_busiest_tokens_p50": s["ttft_busiest_tokens"]["p50"],
            "ttft_busiest_tokens_p99": s["ttft_busiest_tokens"]["p99"]}
           for run in runs for pol, r in run["policies"].items() for s in [r["summary"]]]
-  payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot")},
-             "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows,
-             "runs": runs}
-  path = write_results("adp-sim", payload, args.out)
+  payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot", "command")},
+             "rows": rows, "runs": runs}
+  path = write_results("adp-sim", payload, args.out, env=env)
   print(f"wrote {path}", file=sys.stderr)
   if not args.no_plot:
     png = path.with_suffix(".png")
