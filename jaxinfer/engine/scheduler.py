@@ -147,10 +147,11 @@ class DPBalanceConfig:
   `hold_prefill` turns it on. It is on by default: on `jaxinfer bench adp-sim`'s trace it
   takes the per-step max / mean tokens to about 1.0 at every load and cuts the lockstep
   ranks' padded work, for about one step more time to first token (the figures:
-  benchmarks/results/adp-sim-*.json, docs/ARCHITECTURE.md). `timeout`: the steps in which one
-  request's prefill may be held back, in all; past them it is never held again, so holding
-  delays its first token by at most `timeout` steps. A longer wait buys little more balance
-  on that trace (the timeout binds for few requests), and each held step is a step later."""
+  benchmarks/results/adp-sim-*.json, docs/ARCHITECTURE.md); a lone prompt beside ranks that
+  only decode, nothing arriving, waits the whole timeout for nothing. `timeout`: the steps in
+  which one request's prefill may be held back, in all; past them it is never held again
+  (nothing starves). A longer wait buys little more balance on that trace, and each held
+  step is a step later."""
 
   hold_prefill: bool = True
   timeout: int = 4
