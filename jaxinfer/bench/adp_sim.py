@@ -17,9 +17,13 @@ Policies, on the same trace:
                 the fewest running tokens (KVManager.rank_shards); one token
                 budget for the whole step, taken by requests oldest first
   split         least_loaded's assignment, the step budget split per rank
-  balanced      the scheduler as it is: the lowest predicted load
-                (scheduler.rank_by_load, prefix hits subtracted) and the
-                budget split per rank (scheduler.split_budget)
+  balanced      the lowest predicted load (scheduler.rank_by_load, prefix hits
+                subtracted) and the budget split per rank
+                (scheduler.split_budget); the hold off
+  held          the scheduler as it is: balanced, and the hold on
+                (DPBalanceConfig, --timeout): each rank's prefill cut to the
+                level the least busy rank runs (or the busiest decode rows),
+                for at most --timeout steps a request
 
 Trace: --requests requests, prompt lengths log-uniform in [16, 2048]
 tokens; a --shared-fraction of them start with one of --prefixes shared
@@ -36,18 +40,27 @@ sets the pace, whoever got it). Each window gives the mean, p50 and p95 of
 the per-step ratio and the step-weighted figure sum(max) / sum(mean), the
 padded work over the useful work (what lockstep ranks cost).
 
+What balance costs, per policy: the steps to drain the trace, the padded work
+(ranks x the busiest rank's tokens, summed over steps), the useful tokens
+(fewer where prefix hits saved some), and each request's time to first token:
+in steps (its arrival step and the step that samples it both count) and in
+busiest-rank tokens over those steps (the lockstep time if a step took time
+in proportion to its busiest rank: a held step is a cheap one). Steps are the
+clock: arrivals come per step whatever a step costs, so the sim shows what a
+hold does to the schedule, not to seconds.
+
   jaxinfer bench adp-sim                    # 4 ranks, 600 requests, loads 1.2, 1.0, 0.9
+  jaxinfer bench adp-sim --policies balanced,held --timeout 8
   jaxinfer bench adp-sim --ranks 8 --requests 2000 --loads 1.5 --out /tmp/adp.json
 
 Writes benchmarks/results/adp-sim-<date>.json (or --out; commit, CPU, command,
 load average) and a PNG beside it: per-rank tokens over steps, per policy, at
-the first load.
+the lowest load (where the ranks idle most between arrivals).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,11 +70,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 
 from jaxinfer.engine.kv_manager import KVManager
-from jaxinfer.engine.scheduler import Request, Scheduler, StepBudget, imbalance
+from jaxinfer.engine.scheduler import DPBalanceConfig, Request, Scheduler, StepBudget, imbalance
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.bench.harness import UsageError
 
-POLICIES = ("least_loaded", "split", "balanced")
+POLICIES = ("least_loaded", "split", "balanced", "held")
 MIN_PROMPT, MAX_PROMPT = 16, 2048
 
 
@@ -121,19 +134,26 @@ def make_trace(args, load: float) -> list[tuple[int, list[int], int]]:
 def simulate(args, policy: str, trace) -> dict[str, Any]:
   """Runs the trace to the end; per-step tokens per rank and whether the step was busy."""
   kv = KVManager(args.pages_per_rank * args.ranks, args.page_size, True, num_shards=args.ranks)
-  if policy == "balanced":
-    s = Scheduler(kv, args.max_num_seqs, args.budget)
+  off = DPBalanceConfig(hold_prefill=False)
+  if policy in ("balanced", "held"):
+    held = DPBalanceConfig(timeout=args.timeout)
+    s = Scheduler(kv, args.max_num_seqs, args.budget, dp_balance=held if policy == "held" else off)
   else:
-    s = LeastLoadedScheduler(kv, args.max_num_seqs, args.budget, split=policy == "split")
+    s = LeastLoadedScheduler(kv, args.max_num_seqs, args.budget, split=policy == "split", dp_balance=off)
   pending = list(reversed(trace))
-  steps, saturated = [], []
+  steps, saturated, first_tokens, reqs, arrivals = [], [], [], [], {}
   step = 0
   while pending or s.has_unfinished():
     while pending and pending[-1][0] <= step:
-      _, prompt, max_tokens = pending.pop()
-      s.add(Request(f"r{len(trace) - len(pending) - 1}", prompt,
-                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0))
+      arrival, prompt, max_tokens = pending.pop()
+      req = Request(f"r{len(trace) - len(pending) - 1}", prompt,
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
+      reqs.append(req)
+      arrivals[req.request_id] = arrival
+      s.add(req)
     out = s.schedule()
+    first_tokens += [(arrivals[req.request_id], step) for (req, _), sampled in zip(out.scheduled, out.samples)
+                     if sampled and not req.output_token_ids]
     # Saturated: a request still waits after this step's admission, so there was work
     # to give every rank (whether the ranks got it is the scheduler's doing).
     saturated.append(bool(s.waiting))
@@ -149,11 +169,15 @@ def simulate(args, policy: str, trace) -> dict[str, Any]:
     step += 1
     if step > 100 * len(trace) + 10_000:
       raise RuntimeError(f"{policy}: the trace did not finish in {step} steps")
-  return {"tokens": steps, "saturated": saturated, "preemptions": s.num_preemptions}
+  return {"tokens": steps, "saturated": saturated, "preemptions": s.num_preemptions,
+          "first_tokens": first_tokens, "max_held_steps": max(r.num_held_steps for r in reqs)}
 
 
-def summarize(tokens: list[list[int]], saturated: list[bool], last_arrival: int) -> dict[str, Any]:
-  """Per-step max / mean over ranks in the three windows of the module doc."""
+def summarize(tokens: list[list[int]], saturated: list[bool], last_arrival: int,
+              first_tokens: list[tuple[int, int]] = ()) -> dict[str, Any]:
+  """Per-step max / mean over ranks in the three windows of the module doc; the cost: steps,
+  padded work and, from each request's (arrival step, first-token step), its time to first
+  token in steps and in busiest-rank tokens."""
   def stats(rows):
     rows = [r for r in rows if sum(r)]
     if not rows:
@@ -167,21 +191,39 @@ def summarize(tokens: list[list[int]], saturated: list[bool], last_arrival: int)
           "arrivals": stats(tokens[:last_arrival + 1]), "all": stats(tokens),
           "total_steps": len(tokens), "tokens": int(np.sum(tokens)),
           # What lockstep ranks compute, padding included: ranks x the busiest rank, summed over steps.
-          "padded_tokens": int(len(tokens[0]) * sum(max(t) for t in tokens))}
+          "padded_tokens": int(len(tokens[0]) * sum(max(t) for t in tokens)),
+          **ttft(tokens, first_tokens)}
+
+
+def ttft(tokens: list[list[int]], first_tokens: list[tuple[int, int]]) -> dict[str, Any]:
+  """Time to first token, p50 / p99 / max over requests: in steps (the arrival step and the
+  sampling step both count) and in busiest-rank tokens over those steps (the lockstep time if
+  a step took time in proportion to its busiest rank's tokens: a held step is cheaper)."""
+  if not first_tokens:
+    return {}
+  busiest = np.concatenate([[0], np.cumsum([max(t) for t in tokens])])
+  steps = np.array([last - first + 1 for first, last in first_tokens])
+  work = np.array([busiest[last + 1] - busiest[first] for first, last in first_tokens])
+  pct = lambda a: {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
+                   "max": int(a.max())}
+  return {"ttft_steps": {**pct(steps), "mean": round(float(steps.mean()), 3)}, "ttft_busiest_tokens": pct(work)}
 
 
 def plot(results: dict[str, dict], path: Path, ranks: int, load: float) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.6 * len(results)), sharex=True, sharey=True)
+  fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.9 * len(results)), sharex=True, sharey=True)
   for ax, (policy, r) in zip(np.atleast_1d(axes), results.items()):
     t = np.array(r["tokens"])
     for rank in range(ranks):
       ax.plot(t[:, rank], lw=0.6, label=f"rank {rank}")
     s = r["summary"]["arrivals"]
-    ax.set_title(f"{policy}: max/mean tokens over ranks, steps up to the last arrival: mean {s['mean']:.3f}, "
-                 f"step-weighted {s['step_weighted']:.3f}; {r['summary']['total_steps']} steps in all", fontsize=9)
+    t = r["summary"]["ttft_steps"]
+    ax.set_title(f"{policy}: max/mean tokens over ranks up to the last arrival: mean {s['mean']:.3f}, "
+                 f"step-weighted {s['step_weighted']:.3f}\n{r['summary']['total_steps']} steps, padded work "
+                 f"{r['summary']['padded_tokens']:,} tokens, first token p50 {t['p50']:g} / p99 {t['p99']:g} steps",
+                 fontsize=9)
     ax.set_ylabel("tokens / step")
   np.atleast_1d(axes)[0].legend(loc="upper right", fontsize=7, ncol=ranks)
   np.atleast_1d(axes)[-1].set_xlabel(f"step (arrivals at {load:g} x the budget's rate)")
@@ -201,6 +243,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--shared-fraction", type=float, default=0.3)
   p.add_argument("--loads", default="1.2,1.0,0.9", help="arrival rates / the rate the budget serves")
   p.add_argument("--policies", default=",".join(POLICIES))
+  p.add_argument("--timeout", type=int, default=DPBalanceConfig.timeout,
+                 help="held: steps a request's prefill may be held back, in all (DPBalanceConfig.timeout)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
   p.add_argument("--no-plot", action="store_true")
@@ -213,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
       raise UsageError(f"--policies: unknown policy {pol!r} (known: {', '.join(POLICIES)})")
   if args.ranks < 1 or args.requests < 1 or args.budget < args.ranks:
     raise UsageError("--ranks and --requests must be >= 1 and --budget >= --ranks")
+  if args.timeout < 0:
+    raise UsageError(f"--timeout must be >= 0 steps, got {args.timeout}")
 
-  from jaxinfer.bench.harness import write_results
+  from jaxinfer.bench.harness import environment, write_results
 
   try:
     loads = [float(x) for x in args.loads.split(",")]
@@ -223,39 +269,45 @@ def run(args: argparse.Namespace) -> int:
   if min(loads) <= 0:
     raise UsageError("--loads must be > 0")
 
-  load_before = os.getloadavg()
-  runs, first = [], None
+  env = environment(getattr(args, "command", None))  # (the load average before the run, too)
+  runs, lowest = [], None
   for load in loads:
     trace = make_trace(args, load)
     results = {}
     for pol in policies:
       r = simulate(args, pol, trace)
-      r["summary"] = summarize(r["tokens"], r["saturated"], trace[-1][0])
+      r["summary"] = summarize(r["tokens"], r["saturated"], trace[-1][0], r["first_tokens"])
       results[pol] = r
       s = r["summary"]
       line = " | ".join(f"{w} {s[w]['steps']:4d} steps mean {s[w]['mean']:.3f} p95 {s[w]['p95']:.3f} "
                         f"weighted {s[w]['step_weighted']:.3f}" for w in ("saturated", "arrivals", "all")
                         if s[w]["steps"])
-      print(f"load {load:g} {pol:>12}: {line} | {s['total_steps']} steps", file=sys.stderr)
+      t = s["ttft_steps"]
+      print(f"load {load:g} {pol:>12}: {line} | {s['total_steps']} steps, padded {s['padded_tokens']} "
+            f"of {s['tokens']} tokens, ttft p50 {t['p50']:g} p99 {t['p99']:g} steps", file=sys.stderr)
     runs.append({"load": load, "last_arrival_step": trace[-1][0],
                  # The PNG has every step; the seeded script remakes them.
                  "policies": {pol: {"summary": r["summary"], "preemptions": r["preemptions"],
+                                    "max_held_steps": r["max_held_steps"],
                                     "first_steps_rank_tokens": r["tokens"][:8]} for pol, r in results.items()}})
-    first = first or results
-  # One row per (load, policy): the figures docs/performance.md shows.
+    if load == min(loads):
+      lowest = results
+  # One row per (load, policy): the figures docs/performance.md shows (at most 13 columns; the
+  # runs keep every window's mean, p50 and p95).
   rows = [{"load": run["load"], "policy": pol, "saturated_max_over_mean": s["saturated"].get("mean"),
-           "arrivals_max_over_mean": s["arrivals"]["mean"], "arrivals_p95": s["arrivals"]["p95"],
-           "arrivals_step_weighted": s["arrivals"]["step_weighted"], "all_max_over_mean": s["all"]["mean"],
+           "arrivals_max_over_mean": s["arrivals"]["mean"], "arrivals_step_weighted": s["arrivals"]["step_weighted"],
            "all_step_weighted": s["all"]["step_weighted"], "steps": s["total_steps"],
-           "padded_over_useful_tokens": round(s["padded_tokens"] / s["tokens"], 4)}
+           "padded_tokens": s["padded_tokens"], "padded_over_useful_tokens": round(s["padded_tokens"] / s["tokens"], 4),
+           "ttft_steps_p50": s["ttft_steps"]["p50"], "ttft_steps_p99": s["ttft_steps"]["p99"],
+           "ttft_busiest_tokens_p50": s["ttft_busiest_tokens"]["p50"],
+           "ttft_busiest_tokens_p99": s["ttft_busiest_tokens"]["p99"]}
           for run in runs for pol, r in run["policies"].items() for s in [r["summary"]]]
-  payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot")},
-             "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows,
-             "runs": runs}
-  path = write_results("adp-sim", payload, args.out)
+  payload = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_plot", "command")},
+             "rows": rows, "runs": runs}
+  path = write_results("adp-sim", payload, args.out, env=env)
   print(f"wrote {path}", file=sys.stderr)
   if not args.no_plot:
     png = path.with_suffix(".png")
-    plot(first, png, args.ranks, loads[0])
+    plot(lowest, png, args.ranks, min(loads))
     print(f"wrote {png}", file=sys.stderr)
   return 0

@@ -43,7 +43,7 @@ from jaxinfer.engine.kv_connector import KVConnector, KVTransferError
 from jaxinfer.engine.kv_manager import KVEvent, KVManager
 from jaxinfer.engine.output import OutputProcessor, RequestOutput
 from jaxinfer.engine.runner import LaunchedStep, ModelRunner, ScheduledSeq
-from jaxinfer.engine.scheduler import Request, Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import DPBalanceConfig, Request, Scheduler, SchedulerOutput
 from jaxinfer.engine.spec_decode import SpeculativeConfig, make_drafter
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.frontend import Frontend, ValidRequest
@@ -104,9 +104,14 @@ class EngineConfig:
   # time stay flat in depth) or unrolled. None: the backend's (BACKEND_SCAN_LAYERS). Not with
   # MoE layers, per-layer windows, an MTP module, attention DP or KV transfer (refused).
   scan_layers: bool | None = None
+  # Attention DP: prefill held back on a data rank that would run ahead of the others, for at
+  # most `timeout` steps a request: a DPBalanceConfig or a dict of its fields, e.g.
+  # {"hold_prefill": False} (jaxinfer.engine.scheduler); None: its defaults.
+  dp_balance: DPBalanceConfig | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+    object.__setattr__(self, "dp_balance", DPBalanceConfig.parse(self.dp_balance))
     object.__setattr__(self, "eplb", EplbConfig.parse(self.eplb))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
@@ -220,7 +225,7 @@ class LLMEngine:
           f"num_pages or a smaller max_model_len")
     self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching, num_shards=shards)
     self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens,
-                               max_model_len=self.max_model_len)
+                               max_model_len=self.max_model_len, dp_balance=ec.dp_balance)
     self.spec = ec.speculative
     self.drafter = make_drafter(self.spec) if self.spec is not None else None
     k = self.spec.num_speculative_tokens if self.spec is not None else 0

@@ -13,7 +13,9 @@ Passes, in order, each small:
      tokens; when the pool is dry, preempt the newest running request
      (its pages go back; it is recomputed later, prefix cache permitting);
   2. waiting requests, FCFS, while sequences, budget and pages allow
-     (skipped in a step that preempted: the pool is tight).
+     (skipped in a step that preempted: the pool is tight);
+  3. under attention DP, the hold: prefill planned on a data rank above what
+     the others run is held back to a later step (`_hold_back`).
 
 Attention data parallelism (a KVManager with num_shards > 1, one shard per
 data rank): a new request goes to the rank whose predicted load is lowest
@@ -23,7 +25,10 @@ all come from there, and when that rank's pages run dry the newest request
 *on that rank* is preempted (freeing another rank's pages would not help).
 The step's token budget is split over the ranks (`split_budget`): the ranks
 run in lockstep, each padded to the busiest one's tokens, so a rank's long
-prefill must not take the whole budget and leave the others idle.
+prefill must not take the whole budget and leave the others idle. Nor its
+share, when the others have less to run: pass 3 cuts each rank's prefill to
+the level the least busy rank runs (or the busiest rank's decode rows, which
+are never held), for at most `DPBalanceConfig.timeout` steps per request.
 
 Disaggregation (engine/kv_connector.py): when a connector says a new
 request's prompt KV comes from another worker, pass 2 allocates its pages
@@ -42,6 +47,7 @@ from typing import Any, Sequence
 
 from jaxinfer.engine.kv_connector import KVConnector
 from jaxinfer.engine.kv_manager import KVManager
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 
 
@@ -74,6 +80,7 @@ class Request:
   # computed (the device knows how many), so the next step's pages allow for them.
   num_inflight_drafts: int = 0
   finish_reason: str | None = None
+  num_held_steps: int = 0  # attention-DP balance: steps whose chunk of its prefill was held back
   num_remote_tokens: int = 0  # prompt tokens whose KV another worker computed (disaggregation)
   num_remote_cached_tokens: int = 0  # of the prompt, what that worker took from its own prefix cache
   hold_kv: bool = False  # producer side: pages outlive the request until released
@@ -132,6 +139,45 @@ def rank_by_load(loads: Sequence[int], new_tokens: Sequence[int]) -> list[int]:
   return sorted(range(len(loads)), key=lambda r: (loads[r] + new_tokens[r], r))
 
 
+@dataclasses.dataclass(frozen=True)
+class DPBalanceConfig:
+  """Attention-DP balance (`Scheduler._hold_back`): a data rank's prefill is held back to the
+  level the other ranks run in the step, for at most `timeout` steps per request.
+
+  `hold_prefill` turns it on. It is on by default: on `jaxinfer bench adp-sim`'s trace it
+  takes the per-step max / mean tokens to about 1.0 at every load and cuts the lockstep
+  ranks' padded work, for about one step more time to first token (the figures:
+  benchmarks/results/adp-sim-*.json, docs/ARCHITECTURE.md); a lone prompt beside ranks that
+  only decode, nothing arriving, waits the whole timeout for nothing. `timeout`: the steps in
+  which one request's prefill may be held back, in all; past them it is never held again
+  (nothing starves). A longer wait buys little more balance on that trace, and each held
+  step is a step later."""
+
+  hold_prefill: bool = True
+  timeout: int = 4
+
+  def __post_init__(self):
+    if not isinstance(self.hold_prefill, bool):
+      raise InvalidRequestError(f"dp_balance.hold_prefill must be a bool, got {self.hold_prefill!r}")
+    if isinstance(self.timeout, bool) or not isinstance(self.timeout, int) or self.timeout < 0:
+      raise InvalidRequestError(f"dp_balance.timeout must be an int >= 0 (steps), got {self.timeout!r}")
+
+  @classmethod
+  def parse(cls, value: "DPBalanceConfig | dict | None") -> "DPBalanceConfig":
+    """None (the defaults), a DPBalanceConfig, or a dict of its fields (LLM(dp_balance=...))."""
+    if value is None:
+      return cls()
+    if isinstance(value, DPBalanceConfig):
+      return value
+    if not isinstance(value, dict):
+      raise InvalidRequestError(f"dp_balance must be a dict or DPBalanceConfig, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+    if unknown:
+      raise InvalidRequestError(f"unknown dp_balance option(s) {unknown}; options are "
+                                f"{sorted(cls.__dataclass_fields__)}")
+    return cls(**value)
+
+
 @dataclasses.dataclass
 class StepBudget:
   """The tokens a step may still schedule, per data rank (one entry without attention DP)."""
@@ -169,8 +215,10 @@ class Scheduler:
   """FCFS continuous batching under a sequence limit and a token budget."""
 
   def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-               connector: KVConnector | None = None, max_model_len: int | None = None):
+               connector: KVConnector | None = None, max_model_len: int | None = None,
+               dp_balance: DPBalanceConfig | None = None):
     self.kv = kv
+    self.dp_balance = DPBalanceConfig.parse(dp_balance)
     self.max_model_len = max_model_len  # no sequence's pages go past it
     self.connector = connector
     self.max_num_seqs = max_num_seqs
@@ -206,6 +254,8 @@ class Scheduler:
     if not out.preempted:
       self._schedule_waiting(out, budget)
     sharded = self.kv.num_shards > 1
+    if sharded and self.dp_balance.hold_prefill:
+      self._hold_back(out)
     self.rank_tokens = [0] * self.kv.num_shards
     starts, all_drafts, all_samples = out.starts, out.drafts, out.samples
     for req, n in out.scheduled:
@@ -371,6 +421,49 @@ class Scheduler:
       self.running.append(req)
       out.scheduled.append((req, n))
       budget.take(shard, n)
+
+  def _hold_back(self, out: SchedulerOutput) -> None:
+    """Pass 3 under attention DP: cuts the prefill chunks of ranks planned above the level
+    below, newest request first, so that no rank's prefill makes the others wait in lockstep
+    (TensorRT-LLM's attention-DP balance holds a rank's context requests until the other
+    ranks have some too, for at most a timeout in steps; this holds tokens, not requests:
+    a rank runs its prefill up to what the others run). A cut request runs its held tokens
+    in a later step, where new requests, placed on the least loaded ranks meanwhile, give
+    the others work to match; its pages for them stay allocated (it needs them next).
+
+    Never held: one-token rows (a decode row, its drafts with it, or a prompt's last token:
+    holding them would stall a stream to save a token a rank), a request already held in
+    `timeout` steps (the bound on its wait), and any step that the cut would leave empty
+    (nothing else would run, so waiting only idles every rank, and an idle engine sleeps
+    until the next command)."""
+    cfg, shard_of, num_ranks = self.dp_balance, self.kv.request_shard, self.kv.num_shards
+    tokens, fixed = [0] * num_ranks, [0] * num_ranks
+    holdable: list[list[int]] = [[] for _ in range(num_ranks)]  # per rank: rows, in batch order
+    for i, (req, n) in enumerate(out.scheduled):
+      rank = shard_of(req.request_id)
+      tokens[rank] += n
+      if req.num_uncomputed > 1 and req.num_held_steps < cfg.timeout:
+        holdable[rank].append(i)
+      else:
+        fixed[rank] += n
+    # The level: the step costs every rank the busiest rank's decode rows anyway, and every
+    # rank runs at least what the least busy one runs; up to the larger of the two a rank
+    # pads no other, above it every token it runs is one the others wait through.
+    level = max(max(fixed), min(tokens))
+    if level >= max(tokens) or not any(min(t, max(f, level)) for t, f in zip(tokens, fixed)):
+      return
+    cut = {}
+    for rank in range(num_ranks):
+      excess = tokens[rank] - max(fixed[rank], level)
+      for i in reversed(holdable[rank]):
+        if excess <= 0:
+          break
+        req, n = out.scheduled[i]
+        cut[i] = n - min(n, excess)
+        excess -= n - cut[i]
+    for i in cut:
+      out.scheduled[i][0].num_held_steps += 1
+    out.scheduled[:] = [(req, cut.get(i, n)) for i, (req, n) in enumerate(out.scheduled) if cut.get(i, n)]
 
   def _admit_remote(self, req: Request, cached: list[int], computed: int, remote: int, shard: int = 0) -> bool:
     """Pages for the cached and the remote tokens; the request waits for its KV (no budget)."""

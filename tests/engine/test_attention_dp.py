@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.kv_manager import KVManager
-from jaxinfer.engine.scheduler import Request, Scheduler, rank_by_load, split_budget
+from jaxinfer.engine.scheduler import DPBalanceConfig, Request, Scheduler, rank_by_load, split_budget
 from jaxinfer.serving.metrics import Metrics
 from jaxinfer.sharding import make_mesh
 
@@ -48,13 +48,18 @@ def test_prefix_hits_only_on_the_request_shard():
   assert kv.lookup(tokens, shard=0) == []
 
 
+# The placement and budget rules alone: the hold (tests/engine/test_scheduler_adp.py) would cut
+# the chunks these tests follow.
+NO_HOLD = DPBalanceConfig(hold_prefill=False)
+
+
 def _req(rid, n):
   return Request(rid, list(range(100 + n, 100 + 2 * n)), SamplingParams(max_tokens=4), seed=0)
 
 
 def test_scheduler_balances_running_tokens_and_preempts_within_a_shard():
   kv = KVManager(num_pages=12, page_size=4, num_shards=2, enable_prefix_caching=False)  # 5 pages a shard
-  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, dp_balance=NO_HOLD)
   reqs = [_req("r10", 10), _req("r3", 3), _req("r5", 5), _req("r4", 4)]
   for r in reqs:
     s.add(r)
@@ -108,7 +113,7 @@ def test_a_prefix_hit_counts_as_load_saved_not_as_first_choice():
   """A request whose prefix is cached on a busy rank goes there only while the hit
   outweighs the load; KVManager.rank_shards (the older rule) always takes the hit."""
   kv = KVManager(num_pages=80, page_size=4, num_shards=2)  # 39 pages a shard
-  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)  # 16 tokens a rank
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, dp_balance=NO_HOLD)  # 16 tokens a rank
   shared = list(range(1, 33))  # 8 full blocks
   first = Request("first", shared + [7], SamplingParams(max_tokens=50), seed=0)
   s.add(first)
@@ -137,7 +142,7 @@ def test_each_rank_gets_its_share_of_the_step_budget():
   """A long prompt on rank 0 takes rank 0's 8 tokens a step, not the whole 16: rank 1's
   requests run in the same steps."""
   kv = KVManager(num_pages=42, page_size=4, num_shards=2, enable_prefix_caching=False)
-  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+  s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, dp_balance=NO_HOLD)
   long, a, b = _req("long", 40), _req("a", 5), _req("b", 6)
   for r in (long, a, b):
     s.add(r)
@@ -153,9 +158,10 @@ def test_each_rank_gets_its_share_of_the_step_budget():
 def test_engine_places_each_request_on_one_data_shard():
   mesh = make_mesh(data=2, model=2)
   opts = dict(max_model_len=64, max_num_seqs=4, warmup=False)
-  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, **opts)
+  llm = LLM(tiny_dir("qwen3"), mesh=mesh, sharding_rules={"pages": "data"}, dp_balance={"timeout": 1}, **opts)
   eng = llm.engine
   assert eng.kv.num_shards == 2 and eng.kv.shard_pages * 2 == eng.runner.num_pages
+  assert eng.scheduler.dp_balance == DPBalanceConfig(timeout=1)
   prompts = [list(range(1, 30)), [5, 17, 200, 3], list(range(40, 52)), [7, 8, 9]]
   sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
   for i, p in enumerate(prompts):
@@ -163,14 +169,20 @@ def test_engine_places_each_request_on_one_data_shard():
   eng.step()
   shards = [eng.kv.request_shard(f"q{i}") for i in range(4)]
   assert shards == [0, 1, 1, 1]  # 29 tokens on shard 0 outweigh 4 + 12 + 3 on shard 1
-  # The step's tokens per data rank and their imbalance: a stat and a Prometheus gauge.
+  # (The outputs below equal one device's, the hold's cut chunks included.)
+  # The step's tokens per data rank and their imbalance: a stat and a Prometheus gauge. The
+  # hold (DPBalanceConfig, on by default) cut shard 0's 29 prompt tokens to shard 1's 19.
   stats = eng.stats()
-  assert stats["dp_rank_tokens"] == [29, 19] and stats["dp_rank_imbalance"] == pytest.approx(29 / 24)
+  assert stats["dp_rank_tokens"] == [19, 19] and stats["dp_rank_imbalance"] == 1.0
+  q0 = eng.scheduler.running[0]
+  assert q0.num_held_steps == 1 and q0.num_computed == 19
+  eng.step()  # its timeout spent, q0 runs its last 10 though shard 1 only decodes
+  assert q0.num_held_steps == 1 and q0.num_computed == 29 and eng.stats()["dp_rank_tokens"] == [10, 3]
   metrics = Metrics()
   metrics.set_engine_stats(stats)
   text = metrics.exposition().decode()
   assert 'jaxinfer_dp_rank_tokens{rank="1"} 19.0' in text
-  assert f"jaxinfer_dp_rank_imbalance_ratio {29 / 24}" in text
+  assert "jaxinfer_dp_rank_imbalance_ratio 1.0" in text
   for i, shard in enumerate(shards):
     assert {eng.kv.shard_of(p) for p in eng.kv.pages(f"q{i}")} == {shard}
   outs = {}
