@@ -43,7 +43,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxinfer.errors import UnsupportedModelError
+from jaxinfer.errors import InvalidRequestError, UnsupportedModelError
+
+
+def from_options(cls: type, options: Mapping[str, Any], name: str) -> Any:
+  """cls(**options) for a frozen options dataclass given as a dict (LLM(speculative={...}),
+  dp_balance, eplb); a key that is not a field is an InvalidRequestError listing the fields."""
+  fields = sorted(f.name for f in dataclasses.fields(cls))
+  unknown = sorted(set(options) - set(fields))
+  if unknown:
+    raise InvalidRequestError(f"unknown {name} option(s) {unknown}; options are {fields}")
+  return cls(**options)
 
 # HF model_type / GGUF general.architecture values we implement.
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")

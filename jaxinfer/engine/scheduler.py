@@ -45,6 +45,7 @@ import dataclasses
 import enum
 from typing import Any, Sequence
 
+from jaxinfer.config import from_options
 from jaxinfer.engine.kv_connector import KVConnector
 from jaxinfer.engine.kv_manager import KVManager
 from jaxinfer.errors import InvalidRequestError
@@ -171,11 +172,7 @@ class DPBalanceConfig:
       return value
     if not isinstance(value, dict):
       raise InvalidRequestError(f"dp_balance must be a dict or DPBalanceConfig, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-    if unknown:
-      raise InvalidRequestError(f"unknown dp_balance option(s) {unknown}; options are "
-                                f"{sorted(cls.__dataclass_fields__)}")
-    return cls(**value)
+    return from_options(cls, value, "dp_balance")
 
 
 @dataclasses.dataclass

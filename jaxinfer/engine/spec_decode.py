@@ -40,6 +40,7 @@ from typing import Protocol, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import from_options
 from jaxinfer.errors import InvalidRequestError
 
 SPEC_METHODS = ("ngram", "mtp")
@@ -109,11 +110,7 @@ class SpeculativeConfig:
       return value
     if not isinstance(value, dict):
       raise InvalidRequestError(f"speculative must be a dict or SpeculativeConfig, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-    if unknown:
-      raise InvalidRequestError(f"unknown speculative option(s) {unknown}; options are "
-                                f"{sorted(cls.__dataclass_fields__)}")
-    return cls(**value)
+    return from_options(cls, value, "speculative")
 
 
 class Drafter(Protocol):

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import from_options
 from jaxinfer.errors import InvalidRequestError
 
 FORMAT = "jaxinfer-eplb-placement/1"
@@ -456,10 +457,7 @@ class EplbConfig:
     if isinstance(value, (str, Path, Placement)):
       return cls(placement=value)
     if isinstance(value, Mapping):
-      unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-      if unknown:
-        raise InvalidRequestError(f"unknown eplb option(s) {unknown}; options are {sorted(cls.__dataclass_fields__)}")
-      return cls(**value)
+      return from_options(cls, value, "eplb")
     raise InvalidRequestError(f"eplb must be a placement path, a Placement, a dict or an EplbConfig, got {value!r}")
 
   def initial(self, num_experts: int, num_devices: int, num_layers: int, num_groups: int = 1) -> Placement:
