@@ -50,7 +50,7 @@ def from_options(cls: type, options: Mapping[str, Any], name: str) -> Any:
   """cls(**options) for a frozen options dataclass given as a dict (LLM(speculative={...}),
   dp_balance, eplb); a key that is not a field is an InvalidRequestError listing the fields."""
   fields = sorted(f.name for f in dataclasses.fields(cls))
-  unknown = sorted(set(options) - set(fields))
+  unknown = sorted(set(options) - set(fields), key=repr)  # (keys of mixed types still sort)
   if unknown:
     raise InvalidRequestError(f"unknown {name} option(s) {unknown}; options are {fields}")
   return cls(**options)

@@ -172,3 +172,19 @@ def test_deepseek_v3_config():
 def test_unsupported_router_settings_are_named(change, message):
   with pytest.raises(UnsupportedModelError, match=message):
     ModelConfig.from_hf(dict(DEEPSEEK_V3, **change))
+
+
+def test_from_options_builds_the_dataclass_and_names_unknown_keys_of_any_type():
+  import types
+
+  from jaxinfer.config import from_options
+  from jaxinfer.errors import InvalidRequestError
+
+  @dataclasses.dataclass(frozen=True)
+  class Opts:
+    a: int = 1
+    b: str = "x"
+
+  assert from_options(Opts, types.MappingProxyType({"b": "y"}), "opts") == Opts(b="y")
+  with pytest.raises(InvalidRequestError, match=r"unknown opts option\(s\) \['z', 1\]; options are \['a', 'b'\]"):
+    from_options(Opts, {1: 2, "z": 3, "a": 4}, "opts")

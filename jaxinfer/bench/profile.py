@@ -18,7 +18,7 @@ parts (cProfile, in a run of its own); the same with the device programs
 replayed over --replay-steps steps (the host's work alone, with warm caches,
 as a GPU's host runs it: on the CPU backend a real step evicts the host's
 caches, which makes the same host code ~3x slower after it), as it comes and
-with the heap frozen as warm-up leaves it (engine.freeze_heap: the worst step
+with the heap frozen as warm-up leaves it (runner.freeze_heap: the worst step
 shows a full garbage collection or its absence); then the wall time per step without and with
 async scheduling, and the share of it the device was idle (wall - device
 time, over wall).
@@ -30,6 +30,7 @@ stacked-bar PNG beside it (matplotlib).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import time
@@ -119,7 +120,8 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
   replay: the step's programs replaced by one real step's outputs, returned again each step
   (the host's work alone: on the CPU backend a real step leaves the host's caches cold
   after it, which a GPU's host does not see; its wall time per step is the host's).
-  freeze: the heap frozen before the timed steps, as warm-up leaves it (engine.freeze_heap)."""
+  freeze: the heap frozen before the timed steps, as warm-up leaves it (runner.freeze_heap),
+  and thawed after them (the runs after this one in the process start as they come)."""
   import cProfile
   import pstats
 
@@ -159,7 +161,7 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
     runner._step, runner._sample = _replaying(runner._step), _replaying(runner._sample)
     engine.step()
   if freeze:
-    from jaxinfer.engine.engine import freeze_heap
+    from jaxinfer.engine.runner import freeze_heap
     freeze_heap()
   totals = []
   device.clear()
@@ -173,6 +175,8 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
       engine.step()
     totals.append(time.perf_counter() - t0)
   wall_ms = (time.perf_counter() - t_all) / steps * 1000
+  if freeze:
+    gc.unfreeze()
   if profiler is not None:
     cumulative = {}
     for (_, _, name), (_, _, _, ct, _) in pstats.Stats(profiler).stats.items():

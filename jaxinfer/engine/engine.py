@@ -28,7 +28,6 @@ keeps its pages after it finishes, for `export_kv`, until `release_kv`.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import secrets
@@ -161,23 +160,6 @@ class _Launched:
   needs_host_tokens: bool  # a structured-output request sampled: the next mask needs its token
 
 
-def freeze_heap() -> None:
-  """Takes every object alive now out of the cyclic garbage collector's reach (`gc.freeze`),
-  once start-up's garbage is collected.
-
-  Why: with jax loaded, the heap holds ~150k tracked objects that live as long as the
-  process (jax's modules, traced programs, the tokenizer). An oldest-generation collection
-  walks them all, ~140 ms on a 2-core EPYC, and it runs inside whichever step happens to
-  allocate at that moment: every running request stalls for it (`jaxinfer bench profile`'s
-  host rows: the worst replayed step with and without). Frozen, they are skipped; objects
-  made later are collected as before. What an earlier call froze is thawed and collected
-  first, so an engine that died since (several engines in one process: tests, notebooks)
-  is not kept for ever."""
-  gc.unfreeze()
-  gc.collect()
-  gc.freeze()
-
-
 class LLMEngine:
   """Continuous batching over a paged, prefix-cached KV cache."""
 
@@ -301,13 +283,12 @@ class LLMEngine:
     return engine
 
   def warmup(self, progress: bool = False) -> None:
-    """Compiles every step bucket now, so no request waits on XLA later; then freezes the
-    heap (`freeze_heap`), so no step waits on a full garbage collection of it either."""
+    """Compiles every step bucket now, so no request waits on XLA later (and freezes the heap:
+    `ModelRunner.warmup`)."""
     from tqdm.auto import tqdm
     with tqdm(total=len(self.runner.token_buckets), desc="compiling", unit="program",
               disable=not progress, leave=False) as bar:
       self.runner.warmup(bar)
-    freeze_heap()
 
   # ---- requests ------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import math
 from typing import Any, NamedTuple, Sequence
@@ -328,7 +329,7 @@ class ModelRunner:
   def warmup(self, progress=None) -> None:
     """Compiles every program a step can run, by running it on all-padding batches (which touch
     no real page): per token bucket the forward (and the MTP pass), per row bucket the
-    sampler in every variant (`_sampler_variants`)."""
+    sampler in every variant (`_sampler_variants`). Then `freeze_heap`."""
     warm_rows = set()
     for T in self.token_buckets:
       T, lp, batch = self.pack_step([], T)
@@ -347,6 +348,7 @@ class ModelRunner:
     self.history = self._set_row(self.history, self.scratch_row, np.zeros(self.max_model_len, np.int32), 0, 0)
     self._programs.add(("set_row",))
     jax.block_until_ready(self.cache)
+    freeze_heap()  # start-up is over (a multi-host follower's too: it runs this call)
 
   # ---- the step ----------------------------------------------------------------------
 
@@ -884,3 +886,20 @@ def _all_logits(cfg, attention_impl, page_size, cache_spec: CacheSpec, cache_sha
                      jnp.int32(1))
   hidden, _ = forward(params, cfg, tokens, pos, cache, batch, attention_impl=attention_impl)
   return compute_logits(params, cfg, hidden)
+
+
+def freeze_heap() -> None:
+  """Takes every object alive now out of the cyclic garbage collector's reach (`gc.freeze`),
+  once start-up's garbage is collected.
+
+  Why: with jax loaded, the heap holds ~150k tracked objects that live as long as the
+  process (jax's modules, traced programs, the tokenizer). An oldest-generation collection
+  walks them all, ~140 ms on a 2-core EPYC, and it runs inside whichever step happens to
+  allocate at that moment: every running request stalls for it (`jaxinfer bench profile`'s
+  host rows: the worst replayed step with and without). Frozen, they are skipped; objects
+  made later are collected as before. What an earlier call froze is thawed and collected
+  first, so an engine that died since (several engines in one process: tests, notebooks)
+  is not kept for ever."""
+  gc.unfreeze()
+  gc.collect()
+  gc.freeze()

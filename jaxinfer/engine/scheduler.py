@@ -43,7 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxinfer.config import from_options
 from jaxinfer.engine.kv_connector import KVConnector
@@ -170,7 +170,7 @@ class DPBalanceConfig:
       return cls()
     if isinstance(value, DPBalanceConfig):
       return value
-    if not isinstance(value, dict):
+    if not isinstance(value, Mapping):
       raise InvalidRequestError(f"dp_balance must be a dict or DPBalanceConfig, got {type(value).__name__}")
     return from_options(cls, value, "dp_balance")
 

@@ -35,7 +35,7 @@ Legend: S sequences, k drafts per sequence (static), V vocab.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -108,7 +108,7 @@ class SpeculativeConfig:
     """None, a SpeculativeConfig, or a dict of its fields (what LLM(speculative=...) takes)."""
     if value is None or isinstance(value, SpeculativeConfig):
       return value
-    if not isinstance(value, dict):
+    if not isinstance(value, Mapping):
       raise InvalidRequestError(f"speculative must be a dict or SpeculativeConfig, got {type(value).__name__}")
     return from_options(cls, value, "speculative")
 
