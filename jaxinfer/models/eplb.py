@@ -186,9 +186,13 @@ class Placement:
 # ---- planning --------------------------------------------------------------------------
 
 
-def balanced_packing(weight: np.ndarray, num_packs: int) -> np.ndarray:
+def balanced_packing(weight: np.ndarray, num_packs: int, group: np.ndarray | None = None) -> np.ndarray:
   """Pack N items (N divisible by num_packs) into num_packs packs of N / num_packs items each,
-  heaviest first, each into the lightest pack with room (ties: the lowest index): pack [N]."""
+  heaviest first, each into the lightest pack with room (ties: the lowest index): pack [N].
+
+  group [N]: items of one group (an expert's replicas) go to packs holding none of its items
+  while some pack with room does: two replicas on one device would split that device's
+  tokens between them, not the expert's load between devices."""
   N = len(weight)
   if N % num_packs:
     raise InvalidRequestError(f"{N} items do not pack evenly into {num_packs} packs")
@@ -196,9 +200,15 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> np.ndarray:
   load = np.zeros(num_packs)
   count = np.zeros(num_packs, np.int64)
   pack = np.empty(N, np.int64)
+  held: list[set] = [set() for _ in range(num_packs)]
   for i in np.argsort(-np.asarray(weight, np.float64), kind="stable"):
     room = np.flatnonzero(count < cap)
+    if group is not None:
+      apart = [p for p in room if group[i] not in held[p]]
+      room = np.asarray(apart) if apart else room
     p = room[np.argmin(load[room])]
+    if group is not None:
+      held[p].add(group[i])
     pack[i] = p
     load[p] += weight[i]
     count[p] += 1
@@ -231,7 +241,7 @@ def _plan_layer(load: np.ndarray, num_devices: int, num_slots: int, num_hosts: i
     replica_expert = np.repeat(experts, reps)  # [per_host_slots], each expert's replicas together
     replica_load = np.repeat(load[experts] / reps, reps)
     # 3. the replicas onto the host's devices, heaviest first onto the least loaded.
-    device = balanced_packing(replica_load, per_host_devices)
+    device = balanced_packing(replica_load, per_host_devices, group=replica_expert)
     for d in range(per_host_devices):
       on = replica_expert[device == d]
       assert len(on) == Sl

@@ -50,6 +50,23 @@ def test_plan_packs_groups_onto_hosts_first():
   assert plan(counts, 4, 4).slots == ((0, 4, 6, 0, 4, 7, 1, 2, 5, 1, 3, 5),)
 
 
+def test_plan_puts_an_experts_replicas_on_different_devices():
+  """4 experts, 2 devices, 2 redundant slots: e0 (25) and e1 (19) get a second replica (12.5
+  and 9.5 each). Heaviest first onto the lighter device: e2 15 -> d0, e0 12.5 -> d1; the
+  other e0 12.5 would go to the lighter d1 too, a twin that moves none of e0's load off d1,
+  so it goes to d0; e1 9.5 -> d1, e1 9.5 -> d0 (d1 holds e1), e3 8 -> d1 (d0 is full): 37
+  and 30 rows. (The twin plan's 34 and 33 balance on paper only: its two e0 copies share
+  d1's e0 tokens, so a skew within e0 stays on d1.)"""
+  counts = [25, 19, 15, 8]
+  p = plan(counts, num_devices=2, num_redundant=2)
+  assert p.slots == ((0, 1, 2, 0, 1, 3),)
+  np.testing.assert_array_equal(p.device_loads(counts), [[37, 30]])
+  # Zipf-skewed 64 experts over 8 devices with 8 redundant slots: no device holds a twin.
+  p = plan(1e4 / np.arange(1, 65), num_devices=8, num_redundant=8)
+  for device in np.reshape(p.slots[0], (8, -1)):
+    assert len(set(device.tolist())) == len(device)
+
+
 def test_plan_per_layer_and_without_redundancy():
   counts = np.array([[1, 2, 3, 4], [4, 3, 2, 1]])
   p = plan(counts, num_devices=2, num_redundant=0)
