@@ -428,8 +428,9 @@ class Scheduler:
     in a later step, where new requests, placed on the least loaded ranks meanwhile, give
     the others work to match; its pages for them stay allocated (it needs them next).
 
-    Never held: one-token rows (a decode row, its drafts with it, or a prompt's last token:
-    holding them would stall a stream to save a token a rank), a request already held in
+    Never held: a request with one token left to compute (a decode row, its drafts with it,
+    or a prompt's last token: holding it would stall a stream to save a token a rank; a
+    prefill chunk that the budget left at one token can be held), a request already held in
     `timeout` steps (the bound on its wait), and any step that the cut would leave empty
     (nothing else would run, so waiting only idles every rank, and an idle engine sleeps
     until the next command)."""
