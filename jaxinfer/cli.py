@@ -202,7 +202,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model's, 4096))")
   p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
   p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-cache-gb)")
-  p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default 1)")
+  p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default: 1 on CPU; on a GPU, 85%% of its allocator's limit less the weights)")
   p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8"],
                  help="KV cache dtype: auto = the model's; int8 / fp8 store it quantized (a float32 scale "
                       "per token and kv head), so about 2-4x more tokens fit")

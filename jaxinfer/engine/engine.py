@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -76,7 +76,9 @@ class EngineConfig:
   max_num_batched_tokens: int | None = None
   page_size: int = 16
   num_pages: int | None = None
-  kv_cache_bytes: int = 1 << 30
+  # The KV pool's budget. None: by backend and memory (`kv_budget`): 1 GiB on the CPU; on a
+  # GPU, KV_MEMORY_FRACTION of what its allocator may hold, less what is in use (the weights).
+  kv_cache_bytes: int | None = None
   enable_prefix_caching: bool = True
   warmup: bool = True
   compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla ("" disables)
@@ -114,11 +116,11 @@ class EngineConfig:
     object.__setattr__(self, "eplb", EplbConfig.parse(self.eplb))
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_bytes"):
       v = getattr(self, name)
-      if v is None and name.startswith("max_num"):
+      optional = name != "page_size"
+      if v is None and optional:
         continue
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise InvalidRequestError(f"{name} must be a positive int{' or None' if name.startswith('max_num') else ''}, "
-                                  f"got {v!r}")
+        raise InvalidRequestError(f"{name} must be a positive int{' or None' if optional else ''}, got {v!r}")
     if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
       raise InvalidRequestError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
     if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
@@ -143,6 +145,25 @@ class EngineConfig:
 
 # (max_num_seqs, max_num_batched_tokens) by device platform; any other accelerator takes 'gpu''s.
 BACKEND_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192)}
+# The KV pool's default budget where the backend reports no memory (the CPU: host memory is
+# shared with everything else on the machine, so a fixed, modest pool).
+DEFAULT_KV_BYTES = 1 << 30
+# On an accelerator, the share of its allocator's limit the weights and the KV pool may take
+# together (vLLM's gpu_memory_utilization is 0.9 of the whole device; jax's allocator limit is
+# already 75% of it by default, XLA_PYTHON_CLIENT_MEM_FRACTION): the rest is left to the
+# step's activations and XLA's scratch.
+KV_MEMORY_FRACTION = 0.85
+
+
+def kv_budget(memory_stats: Sequence[Mapping[str, int] | None]) -> int:
+  """The default KV budget in bytes from the memory stats of the devices the pool lives on
+  (`Device.memory_stats()`; None where the backend has none, as the CPU): on each device
+  KV_MEMORY_FRACTION of its limit less what is in use, the tightest device's figure (as if the
+  pool were not split: under tensor parallelism a smaller pool than would fit, never a larger
+  one); DEFAULT_KV_BYTES where some device has no stats."""
+  if not memory_stats or any(not m or "bytes_limit" not in m for m in memory_stats):
+    return DEFAULT_KV_BYTES
+  return max(0, min(int(KV_MEMORY_FRACTION * m["bytes_limit"]) - m.get("bytes_in_use", 0) for m in memory_stats))
 # scan_layers by platform. The CPU unrolls: scanned, its step slices each layer's weights out of
 # the stack (a copy per layer per step), 1.4x the default model's batch-1 step and 4.5x a
 # Llama-3-8B layer's, for compile time flat in depth (benchmarks/results/layers-scan-2026-11-28.json).
@@ -190,7 +211,11 @@ class LLMEngine:
       # per shard: a sequence lives on one shard, so a pool of many small shards must
       # still hold a max_model_len sequence in each.
       seqs_per_shard = max(1, -(-ec.max_num_seqs // shards))
-      num_pages = cache_spec.num_pages_for(ec.kv_cache_bytes, ec.page_size,
+      budget = ec.kv_cache_bytes
+      if budget is None:
+        devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
+        budget = kv_budget([d.memory_stats() for d in devices])
+      num_pages = cache_spec.num_pages_for(budget, ec.page_size,
                                            cap=shards * (seqs_per_shard * pages_per_seq + 1))
       num_pages -= num_pages % shards
     else:

@@ -323,3 +323,17 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(lose_stat
   runner.launch = real
   assert llm.generate([[1, 2, 3]], greedy(10))[0].token_ids == want.token_ids
 
+
+
+def test_the_default_kv_budget_is_by_backend_and_memory():
+  from jaxinfer.engine.engine import DEFAULT_KV_BYTES, KV_MEMORY_FRACTION, kv_budget
+  gib = 1 << 30
+  assert kv_budget([None]) == DEFAULT_KV_BYTES == gib  # the CPU reports no memory
+  # One GPU: the fraction of its allocator's limit, less the weights in use.
+  assert kv_budget([{"bytes_limit": 100 * gib, "bytes_in_use": 16 * gib}]) == int(KV_MEMORY_FRACTION * 100 * gib) - 16 * gib
+  # A mesh: the tightest device's figure; a device without stats: the fixed default.
+  two = [{"bytes_limit": 100 * gib, "bytes_in_use": 10 * gib}, {"bytes_limit": 100 * gib, "bytes_in_use": 20 * gib}]
+  assert kv_budget(two) == int(KV_MEMORY_FRACTION * 100 * gib) - 20 * gib
+  assert kv_budget([two[0], None]) == DEFAULT_KV_BYTES
+  # A full device: nothing (the engine then says the pool cannot hold one sequence).
+  assert kv_budget([{"bytes_limit": gib, "bytes_in_use": gib}]) == 0
