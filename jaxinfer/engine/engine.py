@@ -212,13 +212,18 @@ class LLMEngine:
       # still hold a max_model_len sequence in each.
       seqs_per_shard = max(1, -(-ec.max_num_seqs // shards))
       budget = ec.kv_cache_bytes
+      free_note = ""
       if budget is None:
         devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
         budget = kv_budget([d.memory_stats() for d in devices])
+        if budget != DEFAULT_KV_BYTES:
+          free_note = (f" (by default the budget is what the device has free: {budget / 2**30:.2f} GiB; another "
+                       f"engine in this process may hold the rest)")
       num_pages = cache_spec.num_pages_for(budget, ec.page_size,
                                            cap=shards * (seqs_per_shard * pages_per_seq + 1))
       num_pages -= num_pages % shards
     else:
+      free_note = ""
       num_pages = ec.num_pages
       if num_pages % shards:
         from jaxinfer.errors import ShardingError
@@ -229,7 +234,7 @@ class LLMEngine:
       raise InvalidRequestError(
           f"the KV pool ({num_pages} pages of {ec.page_size} tokens, {where}page 0 reserved) cannot hold "
           f"one sequence of max_model_len={self.max_model_len}: give more kv_cache_bytes / "
-          f"num_pages or a smaller max_model_len")
+          f"num_pages or a smaller max_model_len{free_note}")
     self.kv = KVManager(num_pages, ec.page_size, ec.enable_prefix_caching, num_shards=shards)
     self.scheduler = Scheduler(self.kv, ec.max_num_seqs, ec.max_num_batched_tokens,
                                max_model_len=self.max_model_len, dp_balance=ec.dp_balance)
