@@ -34,7 +34,8 @@ class Requests:
     n = int(self.rng.integers(1, P * PS - 16))  # room for 12 decodes and one token in flight
     ids = self.rng.integers(1, 100, n).tolist()
     pages = self.rng.choice(np.arange(1, 60), -(-(n + 1) // PS), replace=False).tolist()
-    self.live[row] = dict(ids=ids, pages=pages, params=PARAMS[row % 3], seed=int(self.rng.integers(2**32)))
+    # Params drawn, not by row: a request that takes over a row may sample differently.
+    self.live[row] = dict(ids=ids, pages=pages, params=PARAMS[int(self.rng.integers(3))], seed=int(self.rng.integers(2**32)))
 
   def decode(self, row):  # one more known token; pages for it and the one after (in flight)
     r = self.live[row]
