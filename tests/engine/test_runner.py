@@ -103,6 +103,25 @@ def test_a_gpu_step_has_no_data_dependent_control_flow(kernel_runner, params):
     assert control_flow(jaxpr) == [], name
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5)],
+                         ids=["greedy", "sampled"])
+def test_a_gpu_verify_step_has_no_data_dependent_control_flow(params):
+  """The same for a step that verifies drafts (k = 2: a decode row with two n-gram drafts
+  beside a prefill chunk): the accept path, fused or general, branches on nothing either."""
+  from conftest import tiny_dir
+  from jaxinfer import LLM
+  runner = LLM(tiny_dir("llama3"), attention_impl="pallas_interpret", max_num_seqs=4, max_num_batched_tokens=16,
+               speculative={"method": "ngram", "num_speculative_tokens": 2}, warmup=False).runner
+  seqs = [ScheduledSeq(row=0, token_ids=list(range(1, 12)), start=0, num_new=8, pages=[1, 2, 3], params=params,
+                       seed=1),
+          ScheduledSeq(row=1, token_ids=[5, 6, 7], start=2, num_new=3, pages=[4, 5], params=params, seed=2,
+                       draft_ids=[8, 9])]
+  programs = runner.trace_step(seqs, rows_at_once=True)
+  assert set(programs) == {"forward", "sample"}
+  for name, jaxpr in programs.items():
+    assert control_flow(jaxpr) == [], name
+
+
 def test_freeze_heap_skips_the_live_heap_and_frees_what_died_since_the_last_freeze():
   """Warm-up ends with freeze_heap: a full collection then skips what start-up left alive,
   and a later freeze thaws and collects what died meanwhile (an earlier engine in a cycle)."""
