@@ -453,8 +453,6 @@ class LLMEngine:
     if first_token is not None:
       self.frontend.check_token_ids([first_token])
     self.scheduler.kv_arrived(req)
-    # The imported blocks are final prompt KV: later requests may share them.
-    self.kv.cache_blocks(request_id, req.token_ids, req.num_computed)
     if first_token is None:
       return
     top = top or {}

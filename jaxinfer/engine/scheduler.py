@@ -481,13 +481,15 @@ class Scheduler:
     return True
 
   def kv_arrived(self, req: Request) -> None:
-    """The remote tokens' KV is in the request's pages: it runs from the next step on."""
+    """The remote tokens' KV is in the request's pages: it runs from the next step on, and
+    its imported blocks (final prompt KV) go into the prefix cache for later requests."""
     if self.waiting_for_kv.pop(req.request_id, None) is not req:
       raise ValueError(f"request {req.request_id!r} is not waiting for remote KV")
     req.num_computed += req.num_remote_tokens
     req.status = Status.RUNNING
     req.needs_history = req.params.uses_penalties
     self.running.append(req)
+    self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed)
 
   def release_held(self, request_id: str) -> bool:
     """Frees a finished request's held pages; False if it held none."""

@@ -229,6 +229,8 @@ def test_remote_kv_arrival_counts_the_remote_tokens_as_computed():
   assert step(s) == ([], []) and r.num_computed == 0 and r.num_remote_tokens == 8
   s.kv_arrived(r)
   assert (r.status, r.num_computed, s.running) == (Status.RUNNING, 8, [r])
+  # Its imported blocks (8 tokens, pages 1 and 2) are in the prefix cache from now on.
+  assert s.kv.lookup(tokens(10, 100), record=False) == [1, 2]
   assert step(s) == ([("remote", 2)], []) and s.kv.pages("remote") == [1, 2, 3]
 
 
