@@ -31,6 +31,16 @@ from jaxinfer.models.transformer import PagedBatch
 from jaxinfer.sampling import SamplingBatch, SamplingParams
 
 
+def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  """lo, 2lo, 4lo, ... and finally hi itself."""
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  out.append(hi)
+  return tuple(out)
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
   for b in buckets:
     if n <= b:

@@ -44,14 +44,10 @@ sequence lives on one shard (KVManager / Scheduler). `pack_shards` lays the
 step out as one T-token block per shard with shard-local page ids, and the
 model runs under shard_map over 'data' (`_forward`): each shard attends to
 its own sequences in its own pages, no KV crosses shards; sampling runs on
-the concatenated logits rows, and results go back to scheduled order. KV pages move between workers (prefill/decode disaggregation)
-through `export_pages` / `export_tokens` (a gather of a power-of-two bucket of
-pages, at most MAX_TRANSFER_PAGES per program) and `import_pages` /
-`import_tokens` (a token-granular scatter of a power-of-two bucket of tokens,
-at most MAX_TRANSFER_PAGES pages' worth per program; more are split), so they
-add a bounded set of programs, compiled on first use (as are prompt logprobs and
-full-sequence logits). Imports write tokens,
-not pages, so pages exported at another worker's page size land in ours.
+the concatenated logits rows, and results go back to scheduled order. KV pages move between
+workers (prefill/decode disaggregation) through `export_*` / `import_*`, which hand the cache
+to engine/kv_transfer.py: a bounded set of programs, compiled on first use (as are prompt
+logprobs and full-sequence logits).
 
 Legend: T tokens, S sequences, k drafts per sequence, L = S * (k + 1) logits rows,
 P pages per sequence, R sampler rows, V vocab, W = ceil(V / 32) mask words, N top logprobs.
@@ -72,12 +68,13 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.batch import (InputBatch, SamplerInputs, ScheduledSeq, StepBatch, bucket, from_buffers, pack,
-                                   pack_shards, to_buffers)
+                                   pack_shards, power_of_two_buckets, to_buffers)
 from jaxinfer.engine.grammar import mask_words
-from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
+from jaxinfer.engine.kv_connector import KVLayout
+from jaxinfer.engine.kv_transfer import KVTransfer
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.models import eplb, mtp
-from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
+from jaxinfer.models.cache import CacheSpec
 from jaxinfer.models.expert_parallel import ExpertParallelism, tracing_with
 from jaxinfer.ops import resolve_attention_impl
 from jaxinfer.models.transformer import PagedBatch, compute_logits, forward, stack_cache
@@ -89,17 +86,6 @@ from pallas_kernels.spec_accept import spec_accept
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER_PAGES = 64  # pages per gather / scatter program (largest transfer bucket)
-
-
-def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
-  """lo, 2lo, 4lo, ... and finally hi itself."""
-  out, b = [], lo
-  while b < hi:
-    out.append(b)
-    b *= 2
-  out.append(hi)
-  return tuple(out)
 
 
 @dataclasses.dataclass
@@ -244,17 +230,9 @@ class ModelRunner:
     self._logits = jax.jit(traced(functools.partial(
         _all_logits, cfg, self.attention_impl, page_size, self.cache_spec,
         self._cache_shardings if mesh else None, self.cache_spec.page_shards(mesh, self.sharding_rules))))
-    self.transfer_buckets = power_of_two_buckets(1, MAX_TRANSFER_PAGES)  # pages per export program
-    self.import_buckets = power_of_two_buckets(page_size, MAX_TRANSFER_PAGES * page_size)  # tokens
-    # Exported pages come back whole on every process: a multi-host pool's shards are not
-    # all addressable from one process, which device_get needs (jaxinfer.distributed).
-    self._gather = jax.jit(gather_pages)
-    if mesh is not None:
-      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      self._gather = jax.jit(gather_pages, out_shardings=replicated)
-    # The imported pool keeps the pool's sharding (not whatever the scatter would propagate).
-    self._scatter = jax.jit(scatter_tokens, donate_argnums=(0,), out_shardings=self._cache_shardings(num_pages))
     self._programs: set[tuple] = set()
+    self.kv_transfer = KVTransfer(self.cache_spec, page_size, num_pages, mesh, self.sharding_rules, scan_layers,
+                                  self._cache_shardings(num_pages), self._programs)
 
   def reset_state(self) -> None:
     """A zeroed KV cache and sampler history (at start, or after a failed step lost them).
@@ -324,7 +302,7 @@ class ModelRunner:
     transfer programs."""
     row_buckets = {self.num_seqs_bucket(T) for T in self.token_buckets}
     return (len(self.token_buckets) * (2 + int(self.mtp)) + len(row_buckets) * len(self._sampler_variants())
-            + len(self.len_buckets) + 1 + len(self.transfer_buckets) + len(self.import_buckets))
+            + len(self.len_buckets) + 1 + self.kv_transfer.num_programs())
 
   def warmup(self, progress=None) -> None:
     """Compiles every program a step can run, by running it on all-padding batches (which touch
@@ -501,118 +479,25 @@ class ModelRunner:
     self.history = self._set_row(self.history, row, ids, len(prompt_ids),
                                  len(prompt_ids) + len(output_ids))
 
-  # ---- KV page transfer ----------------------------------------------------------------
+  # ---- KV page transfer (engine/kv_transfer.py; these names are what multi-host mirrors) ----
 
   def kv_layout(self) -> KVLayout:
-    return KVLayout.from_cache_spec(self.cache_spec, self.page_size)
-
-  def _check_page_ids(self, page_ids: Sequence[int]) -> np.ndarray:
-    if self.scan_layers:
-      raise KVTransferError("KV transfer reads and writes per-layer pools; this runner scans layers "
-                            "over one stacked pool (scan_layers=False transfers)")
-    ids = np.asarray(page_ids, np.int64).reshape(-1)
-    bad = ids[(ids <= NULL_PAGE) | (ids >= self.num_pages)]
-    if bad.size:
-      raise KVTransferError(f"page ids {bad.tolist()} are outside [1, {self.num_pages}) "
-                            f"(page {NULL_PAGE} is reserved for padding)")
-    shards = self.cache_spec.page_shards(self.mesh, self.sharding_rules)
-    bad = ids[ids % (self.num_pages // shards) == 0]
-    if bad.size:
-      raise KVTransferError(f"page ids {bad.tolist()} are padding pages (the first of each of the "
-                            f"pool's {shards} data shards)")
-    return ids.astype(np.int32)
+    return self.kv_transfer.layout()
 
   def export_pages(self, page_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """Host copies of the given pages, per layer {name: [n, page_size, *token_shape]}
-    (the cache spec's arrays: {'k', 'v'} of [K, d] for GQA, {'latent'} for MLA)."""
-    ids = self._check_page_ids(page_ids)
-    parts = []
-    for lo in range(0, len(ids), MAX_TRANSFER_PAGES):
-      part = ids[lo:lo + MAX_TRANSFER_PAGES]
-      padded = np.full(bucket(len(part), self.transfer_buckets), NULL_PAGE, np.int32)  # pad: page 0
-      padded[:len(part)] = part
-      self._programs.add(("export", len(padded)))
-      got = jax.device_get(self._gather(self.cache, padded))
-      # Slice on the host: a device-side [:n] would compile once per count.
-      parts.append([{name: a[:len(part)] for name, a in layer.items()} for layer in got])
-    if not parts:
-      return [{name: np.zeros((0,) + shape[1:], np.dtype(dtypes[name])) for name, shape in layer.items()}
-              for layer, dtypes in zip(self.cache_spec.shapes(0, self.page_size), self.cache_spec.dtypes())]
-    if len(parts) == 1:
-      return parts[0]
-    return [{name: np.concatenate([p[i][name] for p in parts]) for name in layer}
-            for i, layer in enumerate(parts[0])]
+    return self.kv_transfer.export_pages(self.cache, page_ids)
 
   def export_tokens(self, page_ids: Sequence[int], start: int, num_tokens: int) -> list[dict[str, np.ndarray]]:
-    """Tokens [start, start + num_tokens) of a sequence whose pages are `page_ids`, token-major:
-    per layer {name: [num_tokens, *token_shape]}. Independent of our page size, so a worker
-    with another page size can `import_tokens` it."""
-    p = self.page_size
-    first, last = start // p, -(-(start + num_tokens) // p)
-    if start < 0 or num_tokens < 0 or last > len(page_ids):
-      raise KVTransferError(f"tokens [{start}, {start + num_tokens}) are outside the {len(page_ids)} "
-                            f"pages of {p} tokens given")
-    off = start - first * p
-    return [{name: a.reshape((-1,) + a.shape[2:])[off:off + num_tokens] for name, a in layer.items()}
-            for layer in self.export_pages(page_ids[first:last])]
+    return self.kv_transfer.export_tokens(self.cache, page_ids, start, num_tokens)
 
   def num_import_pages(self, arrays: Sequence[dict[str, np.ndarray]]) -> int:
-    """Our pages that page-major `arrays` (any worker's page size) fill; KVTransferError if
-    they do not match this cache."""
-    runs = self.cache_spec.check_transfer(arrays, page_major=True, page_size=self.page_size)
-    return -(-_run_length(runs) // self.page_size)
+    return self.kv_transfer.num_import_pages(arrays)
 
   def import_pages(self, page_ids: Sequence[int], arrays: Sequence[dict[str, np.ndarray]]) -> None:
-    """Writes `arrays` (as `export_pages` returns them, possibly from another worker with
-    other page ids or another page size) into the given pages: their tokens in order, re-chunked
-    into our pages. KVTransferError, changing nothing, when the number of layers, the
-    arrays' names, the token count, kv heads, head_dim (or the latent width) or dtype do not
-    fit this cache and these pages."""
-    ids = self._check_page_ids(page_ids)
-    runs = self.cache_spec.check_transfer(arrays, page_major=True, page_size=self.page_size)
-    T, p = _run_length(runs), self.page_size
-    if -(-T // p) != len(ids):
-      n_src, p_src = next(iter(arrays[0].values())).shape[:2] if arrays else (0, p)
-      if p_src == p:
-        raise KVTransferError(f"page count is {n_src}, expected {len(ids)}")
-      raise KVTransferError(f"{n_src} pages of {p_src} tokens fill {-(-T // p)} pages of {p}, expected {len(ids)}")
-    self._write_tokens(ids, 0, runs)
+    self.cache = self.kv_transfer.import_pages(self.cache, page_ids, arrays)
 
   def import_tokens(self, page_ids: Sequence[int], start: int, runs: Sequence[dict[str, np.ndarray]]) -> None:
-    """Writes token runs (as `export_tokens` returns them) at positions [start, start + T)
-    of a sequence whose pages are `page_ids` (a run may start or end mid-page: the rest of
-    those pages is kept). KVTransferError, changing nothing, on a mismatch."""
-    runs = self.cache_spec.check_transfer(runs, page_major=False)
-    T, p = _run_length(runs), self.page_size
-    if start < 0 or start + T > len(page_ids) * p:
-      raise KVTransferError(f"tokens [{start}, {start + T}) are outside the {len(page_ids)} pages "
-                            f"of {p} tokens given")
-    ids = self._check_page_ids(list(page_ids)[start // p:-(-(start + T) // p)])
-    self._write_tokens(ids, start - (start // p) * p, runs)
-
-  def _write_tokens(self, ids: np.ndarray, start: int, runs: list[dict[str, np.ndarray]]) -> None:
-    """Token t of the runs goes to position start + t of the pages `ids` (already checked)."""
-    if len(set(ids.tolist())) != len(ids):
-      raise KVTransferError(f"page ids repeat: {ids.tolist()}")
-    T, p = _run_length(runs), self.page_size
-    pos = start + np.arange(T)
-    slots = (ids[pos // p] * p + pos % p).astype(np.int32)
-    chunk = self.import_buckets[-1]
-    for lo in range(0, T, chunk):
-      part = slots[lo:lo + chunk]
-      B = bucket(len(part), self.import_buckets)
-      padded = np.full(B, NULL_PAGE * p, np.int32)  # padding tokens write the padding page
-      padded[:len(part)] = part
-      block = []
-      for layer in runs:
-        d = {}
-        for name, a in layer.items():
-          buf = np.zeros((B,) + a.shape[1:], a.dtype)
-          buf[:len(part)] = a[lo:lo + len(part)]
-          d[name] = buf
-        block.append(d)
-      self._programs.add(("import", B))
-      self.cache = self._scatter(self.cache, padded, block)
+    self.cache = self.kv_transfer.import_tokens(self.cache, page_ids, start, runs)
 
   # ---- evaluation ------------------------------------------------------------------------
 
@@ -854,10 +739,6 @@ def _feed_drafts(batch: SamplerInputs, history) -> SamplerInputs:
   sampling = batch.sampling._replace(position=batch.sampling.position + jnp.repeat(d, k + 1))
   return batch._replace(sampling=sampling, draft_ids=jnp.where(fed[:, None], history["drafts"][row],
                                                                batch.draft_ids))
-
-
-def _run_length(runs: Sequence[dict[str, np.ndarray]]) -> int:
-  return len(next(iter(runs[0].values()))) if runs and runs[0] else 0
 
 
 def _set_history_row(history, row, ids, prompt_len, total_len):

@@ -66,7 +66,7 @@ import numpy as np
 
 from jaxinfer.engine.engine import RequestOutput
 from jaxinfer.engine.kv_connector import KVConnector, KVLayout, KVTransferError, KVTransferTimeout
-from jaxinfer.engine.runner import MAX_TRANSFER_PAGES
+from jaxinfer.engine.kv_transfer import MAX_TRANSFER_PAGES
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.serving.backend import Overloaded, Unavailable
 from jaxinfer.serving.convert import sampling_from_proto, sampling_to_proto

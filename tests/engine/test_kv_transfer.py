@@ -11,7 +11,7 @@ from conftest import tiny_dir
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.kv_connector import KVConnector, KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import KVManager
-from jaxinfer.engine.runner import MAX_TRANSFER_PAGES
+from jaxinfer.engine.kv_transfer import MAX_TRANSFER_PAGES
 from jaxinfer.engine.scheduler import Request, Scheduler, Status
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, warmup=False)
