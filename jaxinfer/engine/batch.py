@@ -41,6 +41,12 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(out)
 
 
+def slot_mapping(page_table: Any, seq: Any, pos: Any, page_size: int) -> Any:
+  """The KV slots (page * page_size + offset) of positions `pos` of the sequences `seq`,
+  whose pages are the rows of `page_table` [S, P] (numpy on the host, jax on the device)."""
+  return page_table[seq, pos // page_size] * page_size + pos % page_size
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
   for b in buckets:
     if n <= b:
@@ -166,7 +172,7 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     feed[cu[f_tok] + f_j] = shift[f_tok] * K1 + f_j
   targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
   positions[:t] = pos
-  slots[:t] = page_indices[tok_seq, pos // ps] * ps + pos % ps
+  slots[:t] = slot_mapping(page_indices, tok_seq, pos, ps)
   kv_lens = np.zeros(S, np.int32)
   kv_lens[:m] = end
   samples = np.zeros(S, bool)
@@ -354,7 +360,7 @@ class InputBatch:
     positions = np.zeros(T, np.int32)
     positions[:m] = pos
     slots = np.full(T, NULL_PAGE * ps, np.int32)
-    slots[:m] = page_indices[i, pos // ps] * ps + pos % ps
+    slots[:m] = slot_mapping(page_indices, i, pos, ps)
     cu = np.full(S + 1, m, np.int32)
     cu[:m + 1] = np.arange(m + 1)
     kv_lens = np.zeros(S, np.int32)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jaxinfer.engine.batch import bucket, power_of_two_buckets
+from jaxinfer.engine.batch import bucket, power_of_two_buckets, slot_mapping
 from jaxinfer.engine.kv_connector import KVLayout, KVTransferError
 from jaxinfer.engine.kv_manager import NULL_PAGE
 from jaxinfer.models.cache import CacheSpec, gather_pages, scatter_tokens
@@ -147,7 +147,7 @@ class KVTransfer:
       raise KVTransferError(f"page ids repeat: {ids.tolist()}")
     T, p = _run_length(runs), self.page_size
     pos = start + np.arange(T)
-    slots = (ids[pos // p] * p + pos % p).astype(np.int32)
+    slots = slot_mapping(ids[None], 0, pos, p).astype(np.int32)
     chunk = self.import_buckets[-1]
     for lo in range(0, T, chunk):
       part = slots[lo:lo + chunk]

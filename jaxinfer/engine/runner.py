@@ -68,7 +68,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.batch import (InputBatch, SamplerInputs, ScheduledSeq, StepBatch, bucket, from_buffers, pack,
-                                   pack_shards, power_of_two_buckets, to_buffers)
+                                   pack_shards, power_of_two_buckets, slot_mapping, to_buffers)
 from jaxinfer.engine.grammar import mask_words
 from jaxinfer.engine.kv_connector import KVLayout
 from jaxinfer.engine.kv_transfer import KVTransfer
@@ -722,8 +722,9 @@ def _feed(batch: StepBatch, history, page_size: int) -> tuple[jax.Array, StepBat
   # A position past the page table (a request that reached max_model_len in the step in
   # flight, so is finished) writes the padding page, never a real slot.
   P = paged.page_indices.shape[1]
-  page = paged.page_indices[tok_seq, jnp.minimum(positions // page_size, P - 1)]
-  slot = jnp.where(positions < P * page_size, page * page_size + positions % page_size, NULL_PAGE * page_size)
+  inside = positions < P * page_size
+  slot = jnp.where(inside, slot_mapping(paged.page_indices, tok_seq, jnp.where(inside, positions, 0), page_size),
+                   NULL_PAGE * page_size)
   paged = paged._replace(slot_mapping=jnp.where(dt > 0, slot, paged.slot_mapping),
                          kv_lens=jnp.minimum(paged.kv_lens + d, P * page_size))
   return tokens, batch._replace(positions=positions, paged=paged)
