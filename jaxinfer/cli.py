@@ -82,6 +82,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
                              "relaxed_delta": args.speculative_relaxed_delta}
   if args.kv_cache_gb is not None:
     engine["kv_cache_bytes"] = int(args.kv_cache_gb * 2**30)
+  if args.dp_balance_timeout is not None:
+    engine["dp_balance"] = ({"hold_prefill": False} if args.dp_balance_timeout == 0
+                            else {"timeout": args.dp_balance_timeout})
   if args.eplb is not None or args.eplb_redundant is not None or args.eplb_replan_interval:
     engine["eplb"] = {"placement": args.eplb, "num_redundant_experts": args.eplb_redundant or 0,
                       "replan_interval": args.eplb_replan_interval, "window": args.eplb_window}
@@ -108,6 +111,11 @@ def _load_llm(args: argparse.Namespace, **options):
     mesh = make_mesh(data, expert, model)
   elif args.coordinator is not None:
     raise InvalidRequestError("a multi-host job needs --mesh DATA,EXPERT,MODEL over all processes' devices")
+  if args.attention_dp:
+    if mesh is None or mesh.shape["data"] < 2:
+      raise InvalidRequestError("--attention-dp splits the KV pool over the mesh's data axis: give "
+                                "--mesh DATA,EXPERT,MODEL with DATA >= 2")
+    options["sharding_rules"] = {"pages": "data"}
   return LLM(args.model, dtype=args.dtype, mesh=mesh, **options, **_engine_options(args))
 
 
@@ -236,6 +244,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                  help="EPLB: steps of expert counts each re-plan looks at (default 256)")
   p.add_argument("--mesh", default=None, metavar="DATA,EXPERT,MODEL",
                  help="shard over a (data, expert, model) device mesh, e.g. 1,1,8 (default: one device)")
+  p.add_argument("--attention-dp", action="store_true",
+                 help="attention data parallelism: the KV pool's pages split over the mesh's DATA ranks, "
+                      "each request on one rank (needs --mesh with DATA >= 2)")
+  p.add_argument("--dp-balance-timeout", type=int, default=None, metavar="STEPS",
+                 help="attention DP: steps a request's prefill may be held back so that no rank runs "
+                      "ahead of the others (default 4; 0 turns the hold off)")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="multi-host: the jax.distributed coordinator (process 0's address); every process "
                       "runs the same command with its own --process-id")

@@ -242,3 +242,19 @@ def test_deepseek_mla_latent_pages_split_by_data_with_wide_expert_parallelism():
   sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
   want = LLM(tiny_dir("deepseek_v3"), **opts).generate(prompts, sp)
   assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in want]
+
+
+def test_cli_flags_turn_on_attention_dp_and_set_the_hold():
+  """`--attention-dp --mesh 2,1,1` splits the KV pool over two data ranks (and without a data
+  axis to split over is an error); `--dp-balance-timeout` sets the hold, 0 turns it off."""
+  from jaxinfer.cli import _engine_options, _load_llm, build_parser
+  from jaxinfer.errors import InvalidRequestError
+  parse = build_parser().parse_args
+  assert "dp_balance" not in _engine_options(parse(["serve"]))
+  assert _engine_options(parse(["serve", "--dp-balance-timeout", "2"]))["dp_balance"] == {"timeout": 2}
+  assert _engine_options(parse(["serve", "--dp-balance-timeout", "0"]))["dp_balance"] == {"hold_prefill": False}
+  with pytest.raises(InvalidRequestError, match="--attention-dp splits the KV pool over the mesh's data axis"):
+    _load_llm(parse(["serve", "--model", str(tiny_dir("llama3")), "--attention-dp", "--mesh", "1,1,2"]))
+  llm = _load_llm(parse(["serve", "--model", str(tiny_dir("llama3")), "--attention-dp", "--mesh", "2,1,1",
+                         "--dp-balance-timeout", "3", "--max-model-len", "128"]), warmup=False)
+  assert llm.engine.kv.num_shards == 2 and llm.engine.scheduler.dp_balance == DPBalanceConfig(timeout=3)
