@@ -78,24 +78,24 @@ def worker(variant: str, dtype: str, batch: int, kv_len: int, iters: int, quanti
   return dict(step_ms=step, pack_ms=(time.perf_counter() - t0) / iters * 1000)
 
 
-def host_worker(batch: int, steps: int, stream: bool = True, replay_steps: int = 200) -> dict:
+def host_worker(batch: int, steps: int, stream: bool = True, replay_steps: int = 200, model: str | None = None) -> dict:
   """Host ms per engine step at `batch` running decodes (the device call excluded), and
   the wall time per step with and without async scheduling. `stream`: every step makes each
   request's output (a server streaming); False: only final outputs (LLM.generate)."""
   import numpy as np
 
-  sync = _host_run(batch, steps, stream, async_scheduling=False, time_device=True)
+  sync = _host_run(batch, steps, stream, async_scheduling=False, time_device=True, model=model)
   device_ms = sync.pop("device_ms")
-  phases = _host_run(batch, steps, stream, async_scheduling=False, time_device=True, profile=True)["phases"]
+  phases = _host_run(batch, steps, stream, async_scheduling=False, time_device=True, model=model, profile=True)["phases"]
   # Replayed steps cost the host's work only, so many of them: a mean over a few is one
   # cyclic garbage collection or scheduler hiccup away from another number.
-  replayed = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, replay=True)
+  replayed = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, model=model, replay=True)
   # The same after warm-up's freeze_heap (what a warmed engine runs with): a full collection
   # of the start-up heap falls inside some step otherwise (see the worst step of each).
-  frozen = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, replay=True,
+  frozen = _host_run(batch, replay_steps, stream, async_scheduling=False, time_device=False, model=model, replay=True,
                      freeze=True)
-  plain = _host_run(batch, steps, stream, async_scheduling=False, time_device=False)
-  overlapped = _host_run(batch, steps, stream, async_scheduling=True, time_device=False)
+  plain = _host_run(batch, steps, stream, async_scheduling=False, time_device=False, model=model)
+  overlapped = _host_run(batch, steps, stream, async_scheduling=True, time_device=False, model=model)
   host_ms = float(np.median(sync["host"]) * 1000)
   sync_ms, async_ms = plain["wall_ms"], overlapped["wall_ms"]
   # Exposed: the part of a step's wall time the device was not running (host work it waited for).
@@ -114,7 +114,7 @@ HOST_PHASES = {"postprocess": "_postprocess", "schedule": "schedule", "pack": "p
 
 
 def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time_device: bool,
-              profile: bool = False, replay: bool = False, freeze: bool = False) -> dict:
+              profile: bool = False, replay: bool = False, freeze: bool = False, model: str | None = None) -> dict:
   """profile: the share of host time in each of HOST_PHASES (and 'other': launching,
   drafting, the engine's own loop), from cProfile; its overhead inflates times, not shares.
   replay: the step's programs replaced by one real step's outputs, returned again each step
@@ -130,8 +130,9 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
 
   from jaxinfer import LLM, SamplingParams
   # Room for every sequence's KV (no preemption): 32 prompt + steps + 50 tokens each.
-  llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=max(512, batch), warmup=False,
-            num_pages=batch * (-(-(32 + steps + 50) // 16)) + 1, async_scheduling=async_scheduling)
+  llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(512, batch), warmup=False,
+            max_model_len=32 + steps + 50, num_pages=batch * (-(-(32 + steps + 50) // 16)) + 1,
+            async_scheduling=async_scheduling)
   engine, runner = llm.engine, llm.runner
   device = []
 
@@ -148,7 +149,8 @@ def _host_run(batch: int, steps: int, stream: bool, async_scheduling: bool, time
   rng = np.random.default_rng(0)
   sp = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True)
   for i in range(batch):
-    engine.add_request(f"r{i}", rng.integers(100, 40000, 32).tolist(), sp, stream=stream)
+    engine.add_request(f"r{i}", rng.integers(100, min(40000, llm.engine.config.vocab_size), 32).tolist(), sp,
+                       stream=stream)
   for _ in range(1000):  # until every request is decoding
     if engine.stats()["running"] == batch and all(r.num_uncomputed == 1 for r in engine.scheduler.running):
       break

@@ -28,3 +28,20 @@ def test_attention_sampling_and_rest_are_differences_of_the_variants(monkeypatch
   assert row["tokens_per_s"] == 4 / 50.0 * 1000
   assert out.with_suffix(".png").stat().st_size > 5_000
   assert "| 4 | 16 | float32 | 50.0 | 12.0 | 0.0 | 2.00 | 36.0 | 80 |" in capsys.readouterr().out
+
+
+def test_host_rows_time_the_host_real_replayed_and_frozen():
+  """The host rows' worker on a tiny model: every figure is there and positive, the replayed
+  run took its own step count, and the heap is thawed after the frozen run."""
+  import gc
+
+  from conftest import tiny_dir
+  gc.unfreeze()
+  row = profile.host_worker(batch=4, steps=2, stream=True, replay_steps=6, model=str(tiny_dir("llama3")))
+  assert gc.get_freeze_count() == 0
+  assert row["replayed_steps"] == 6 and row["batch"] == 4 and row["stream"] is True
+  for key in ("host_ms", "host_ms_replayed", "host_ms_replayed_median", "host_ms_replayed_worst",
+              "host_ms_replayed_frozen", "host_ms_replayed_frozen_worst", "device_ms", "step_ms", "async_step_ms"):
+    assert row[key] > 0, key
+  assert row["host_ms_replayed_worst"] >= row["host_ms_replayed_median"]
+  assert abs(sum(row["host_phases"].values()) - 1.0) < 1e-9
