@@ -38,9 +38,10 @@ its float32 accumulator is [64, W] in registers (128 registers a thread at W =
 hr = head block * nr + r computes output columns of latent units
 [r * upr, (r + 1) * upr) and, to do so, the whole score again (nr = R / 256
 programs per q tile and head block read the same pages, the second mostly from
-L2; the score's extra FLOPs are ~ 0.5x of what is not duplicated at R = 512).
-Two consumer warpgroups, each with half of R (FlashMLA's split), would read
-each page from L2 once and not repeat the scores: not done.
+L2; at R = 512 the two programs do 2 x (576 + 256) multiply-adds per query row
+and key where one would do 576 + 512: 1.5x). Two consumer warpgroups, each
+with half of R (FlashMLA's split), would read each page into shared memory
+once and not repeat the scores: not done.
   bf16 / f16 cache: W = min(R, 256), We = E, one PV unit per program.
   int8 / fp8 cache: W = We = g (each unit one scale group); upr = min(R, 256) / g.
 
@@ -81,12 +82,17 @@ Shared memory (`smem_bytes`; sm_90 gives a block 227 KiB): q tile 64 x L,
 num_stages x block_kv x L of pages, a 64 x block_kv p tile, and with a
 quantized cache a block_kv x g conversion tile and the scales. DeepSeek-V3
 widths (R 512, E 64), block_kv 64, 2 stages: bf16 224 KiB (one program per
-SM), fp8 / int8 ~165 KiB.
+SM; it fits only because the kernel asks Mosaic for no cross-warp reduction
+scratch, which its row reductions do not use), fp8 / int8 165 KiB. Mosaic GPU
+counts the real total while lowering and refuses a kernel past 227 KiB; the
+sm_90 lowering test checks these tiles.
 
 Covered: bf16 / f16 caches (q cast to the cache dtype), int8 / float8_e4m3fn
 caches with latent_scale and a bf16 / f16 q, any mix of decode, verify and
 prefill rows; H a multiple of 8 dividing 64 or a multiple of 64; R a multiple
-of 64, up to 256 or a multiple of 256; E a multiple of 16 up to 256; pages of
+of 64, up to 256 or a multiple of 256; E a multiple of 64 up to 256 (E = 16 /
+32 run in interpret mode, but their 32 / 64-byte swizzled tiles fail Mosaic
+GPU's layout inference when lowered for sm_90); pages of
 8 to 256 tokens (powers of two) with block_kv a multiple of 64 up to 256;
 scale groups g a multiple of 64 dividing min(R, 256). Not covered
 (NotImplementedError; jaxinfer.ops falls back to the Triton kernel): float32
