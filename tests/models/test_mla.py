@@ -223,7 +223,8 @@ def test_mosaic_interpret_matches_xla(kv_dtype, monkeypatch):
   """A bf16 layer with attention through the Mosaic GPU MLA kernel (GPU interpret mode on the
   CPU) == the XLA path over the same cache: R = E = 64 (the kernel's narrowest widths),
   16-token pages, a bf16 latent and an fp8 one with a scale per 64 values (the cache's
-  groups: gcd(R, E)); a prefill in two chunks beside decodes."""
+  groups: gcd(R, E)); a prefill in two chunks beside decodes (three steps: interpret mode
+  costs seconds a step)."""
   from pallas_kernels import ragged_paged_mla_mgpu as mgpu
   if not mgpu.MOSAIC_AVAILABLE:
     pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11 (Python 3.12 venv)")
@@ -245,13 +246,13 @@ def test_mosaic_interpret_matches_xla(kv_dtype, monkeypatch):
       c["latent_scale"] = jnp.zeros((4, p, 2), jnp.float32)
     return c
 
-  want, _ = run_schedule(cfg, params, x, mixed_schedule(12, 15), tables, impl="xla", cache=cache(),
+  want, _ = run_schedule(cfg, params, x, mixed_schedule(12, 13), tables, impl="xla", cache=cache(),
                          page_size=p)
-  got, _ = run_schedule(cfg, params, x, mixed_schedule(12, 15), tables, impl="mosaic_interpret",
+  got, _ = run_schedule(cfg, params, x, mixed_schedule(12, 13), tables, impl="mosaic_interpret",
                         cache=cache(), page_size=p)
   assert calls
   for seq in (0, 1):
-    np.testing.assert_allclose(got[seq], want[seq], atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(got[seq][:14], want[seq][:14], atol=2e-2, rtol=2e-2)
 
 
 def test_pallas_kernel_names_its_width_limit():
