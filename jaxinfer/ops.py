@@ -16,7 +16,7 @@ implementation (the engine passes `EngineConfig.attention_impl`):
                       under a float32 model, other head / page sizes), MLA through
                       pallas_kernels/ragged_paged_mla_mgpu.py (`mla_attention_kernel`;
                       not: float32 caches, a quantized cache under a float32 model, H
-                      other than 8, 16, 32 or a multiple of 64, E not a multiple of 64,
+                      other than 8, 16, 32 or a multiple of 64, R not a multiple of 64,
                       scale groups narrower than 64, the rest of its `unsupported_reason`);
   'mosaic_interpret'  the same choice in interpret mode (Mosaic GPU's on the CPU
                       for the Mosaic kernels; needs jax >= 0.11).

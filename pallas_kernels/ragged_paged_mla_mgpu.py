@@ -90,9 +90,9 @@ sm_90 lowering test checks these tiles.
 Covered: bf16 / f16 caches (q cast to the cache dtype), int8 / float8_e4m3fn
 caches with latent_scale and a bf16 / f16 q, any mix of decode, verify and
 prefill rows; H a multiple of 8 dividing 64 or a multiple of 64; R a multiple
-of 64, up to 256 or a multiple of 256; E a multiple of 64 up to 256 (E = 16 /
-32 run in interpret mode, but their 32 / 64-byte swizzled tiles fail Mosaic
-GPU's layout inference when lowered for sm_90); pages of
+of 64, up to 256 or a multiple of 256; E a multiple of 16 up to 256 (unless L
+is a multiple of 64 values the tiles swizzle 64 or 32 bytes, not 128:
+`_tile_transforms`); pages of
 8 to 256 tokens (powers of two) with block_kv a multiple of 64 up to 256;
 scale groups g a multiple of 64 dividing min(R, 256). Not covered
 (NotImplementedError; jaxinfer.ops falls back to the Triton kernel): float32
@@ -202,6 +202,33 @@ class Units:
     return self.nu // self.upr
 
 
+def _tile_transforms(u: Units, dtype, kv_dtype) -> dict:
+  """Shared-memory tilings and swizzles of q ('q', 'qr'), the page units ('c', 'kr') and p.
+
+  Two constraints pick them. TMA: Mosaic tiles a whole global row with the
+  shared tile's width, so a page unit's tile must divide L = R + E (the
+  latent's too). wgmma: both operands of one wgmma take the same swizzle
+  (mixed 128 / 64-byte operands fail Mosaic GPU's layout inference). So a
+  bf16 / f16 cache uses for the latent, its q units and p the widest swizzle
+  dividing L's and W's bytes (128 B at DeepSeek's 576; 32 B at R 64 + E 16),
+  and for the rope key and its q the widest dividing L's and E's. A quantized
+  cache's units are 64-value groups: 16-bit tiles (q, the converted unit, p)
+  swizzle 128 B, the 8-bit page tiles 64 B.
+  """
+  if u.group:
+    return {"q": swizzled(dtype, u.W), "qr": swizzled(dtype, u.We), "c": swizzled(kv_dtype, u.W),
+            "kr": swizzled(kv_dtype, u.We), "p": swizzled(dtype, ROWS)}
+  size = jnp.dtype(dtype).itemsize  # the cache's (an unquantized cache is the dot dtype)
+  L = u.R + u.E
+
+  def widest(*widths):
+    swizzle = next(s for s in (128, 64, 32, 16) if all(w * size % s == 0 for w in widths))
+    return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+
+  latent, rope = widest(u.W, L), widest(u.We, L)
+  return {"q": latent, "qr": rope, "c": latent, "kr": rope, "p": latent}
+
+
 def smem_bytes(R: int, E: int, kv_dtype, q_dtype, *, block_kv: int, num_stages: int,
                group: int = 0, kv_splits: int = 1) -> int:
   """Shared memory of one program (scratch only; Mosaic's own use is not counted)."""
@@ -238,10 +265,8 @@ def unsupported_reason(q_latent_shape, q_rope_shape, latent_shape, kv_dtype, *,
             f"8-row tiles of the {ROWS}-row q tile)")
   if R % 64 or (R > MAX_UNIT and R % MAX_UNIT):
     return f"R = {R} must be a multiple of 64, up to {MAX_UNIT} or a multiple of {MAX_UNIT}"
-  if E % 64 or E > MAX_UNIT:
-    # E = 16 / 32 run in interpret mode, but their 32 / 64-byte swizzled tiles (and the
-    # latent's, which Mosaic tiles over whole L-wide rows) fail Mosaic GPU's layout inference.
-    return f"E = {E} must be a multiple of 64 and <= {MAX_UNIT} (128-byte swizzled tiles)"
+  if E % 16 or E > MAX_UNIT:
+    return f"E = {E} must be a multiple of 16 and <= {MAX_UNIT}"
   if page_size % 8 or not is_pow2(page_size) or page_size > 256:
     return f"page_size {page_size} must be a power of two in [8, 256] (8-row smem tiles)"
   group = 0
@@ -503,12 +528,13 @@ def ragged_paged_mla_mgpu(q_latent: jax.Array, q_rope: jax.Array, latent_pages: 
   C = bs.kv_splits
   stages = bs.num_stages
   copies_per_page = (u.nu + u.ne) * (2 if scales else 1)
+  tiles = _tile_transforms(u, dtype, kv_dtype)
   scratch = [
-      plgpu.SMEM((u.nu, ROWS, u.W), dtype, transforms=swizzled(dtype, u.W)),  # q_smem
-      plgpu.SMEM((u.ne, ROWS, u.We), dtype, transforms=swizzled(dtype, u.We)),  # qr_smem
-      plgpu.SMEM((stages, u.nu, block_kv, u.W), kv_dtype, transforms=swizzled(kv_dtype, u.W)),
-      plgpu.SMEM((stages, u.ne, block_kv, u.We), kv_dtype, transforms=swizzled(kv_dtype, u.We)),
-      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled(dtype, block_kv)),  # p_smem
+      plgpu.SMEM((u.nu, ROWS, u.W), dtype, transforms=tiles["q"]),  # q_smem
+      plgpu.SMEM((u.ne, ROWS, u.We), dtype, transforms=tiles["qr"]),  # qr_smem
+      plgpu.SMEM((stages, u.nu, block_kv, u.W), kv_dtype, transforms=tiles["c"]),  # c_smem
+      plgpu.SMEM((stages, u.ne, block_kv, u.We), kv_dtype, transforms=tiles["kr"]),  # kr_smem
+      plgpu.SMEM((ROWS, block_kv), dtype, transforms=tiles["p"]),  # p_smem
       plgpu.Barrier(num_arrivals=block_q * (u.nu + u.ne)),  # q_bar
       plgpu.Barrier(num_arrivals=bs.pages_per_block * copies_per_page, num_barriers=stages),  # kv_bar
   ]

@@ -65,16 +65,16 @@ DECODE_KV_LENS = (1, 15, 16, 17, 64, 100, 129)
 MIXED = [(1, 1), (2, 40), (4, 77), (37, 37), (1, 200), (20, 81)]
 
 
-@pytest.mark.parametrize("page_size,H,R,seqs", [
-    (16, 8, 64, [(1, kv) for kv in DECODE_KV_LENS]),     # 8 tokens x 8 heads per q tile
-    (32, 16, 128, [(1, kv) for kv in DECODE_KV_LENS]),   # two pages per 64-key step
-    (64, 64, 64, [(1, kv) for kv in DECODE_KV_LENS]),    # one token per tile, one page per step
-    (16, 8, 128, MIXED),
-    (32, 128, 64, [(1, 1), (2, 40), (5, 70)]),           # two head blocks of 64 per q tile
+@pytest.mark.parametrize("page_size,H,R,E,seqs", [
+    (16, 8, 64, 64, [(1, kv) for kv in DECODE_KV_LENS]),    # 8 tokens x 8 heads per q tile
+    (32, 16, 128, 32, [(1, kv) for kv in DECODE_KV_LENS]),  # two pages per step; L = 160: 64 B swizzles
+    (64, 64, 64, 16, [(1, kv) for kv in DECODE_KV_LENS]),   # one token per tile; L = 80: 32 B swizzles
+    (16, 8, 128, 64, MIXED),
+    (32, 128, 64, 64, [(1, 1), (2, 40), (5, 70)]),          # two head blocks of 64 per q tile
 ])
-def test_decode_verify_prefill_batches(page_size, H, R, seqs):
+def test_decode_verify_prefill_batches(page_size, H, R, E, seqs):
   rng = np.random.default_rng(page_size + H + R)
-  check(make_batch(rng, seqs, page_size=page_size, H=H, R=R, E=64, dtype=jnp.bfloat16))
+  check(make_batch(rng, seqs, page_size=page_size, H=H, R=R, E=E, dtype=jnp.bfloat16))
 
 
 def test_deepseek_v3_widths():
@@ -143,8 +143,6 @@ def test_unsupported_operands_raise():
   rng = np.random.default_rng(1)
   with pytest.raises(NotImplementedError, match="H = 4 heads"):
     kernel(**make_batch(rng, [(1, 20)], page_size=16, H=4, R=64, E=64, dtype=jnp.bfloat16), sm_scale=0.1)
-  with pytest.raises(NotImplementedError, match="E = 32 must be a multiple of 64"):
-    kernel(**make_batch(rng, [(1, 20)], page_size=16, H=8, R=64, E=32, dtype=jnp.bfloat16), sm_scale=0.1)
   batch = make_batch(rng, [(1, 20)], page_size=16, H=8, R=64, E=64, dtype=jnp.float32)
   with pytest.raises(NotImplementedError, match="bfloat16 / float16 only"):
     kernel(**batch, sm_scale=0.1)
@@ -157,29 +155,32 @@ def test_unsupported_operands_raise():
   assert "shared memory" in unsupported_reason(q, rope, (9, 16, 576), jnp.bfloat16,
                                                block_sizes=BlockSizes(num_stages=3))
   assert "multiple of 64" in unsupported_reason((4, 16, 96), rope, (9, 16, 160), jnp.bfloat16)
+  assert "E = 512" in unsupported_reason(q, (4, 16, 512), (9, 16, 1024), jnp.bfloat16)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile the kernel for real")
-@pytest.mark.parametrize("page_size,H,R,block_sizes,options", [
-    (16, 16, 512, BlockSizes(), {}),                      # DeepSeek-V3 at TP 8: 224 KiB of tiles
-    (64, 128, 512, BlockSizes(), {}),                     # all 128 heads: two head blocks
-    (16, 16, 512, BlockSizes(kv_splits=4), {}),
-    (32, 8, 128, BlockSizes(pages_per_block=4, num_stages=3), {}),
-    (16, 16, 512, BlockSizes(), {"kv": jnp.float8_e4m3fn}),
-    (16, 32, 256, BlockSizes(kv_splits=2), {"kv": jnp.int8, "q": jnp.float16}),
+@pytest.mark.parametrize("page_size,H,R,E,block_sizes,options", [
+    (16, 16, 512, 64, BlockSizes(), {}),                 # DeepSeek-V3 at TP 8: 224 KiB of tiles
+    (64, 128, 512, 64, BlockSizes(), {}),                # all 128 heads: two head blocks
+    (16, 16, 512, 64, BlockSizes(kv_splits=4), {}),
+    (32, 8, 128, 64, BlockSizes(pages_per_block=4, num_stages=3), {}),
+    (16, 16, 256, 32, BlockSizes(), {}),                 # MiniCPM3's widths: 64-byte swizzles
+    (16, 8, 64, 16, BlockSizes(kv_splits=2), {}),        # 32-byte swizzles
+    (16, 16, 512, 64, BlockSizes(), {"kv": jnp.float8_e4m3fn}),
+    (16, 32, 256, 64, BlockSizes(kv_splits=2), {"kv": jnp.int8, "q": jnp.float16}),
 ])
-def test_lowers_for_sm90_without_a_gpu(page_size, H, R, block_sizes, options):
+def test_lowers_for_sm90_without_a_gpu(page_size, H, R, E, block_sizes, options):
   """Pallas -> Mosaic GPU lowering for CUDA (sm_90). Interpret mode never builds the Mosaic GPU
-  IR: layout-inference errors (E = 32's 64-byte swizzles fail here) and shared memory past
-  227 KiB (Mosaic counts it while lowering) surface only here or on a GPU."""
+  IR: layout-inference errors (a wgmma whose operands swizzle differently fails here) and
+  shared memory past 227 KiB (Mosaic counts it while lowering) surface only here or on a GPU."""
   import jax
-  T, S, P, N, E = 256, 128, 64, 2048, 64
+  T, S, P, N = 256, 128, 64, 2048
   sds = jax.ShapeDtypeStruct
   kv_dtype = options.get("kv", jnp.bfloat16)
   q_dtype = options.get("q", jnp.bfloat16)
   args = (sds((T, H, R), q_dtype), sds((T, H, E), q_dtype), sds((N, page_size, R + E), kv_dtype),
           sds((S,), jnp.int32), sds((S, P), jnp.int32), sds((S + 1,), jnp.int32), sds((), jnp.int32))
-  scale = sds((N, page_size, (R + E) // 64), jnp.float32) if "kv" in options else None
+  scale = sds((N, page_size, (R + E) // E), jnp.float32) if "kv" in options else None
   fn = jax.jit(lambda *a, scale: ragged_paged_mla_mgpu(*a, sm_scale=0.1, latent_scale=scale,
                                                        block_sizes=block_sizes))
   text = fn.trace(*args, scale=scale).lower(lowering_platforms=("cuda",)).as_text()
@@ -200,7 +201,7 @@ def test_ops_dispatch_takes_the_mosaic_kernel_where_it_covers_the_operands():
   got = ops.ragged_paged_mla(**batch, sm_scale=0.1, impl=impl)
   np.testing.assert_array_equal(np.asarray(got[:real], np.float32),
                                 np.asarray(kernel(**batch, sm_scale=0.1)[:real], np.float32))
-  batch = make_batch(rng, seqs, page_size=16, H=8, R=64, E=32, dtype=jnp.bfloat16)  # E not covered
+  batch = make_batch(rng, seqs, page_size=16, H=4, R=64, E=32, dtype=jnp.bfloat16)  # H not covered
   got = ops.ragged_paged_mla(**batch, sm_scale=0.1, impl=impl)
   np.testing.assert_array_equal(np.asarray(got[:real], np.float32), np.asarray(
       ragged_paged_mla(**batch, sm_scale=0.1, interpret=INTERPRET)[:real], np.float32))
