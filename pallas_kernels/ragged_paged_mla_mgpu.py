@@ -389,7 +389,13 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
     q_pos = first_pos + lax.div(row, jnp.int32(bh))  # row r is token r // bh, head r % bh
-    v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, u.W), 0, layout=layout)
+
+    def v_ok(step_first):  # [block_kv, W]: the unit's rows before kv_stop
+      # Made where it is used: a [block_kv, 256] int32 iota kept across the loop would hold 128
+      # registers a thread beside the [64, 256] float32 accumulator.
+      v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, u.W), 0, layout=layout)
+      return step_first + v_row < kv_stop
+
     plgpu.barrier_wait(q_bar)
 
     def wgmma(a, b, shape):
@@ -440,7 +446,7 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           # The unit converted with rows past kv_stop zeroed (fp8 may hold NaN there), and its
           # value scales folded into p's columns (0 past kv_stop, where scales may be NaN).
           v = upcast(tile, dtype)
-          cv_smem[...] = jnp.where(kv_first + v_row < kv_stop, v, jnp.zeros_like(v))
+          cv_smem[...] = jnp.where(v_ok(kv_first), v, jnp.zeros_like(v))
           v_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))
           v_scale = jnp.where(kv_pos < kv_stop, lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
           p_smem[...] = (p * v_scale).astype(dtype)
@@ -449,7 +455,7 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           @pl.when(last)
           def _():  # zeroed in place: the scores' wgmmas are done with the slot
             x = tile[...]
-            tile[...] = jnp.where(kv_first + v_row < kv_stop, x, jnp.zeros_like(x))
+            tile[...] = jnp.where(v_ok(kv_first), x, jnp.zeros_like(x))
         plgpu.commit_smem()
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         out.append(acc + wgmma([p_smem], [tile], (ROWS, u.W)))
