@@ -388,7 +388,10 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     layout = plgpu.Layout.WGMMA
     row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
-    q_pos = first_pos + lax.div(row, jnp.int32(bh))  # row r is token r // bh, head r % bh
+    # Row r is token r // bh (head r % bh) at position q_pos; it sees key kv_first + j of a step
+    # iff kv_first + j <= q_pos, i.e. kv_first <= q_pos - j: one [64, block_kv] array kept
+    # across the loop, not two.
+    last_key = first_pos + lax.div(row, jnp.int32(bh)) - col
 
     def v_ok(step_first):  # [block_kv, W]: the unit's rows before kv_stop
       # Made where it is used: a [block_kv, 256] int32 iota kept across the loop would hold 128
@@ -414,7 +417,6 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       accs, m, l = carry
       slot = lax.rem(step, jnp.int32(num_stages))
       kv_first = (kb0 + step) * block_kv  # the step's first key
-      kv_pos = kv_first + col  # [64, block_kv]
       plgpu.barrier_wait(kv_bar.at[slot])
       tiles = [unit_tiles(slot, k) for k in range(u.nu + u.ne)]
       if not quantized:  # q_lat . c_KV + q_rope . k_R: one accumulator over every unit
@@ -428,7 +430,7 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           part = wgmma([q], [cv_smem.T], (ROWS, block_kv)) * lax.broadcast_in_dim(
               k_scale, (ROWS, block_kv), [1])
           s = part if s is None else s + part
-      s = jnp.where(kv_pos <= q_pos, s * sm_scale, -jnp.inf)
+      s = jnp.where(last_key >= kv_first, s * sm_scale, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row with no visible key yet keeps m = -inf: shifting by 0 gives p = 0, alpha = 0.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -444,12 +446,13 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
         tile = c_smem.at[slot, k]
         if quantized:
           # The unit converted with rows past kv_stop zeroed (fp8 may hold NaN there), and its
-          # value scales folded into p's columns (0 past kv_stop, where scales may be NaN).
+          # value scales folded into p's columns. Past kv_stop the scales may be NaN too, but a
+          # real token's p is 0 there (masked: its keys end before kv_stop), so p = 0 keeps 0.
           v = upcast(tile, dtype)
           cv_smem[...] = jnp.where(v_ok(kv_first), v, jnp.zeros_like(v))
           v_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))
-          v_scale = jnp.where(kv_pos < kv_stop, lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
-          p_smem[...] = (p * v_scale).astype(dtype)
+          p_smem[...] = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scale, p.shape, [1]),
+                                  0.0).astype(dtype)
           tile = cv_smem
         else:
           @pl.when(last)
