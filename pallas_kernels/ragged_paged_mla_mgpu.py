@@ -44,6 +44,9 @@ with half of R (FlashMLA's split), would read each page into shared memory
 once and not repeat the scores: not done.
   bf16 / f16 cache: W = min(R, 256), We = E, one PV unit per program.
   int8 / fp8 cache: W = We = g (each unit one scale group); upr = min(R, 256) / g.
+Registers (counted, not measured): at 256 output columns a thread holds 128
+float32 accumulators, 32 scores and a 32-entry causal-mask array across the
+loop, of its 255; whether ptxas spills is for the first GPU run to tell.
 
 Quantized caches (int8 / float8_e4m3fn with float32 scales per token and group
 of g columns). Pages cross HBM and TMA at one byte per value into 8-bit slots;
