@@ -101,7 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -244,6 +244,53 @@ def block_range(seq, block_idx, c, cu_q_lens_ref, kv_lens_ref, *, block_q: int, 
   return BlockRange(t0, q_end, first_pos, kv_stop, kb0, n_steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The ring of num_stages shared-memory slots that KV step i uses slot i % num_stages of.
+
+  fetch(step, slot) issues step's copies into slot. Without a producer
+  warpgroup (consumed_bar None) the computing warpgroup fetches the first
+  num_stages steps and refills a slot itself once a step is done with it
+  (num_stages - 1 steps in flight while it computes). With one, the producer
+  (`produce`) issues every copy and refills a slot as soon as the consumer
+  arrives on its `consumed` barrier (`release`): all num_stages in flight.
+  Shared with the MLA kernel.
+  """
+  fetch: Callable
+  n_steps: jax.Array
+  num_stages: int
+  consumed_bar: object = None
+
+  def fetch_first_steps(self):
+    for i in range(self.num_stages):
+      pl.when(i < self.n_steps)(functools.partial(self.fetch, i, i))
+
+  def release(self, step, slot):
+    """Step's slot is used up: refill it with step + num_stages, or let the producer."""
+    if self.consumed_bar is not None:
+      plgpu.barrier_arrive(self.consumed_bar.at[slot])
+    else:
+      pl.when(step + self.num_stages < self.n_steps)(
+          functools.partial(self.fetch, step + self.num_stages, slot))
+
+  def produce(self):
+    """The producer warpgroup: refill each slot as soon as the consumer is done with it."""
+    S = self.num_stages
+    self.fetch_first_steps()
+
+    @pl.loop(S, jnp.maximum(self.n_steps, S))
+    def _(step):
+      slot = lax.rem(step, jnp.int32(S))
+      plgpu.barrier_wait(self.consumed_bar.at[slot])
+      self.fetch(step, slot)
+
+    # Observe the consumer's last arrival on each slot too: every completed
+    # phase of a barrier is waited for (GPU interpret mode checks it).
+    @pl.loop(jnp.maximum(self.n_steps, S), self.n_steps + S)
+    def _(step):
+      plgpu.barrier_wait(self.consumed_bar.at[lax.rem(step, jnp.int32(S))])
+
+
 def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False,
                        q_dtype=jnp.bfloat16) -> str | None:
   """Why the kernel cannot take these operands (None: it can). Shapes and dtypes only, no data.
@@ -363,31 +410,13 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
             plgpu.barrier_arrive(k_bar.at[slot])
             plgpu.barrier_arrive(v_bar.at[slot])
 
-    def fetch_first_steps():
-      for i in range(num_stages):
-        pl.when(i < n_steps)(functools.partial(fetch, i, i))
-
-    def produce():
-      """The producer warpgroup: refill each slot as soon as the consumer is done with it."""
-      fetch_first_steps()
-
-      @pl.loop(num_stages, jnp.maximum(n_steps, num_stages))
-      def _(step):
-        slot = lax.rem(step, jnp.int32(num_stages))
-        plgpu.barrier_wait(consumed_bar.at[slot])
-        fetch(step, slot)
-
-      # Observe the consumer's last arrival on each slot too: every completed
-      # phase of a barrier is waited for (GPU interpret mode checks it).
-      @pl.loop(jnp.maximum(n_steps, num_stages), n_steps + num_stages)
-      def _(step):
-        plgpu.barrier_wait(consumed_bar.at[lax.rem(step, jnp.int32(num_stages))])
+    ring = Ring(fetch, n_steps, num_stages, consumed_bar if warp_specialized else None)
 
     def consume():
       """The computing warpgroup (the only one without warp specialization)."""
       load_q()
       if not warp_specialized:
-        fetch_first_steps()
+        ring.fetch_first_steps()
       compute()
 
     def compute():
@@ -408,12 +437,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       # The scales are applied to the scores and probabilities in float32, as the Triton kernel does.
       dequantize = functools.partial(upcast, dtype=dtype)
 
-      def release(step, slot):
-        """The slot's contents are used up: refill it, or let the producer."""
-        if warp_specialized:
-          plgpu.barrier_arrive(consumed_bar.at[slot])
-        else:
-          pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
+      release = ring.release
 
       def kv_step(step, carry):
         acc, m, l = carry
@@ -508,7 +532,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     if warp_specialized:
       wg = lax.axis_index("wg")
       pl.when(wg == 0)(consume)
-      pl.when(wg == 1)(produce)
+      pl.when(wg == 1)(ring.produce)
     else:
       consume()
 
