@@ -63,11 +63,13 @@ wgmmas one at a time; units of the program's PV columns are converted twice
 before rounding it for the dots; here the dots see the exact 8-bit values, so
 the two differ by roundings.
 
-Pipeline, masking, q and output staging. As the GQA kernel without a producer
-warpgroup: num_stages slots, one barrier per slot on which all (L / unit)
-copies of a step's pages land (a page past the causal limit is not fetched:
-the program arrives in its copies' place); after a step's PV wgmmas the slot
-is refilled with step + num_stages. Scores of keys past the causal limit are
+Pipeline, masking, q and output staging. As the GQA kernel (and its `Ring`):
+num_stages slots, one barrier per slot on which all (L / unit) copies of a
+step's pages land (a page past the causal limit is not fetched: the program
+arrives in its copies' place); after a step's PV wgmmas the slot is refilled
+with step + num_stages, by the computing warpgroup or, with
+BlockSizes.warp_specialized, by a producer warpgroup that waits on the
+slot's `consumed` barrier. Scores of keys past the causal limit are
 masked to -inf; the PV tile's rows past kv_stop are zeroed (p = 0 does not
 cancel NaN, and slots past kv_len may hold it). q is TMA-copied token by token
 (bh rows of a unit, whole 8-row tiles since bh is a multiple of 8) straight
@@ -99,9 +101,9 @@ is a multiple of 64 values the tiles swizzle 64 or 32 bytes, not 128:
 8 to 256 tokens (powers of two) with block_kv a multiple of 64 up to 256;
 scale groups g a multiple of 64 dividing min(R, 256). Not covered
 (NotImplementedError; jaxinfer.ops falls back to the Triton kernel): float32
-caches, other H, R, E, g, tiles past 227 KiB. Not done: warp specialization
-(a producer warpgroup), the two-consumer split of R above, P kept in
-registers, fp8 x fp8 wgmmas, a split count chosen per batch. Untuned, and not
+caches, other H, R, E, g, tiles past 227 KiB. Not done: the two-consumer
+split of R above, P kept in registers, fp8 x fp8 wgmmas, a split count chosen
+per batch. Untuned, and not
 yet run on a GPU (none was lent when it was written): CI runs it in GPU
 interpret mode and lowers it for sm_90.
 """
@@ -121,6 +123,7 @@ from pallas_kernels.ragged_paged_attention import _schedule
 from pallas_kernels.ragged_paged_attention_mgpu import (
     MOSAIC_AVAILABLE,
     ROWS,
+    Ring,
     _merge_splits,
     block_range,
     dtype_reason,
@@ -147,11 +150,15 @@ class BlockSizes:
     page is longer).
   num_stages: shared-memory slots for page tiles (>= 2); each is block_kv x L
     values of the cache's dtype (72 KiB at DeepSeek's L = 576, bf16, 64 keys).
+  warp_specialized: a second, producer warpgroup issues every copy and refills
+    a slot as soon as the computing one is done with it (all num_stages slots
+    in flight, page-id loads off the compute path; as in the GQA kernel).
   kv_splits: C > 1 cuts each q block's KV range into C parts, one program each,
     merged by log-sum-exp (flash-decoding), so that few long sequences fill the SMs.
   """
   pages_per_block: int | None = None
   num_stages: int = 2
+  warp_specialized: bool = False
   kv_splits: int = 1
 
   def __post_init__(self):
@@ -288,7 +295,7 @@ def unsupported_reason(q_latent_shape, q_rope_shape, latent_shape, kv_dtype, *,
 
 def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_indices_ref,
                 q_lat_ref, q_rope_ref, latent_ref, *refs, sm_scale: float, units: Units,
-                pages_per_block: int, num_stages: int, kv_splits: int):
+                pages_per_block: int, num_stages: int, warp_specialized: bool, kv_splits: int):
   """One q block (block_q tokens x bh heads) x nr-th of the latent's columns (x one KV split).
 
   refs: with a quantized cache first scale_ref [N, L / g, p] float32; then the
@@ -314,7 +321,7 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     o_ref, *refs = refs
   if quantized:
     *refs, cv_smem, sc_smem = refs
-  q_smem, qr_smem, c_smem, kr_smem, p_smem, q_bar, kv_bar = refs
+  q_smem, qr_smem, c_smem, kr_smem, p_smem, q_bar, kv_bar, consumed_bar = refs
   T, H, R = q_lat_ref.shape
   N, page_size, _ = latent_ref.shape
   P = page_indices_ref.shape[1]
@@ -338,23 +345,24 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     def token_ok(i):  # guarding T too keeps a malformed cu_q_lens from writing out of bounds
       return (t0 + i < q_end) & (t0 + i < T)
 
-    # q: every unit of every token slot is one copy (or one stand-in arrival).
-    for i in range(block_q):
-      rows = pl.ds(i * bh, bh)
+    def load_q():
+      """Every unit of every token slot is one copy (or one stand-in arrival) on q_bar."""
+      for i in range(block_q):
+        rows = pl.ds(i * bh, bh)
 
-      @pl.when(token_ok(i))
-      def _():
-        for k in range(u.nu):
-          plgpu.copy_gmem_to_smem(q_lat_ref.at[t0 + i, heads, pl.ds(k * u.W, u.W)],
-                                  q_smem.at[k, rows], q_bar)
-        for k in range(u.ne):
-          plgpu.copy_gmem_to_smem(q_rope_ref.at[t0 + i, heads, pl.ds(k * u.We, u.We)],
-                                  qr_smem.at[k, rows], q_bar)
+        @pl.when(token_ok(i))
+        def _():
+          for k in range(u.nu):
+            plgpu.copy_gmem_to_smem(q_lat_ref.at[t0 + i, heads, pl.ds(k * u.W, u.W)],
+                                    q_smem.at[k, rows], q_bar)
+          for k in range(u.ne):
+            plgpu.copy_gmem_to_smem(q_rope_ref.at[t0 + i, heads, pl.ds(k * u.We, u.We)],
+                                    qr_smem.at[k, rows], q_bar)
 
-      @pl.when(~token_ok(i))
-      def _():
-        for _ in range(u.nu + u.ne):
-          plgpu.barrier_arrive(q_bar)
+        @pl.when(~token_ok(i))
+        def _():
+          for _ in range(u.nu + u.ne):
+            plgpu.barrier_arrive(q_bar)
 
     copies_per_page = (u.nu + u.ne) * (2 if quantized else 1)  # each unit (and its scales)
 
@@ -385,116 +393,130 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
           for _ in range(copies_per_page):
             plgpu.barrier_arrive(kv_bar.at[slot])
 
-    for i in range(num_stages):
-      pl.when(i < n_steps)(functools.partial(fetch, i, i))
+    def compute():
+      layout = plgpu.Layout.WGMMA
+      row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
+      # Row r is token r // bh (head r % bh) at position q_pos; it sees key kv_first + j of a step
+      # iff kv_first + j <= q_pos, i.e. kv_first <= q_pos - j: one [64, block_kv] array kept
+      # across the loop, not two.
+      last_key = first_pos + lax.div(row, jnp.int32(bh)) - col
 
-    layout = plgpu.Layout.WGMMA
-    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout)
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
-    # Row r is token r // bh (head r % bh) at position q_pos; it sees key kv_first + j of a step
-    # iff kv_first + j <= q_pos, i.e. kv_first <= q_pos - j: one [64, block_kv] array kept
-    # across the loop, not two.
-    last_key = first_pos + lax.div(row, jnp.int32(bh)) - col
+      def v_ok(step_first):  # [block_kv, W]: the unit's rows before kv_stop
+        # Made where it is used: a [block_kv, 256] int32 iota kept across the loop would hold 128
+        # registers a thread beside the [64, 256] float32 accumulator.
+        v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, u.W), 0, layout=layout)
+        return step_first + v_row < kv_stop
 
-    def v_ok(step_first):  # [block_kv, W]: the unit's rows before kv_stop
-      # Made where it is used: a [block_kv, 256] int32 iota kept across the loop would hold 128
-      # registers a thread beside the [64, 256] float32 accumulator.
-      v_row = plgpu.broadcasted_iota(jnp.int32, (block_kv, u.W), 0, layout=layout)
-      return step_first + v_row < kv_stop
+      plgpu.barrier_wait(q_bar)
 
-    plgpu.barrier_wait(q_bar)
+      def wgmma(a, b, shape):
+        def run(acc_ref):
+          for x, y in zip(a, b):
+            plgpu.wgmma(acc_ref, x, y)
+          return acc_ref[...]  # reading the accumulator waits for the wgmmas
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-    def wgmma(a, b, shape):
-      def run(acc_ref):
-        for x, y in zip(a, b):
-          plgpu.wgmma(acc_ref, x, y)
-        return acc_ref[...]  # reading the accumulator waits for the wgmmas
-      return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+      def unit_tiles(slot, k):  # latent units first, then rope units
+        if k < u.nu:
+          return q_smem.at[k], c_smem.at[slot, k]
+        return qr_smem.at[k - u.nu], kr_smem.at[slot, k - u.nu]
 
-    def unit_tiles(slot, k):  # latent units first, then rope units
-      if k < u.nu:
-        return q_smem.at[k], c_smem.at[slot, k]
-      return qr_smem.at[k - u.nu], kr_smem.at[slot, k - u.nu]
+      def kv_step(step, carry):
+        accs, m, l = carry
+        slot = lax.rem(step, jnp.int32(num_stages))
+        kv_first = (kb0 + step) * block_kv  # the step's first key
+        plgpu.barrier_wait(kv_bar.at[slot])
+        tiles = [unit_tiles(slot, k) for k in range(u.nu + u.ne)]
+        if not quantized:  # q_lat . c_KV + q_rope . k_R: one accumulator over every unit
+          s = wgmma([q for q, _ in tiles], [t.T for _, t in tiles], (ROWS, block_kv))
+        else:  # each unit's partial score times its keys' scales of that group
+          s = None
+          for k, (q, t) in enumerate(tiles):
+            cv_smem[...] = upcast(t, dtype)
+            plgpu.commit_smem()  # generic-proxy stores, then async-proxy (wgmma) reads
+            k_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))  # [block_kv]
+            part = wgmma([q], [cv_smem.T], (ROWS, block_kv)) * lax.broadcast_in_dim(
+                k_scale, (ROWS, block_kv), [1])
+            s = part if s is None else s + part
+        s = jnp.where(last_key >= kv_first, s * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # A row with no visible key yet keeps m = -inf: shifting by 0 gives p = 0, alpha = 0.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        last = (kb0 + step + 1) * block_kv > kv_stop  # rows past kv_stop: past kv_len, or not fetched
+        if not quantized:
+          p_smem[...] = p.astype(dtype)
+        out = []
+        for j, acc in enumerate(accs):
+          k = r * u.upr + j  # the latent unit of this PV wgmma
+          tile = c_smem.at[slot, k]
+          if quantized:
+            # The unit converted with rows past kv_stop zeroed (fp8 may hold NaN there), and its
+            # value scales folded into p's columns. Past kv_stop the scales may be NaN too, but a
+            # real token's p is 0 there (masked: its keys end before kv_stop), so p = 0 keeps 0.
+            v = upcast(tile, dtype)
+            cv_smem[...] = jnp.where(v_ok(kv_first), v, jnp.zeros_like(v))
+            v_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))
+            p_smem[...] = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scale, p.shape, [1]),
+                                    0.0).astype(dtype)
+            tile = cv_smem
+          else:
+            @pl.when(last)
+            def _():  # zeroed in place: the scores' wgmmas are done with the slot
+              x = tile[...]
+              tile[...] = jnp.where(v_ok(kv_first), x, jnp.zeros_like(x))
+          plgpu.commit_smem()
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          out.append(acc + wgmma([p_smem], [tile], (ROWS, u.W)))
+        # Every wgmma of the step has completed: the slot may be refilled.
+        ring.release(step, slot)
+        return tuple(out), m_new, l
 
-    def kv_step(step, carry):
-      accs, m, l = carry
-      slot = lax.rem(step, jnp.int32(num_stages))
-      kv_first = (kb0 + step) * block_kv  # the step's first key
-      plgpu.barrier_wait(kv_bar.at[slot])
-      tiles = [unit_tiles(slot, k) for k in range(u.nu + u.ne)]
-      if not quantized:  # q_lat . c_KV + q_rope . k_R: one accumulator over every unit
-        s = wgmma([q for q, _ in tiles], [t.T for _, t in tiles], (ROWS, block_kv))
-      else:  # each unit's partial score times its keys' scales of that group
-        s = None
-        for k, (q, t) in enumerate(tiles):
-          cv_smem[...] = upcast(t, dtype)
-          plgpu.commit_smem()  # generic-proxy stores, then async-proxy (wgmma) reads
-          k_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))  # [block_kv]
-          part = wgmma([q], [cv_smem.T], (ROWS, block_kv)) * lax.broadcast_in_dim(
-              k_scale, (ROWS, block_kv), [1])
-          s = part if s is None else s + part
-      s = jnp.where(last_key >= kv_first, s * sm_scale, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      # A row with no visible key yet keeps m = -inf: shifting by 0 gives p = 0, alpha = 0.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp(m - m_safe)
-      p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      last = (kb0 + step + 1) * block_kv > kv_stop  # rows past kv_stop: past kv_len, or not fetched
-      if not quantized:
-        p_smem[...] = p.astype(dtype)
-      out = []
-      for j, acc in enumerate(accs):
-        k = r * u.upr + j  # the latent unit of this PV wgmma
-        tile = c_smem.at[slot, k]
-        if quantized:
-          # The unit converted with rows past kv_stop zeroed (fp8 may hold NaN there), and its
-          # value scales folded into p's columns. Past kv_stop the scales may be NaN too, but a
-          # real token's p is 0 there (masked: its keys end before kv_stop), so p = 0 keeps 0.
-          v = upcast(tile, dtype)
-          cv_smem[...] = jnp.where(v_ok(kv_first), v, jnp.zeros_like(v))
-          v_scale = plgpu.load(sc_smem.at[slot, k], layout=layout.reduce(0))
-          p_smem[...] = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scale, p.shape, [1]),
-                                  0.0).astype(dtype)
-          tile = cv_smem
-        else:
-          @pl.when(last)
-          def _():  # zeroed in place: the scores' wgmmas are done with the slot
-            x = tile[...]
-            tile[...] = jnp.where(v_ok(kv_first), x, jnp.zeros_like(x))
-        plgpu.commit_smem()
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        out.append(acc + wgmma([p_smem], [tile], (ROWS, u.W)))
-      # Every wgmma of the step has completed: refill the slot.
-      pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
-      return tuple(out), m_new, l
+      m0 = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), layout.reduce(1))
+      l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1))
+      acc0 = tuple(plgpu.layout_cast(jnp.zeros((ROWS, u.W), jnp.float32), layout)
+                   for _ in range(u.upr))
+      accs, m, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
+      l_safe = jnp.where(l > 0, l, 1.0)
+      for j, acc in enumerate(accs):  # q_smem's first units stage the output
+        q_smem[j] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+      if kv_splits > 1:
+        # A row that saw no key (an empty split) gets -inf: weight 0 in the merge.
+        lse_smem[...] = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+      plgpu.commit_smem()
+      for i in range(block_q):
+        rows = pl.ds(i * bh, bh)
 
-    m0 = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), layout.reduce(1))
-    l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1))
-    acc0 = tuple(plgpu.layout_cast(jnp.zeros((ROWS, u.W), jnp.float32), layout)
-                 for _ in range(u.upr))
-    accs, m, l = lax.fori_loop(0, n_steps, kv_step, (acc0, m0, l0))
-    l_safe = jnp.where(l > 0, l, 1.0)
-    for j, acc in enumerate(accs):  # q_smem's first units stage the output
-      q_smem[j] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    if kv_splits > 1:
-      # A row that saw no key (an empty split) gets -inf: weight 0 in the merge.
-      lse_smem[...] = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
-    plgpu.commit_smem()
-    for i in range(block_q):
-      rows = pl.ds(i * bh, bh)
+        @pl.when(token_ok(i))
+        def _():
+          for j in range(u.upr):
+            cols = pl.ds((r * u.upr + j) * u.W, u.W)
+            dst = (o_ref.at[t0 + i, heads, cols] if kv_splits == 1
+                   else o_ref.at[c, t0 + i, heads, cols])
+            plgpu.copy_smem_to_gmem(q_smem.at[j, rows], dst)
+          if kv_splits > 1:
+            pl.when(r == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem.at[rows],
+                                                            lse_ref.at[c, t0 + i, heads]))
+      plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(token_ok(i))
-      def _():
-        for j in range(u.upr):
-          cols = pl.ds((r * u.upr + j) * u.W, u.W)
-          dst = (o_ref.at[t0 + i, heads, cols] if kv_splits == 1
-                 else o_ref.at[c, t0 + i, heads, cols])
-          plgpu.copy_smem_to_gmem(q_smem.at[j, rows], dst)
-        if kv_splits > 1:
-          pl.when(r == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem.at[rows],
-                                                          lse_ref.at[c, t0 + i, heads]))
-    plgpu.wait_smem_to_gmem(0)
+    ring = Ring(fetch, n_steps, num_stages, consumed_bar if warp_specialized else None)
+
+    def consume():
+      """The computing warpgroup (the only one without warp specialization)."""
+      load_q()
+      if not warp_specialized:
+        ring.fetch_first_steps()
+      compute()
+
+    if warp_specialized:
+      wg = lax.axis_index("wg")
+      pl.when(wg == 0)(consume)
+      pl.when(wg == 1)(ring.produce)
+    else:
+      consume()
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
@@ -549,6 +571,7 @@ def ragged_paged_mla_mgpu(q_latent: jax.Array, q_rope: jax.Array, latent_pages: 
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=tiles["p"]),  # p_smem
       plgpu.Barrier(num_arrivals=block_q * (u.nu + u.ne)),  # q_bar
       plgpu.Barrier(num_arrivals=bs.pages_per_block * copies_per_page, num_barriers=stages),  # kv_bar
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # consumed_bar (warp-specialized)
   ]
   if scales:
     scratch += [plgpu.SMEM((block_kv, u.W), dtype, transforms=swizzled(dtype, u.W)),  # cv_smem
@@ -562,12 +585,15 @@ def ragged_paged_mla_mgpu(q_latent: jax.Array, q_rope: jax.Array, latent_pages: 
     out_type = (jax.ShapeDtypeStruct((C, T, H, R), dtype),
                 jax.ShapeDtypeStruct((C, T, H), jnp.float32))
   kernel = functools.partial(_mla_kernel, sm_scale=float(sm_scale), units=u,
-                             pages_per_block=bs.pages_per_block, num_stages=stages, kv_splits=C)
+                             pages_per_block=bs.pages_per_block, num_stages=stages,
+                             warp_specialized=bs.warp_specialized, kv_splits=C)
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
       grid=(num_blocks, (H // bh) * u.nr) + ((C,) if C > 1 else ()),
       grid_names=("b", "hr") + (("c",) if C > 1 else ()),
+      num_threads=2 if bs.warp_specialized else None,
+      thread_name="wg" if bs.warp_specialized else None,
       scratch_types=scratch,
       # No cross-warp reduction scratch: the softmax reduces rows of the WGMMA layout, each
       # within one warp; Mosaic's default 2 KiB would not fit beside DeepSeek's bf16 tiles.

@@ -90,6 +90,9 @@ def test_deepseek_v3_widths():
     (16, BlockSizes(pages_per_block=8, num_stages=3)),  # 128 keys per step, 8 x 2 copies per barrier
     (64, BlockSizes(num_stages=4)),                     # more slots than most sequences have steps
     (8, BlockSizes(pages_per_block=32)),                # 256 keys (the largest step), tiny pages
+    # A producer warpgroup issues the copies: a sequence of 1 key, one of 300 (5 steps, 2 slots).
+    (16, BlockSizes(warp_specialized=True)),
+    (64, BlockSizes(num_stages=3, warp_specialized=True)),
 ])
 def test_block_sizes(page_size, block_sizes):
   rng = np.random.default_rng(page_size)
@@ -98,14 +101,18 @@ def test_block_sizes(page_size, block_sizes):
         block_sizes=block_sizes)
 
 
-@pytest.mark.parametrize("kv_splits,R", [(2, 64), (3, 128), (8, 64)])
-def test_kv_splits(kv_splits, R):
+@pytest.mark.parametrize("block_sizes,R", [
+    (BlockSizes(kv_splits=2), 64),
+    (BlockSizes(kv_splits=3, warp_specialized=True), 128),
+    (BlockSizes(kv_splits=8), 64),
+])
+def test_kv_splits(block_sizes, R):
   """Split-KV: each q block's KV range in C parts (split boundaries inside a sequence of 700
   keys; empty splits for the short ones), merged by log-sum-exp."""
-  rng = np.random.default_rng(kv_splits)
+  rng = np.random.default_rng(block_sizes.kv_splits)
   seqs = [(1, 700), (1, 1), (3, 300), (12, 40)]
   check(make_batch(rng, seqs, page_size=16, H=8, R=R, E=64, dtype=jnp.bfloat16),
-        block_sizes=BlockSizes(kv_splits=kv_splits))
+        block_sizes=block_sizes)
 
 
 def quantize_fp8(x, groups):
@@ -124,7 +131,7 @@ QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
     ("int8", 16, 8, 128, jnp.bfloat16, [(1, 1), (2, 40), (4, 77), (20, 81)], None),  # 3 groups of 64
     ("fp8", 32, 16, 64, jnp.float16, [(1, kv) for kv in DECODE_KV_LENS], None),  # fp8 -> f16
     ("fp8", 16, 8, 64, jnp.bfloat16, [(1, 400), (1, 1), (3, 150), (12, 40)],
-     BlockSizes(kv_splits=3)),
+     BlockSizes(kv_splits=3, warp_specialized=True)),
     # DeepSeek-V3's fp8 latent: 9 groups of 64, 4 of them a program's PV columns.
     ("fp8", 64, 16, 512, jnp.bfloat16, [(1, 70), (2, 9), (5, 30)], None),
 ])
@@ -163,10 +170,11 @@ def test_unsupported_operands_raise():
     (16, 16, 512, 64, BlockSizes(), {}),                 # DeepSeek-V3 at TP 8: 224 KiB of tiles
     (64, 128, 512, 64, BlockSizes(), {}),                # all 128 heads: two head blocks
     (16, 16, 512, 64, BlockSizes(kv_splits=4), {}),
+    (16, 16, 512, 64, BlockSizes(warp_specialized=True), {}),
     (32, 8, 128, 64, BlockSizes(pages_per_block=4, num_stages=3), {}),
     (16, 16, 256, 32, BlockSizes(), {}),                 # MiniCPM3's widths: 64-byte swizzles
     (16, 8, 64, 16, BlockSizes(kv_splits=2), {}),        # 32-byte swizzles
-    (16, 16, 512, 64, BlockSizes(), {"kv": jnp.float8_e4m3fn}),
+    (16, 16, 512, 64, BlockSizes(warp_specialized=True), {"kv": jnp.float8_e4m3fn}),
     (16, 32, 256, 64, BlockSizes(kv_splits=2), {"kv": jnp.int8, "q": jnp.float16}),
 ])
 def test_lowers_for_sm90_without_a_gpu(page_size, H, R, E, block_sizes, options):
