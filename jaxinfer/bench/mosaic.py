@@ -25,7 +25,8 @@ paged batches, timing and copy ceiling):
   6. MLA decode at DeepSeek-V3's widths under TP 8 (H 16, R 512, E 64; 64
      sequences x 2,048 keys, 64-token pages), bf16 and fp8 latents (a scale
      per 64 values): pallas_kernels.ragged_paged_mla (Triton, 'pallas') and
-     ragged_paged_mla_mgpu ('mosaic'), checked against ops.ragged_paged_mla's
+     ragged_paged_mla_mgpu ('mosaic', 'mosaic_ws' with a producer warpgroup),
+     checked against ops.ragged_paged_mla's
      XLA path; bytes = the latent rows the sequences own (576 values a key,
      read once for all heads), plus their scales.
 The JSON is rewritten after every case, so a run cut short by its time limit
@@ -88,6 +89,7 @@ from jaxinfer.ops import ragged_paged_attention_xla, ragged_paged_mla
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels import ragged_paged_mla as ragged_paged_mla_triton
 from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
+from pallas_kernels.ragged_paged_mla_mgpu import BlockSizes as MlaBlockSizes
 from pallas_kernels.ragged_paged_mla_mgpu import ragged_paged_mla_mgpu
 
 
@@ -233,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     want = jax.block_until_ready(mla_xla(**batch, sm_scale=sm_scale))
     case = {"section": "mla_decode", "B": B, "kv_len": kv_len, "page_size": page_size, "H": H, "R": R,
             "E": E, "dtype": "bfloat16", "kv_bytes": nbytes, "kv_dtype": jnp.dtype(kv_dtype or jnp.bfloat16).name}
-    for name, fn in (("pallas", mla_triton), ("mosaic", mla_mosaic)):
+    for name, fn in (("pallas", mla_triton), ("mosaic", mla_mosaic()),
+                     ("mosaic_ws", mla_mosaic(MlaBlockSizes(warp_specialized=True)))):
       row = {**case, **decode_row(name, functools.partial(fn, **batch, sm_scale=sm_scale), want, nbytes,
                                   ceil, shapes, {})}
       report["results"].append(row)
@@ -245,7 +248,11 @@ def run(args: argparse.Namespace) -> int:
 
   mla_xla = jax.jit(functools.partial(ragged_paged_mla, impl="xla"), static_argnames=("sm_scale",))
   mla_triton = jax.jit(functools.partial(ragged_paged_mla_triton, interpret=smoke), static_argnames=("sm_scale",))
-  mla_mosaic = jax.jit(functools.partial(ragged_paged_mla_mgpu, interpret=smoke), static_argnames=("sm_scale",))
+
+  def mla_mosaic(block_sizes=None):
+    return jax.jit(functools.partial(ragged_paged_mla_mgpu, interpret=smoke, block_sizes=block_sizes),
+                   static_argnames=("sm_scale",))
+
   mla_case(*cases.mla_decode)
   mla_case(*cases.mla_decode, kv_dtype=jnp.float8_e4m3fn)
   report["wall_s"] = time.perf_counter() - start

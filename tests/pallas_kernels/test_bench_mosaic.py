@@ -40,6 +40,6 @@ def test_smoke_run_writes_report(tmp_path):
   # MLA decode: both MLA kernels on a bf16 and an fp8 latent (scales per 64 values counted).
   mla = [r for r in rows if r["section"] == "mla_decode"]
   assert sorted((r["impl"], r["kv_dtype"]) for r in mla) == [
-      ("mosaic", "bfloat16"), ("mosaic", "float8_e4m3fn"), ("pallas", "bfloat16"), ("pallas", "float8_e4m3fn")]
+      (impl, kv) for impl in ("mosaic", "mosaic_ws", "pallas") for kv in ("bfloat16", "float8_e4m3fn")]
   L = mla[0]["R"] + mla[0]["E"]
   assert {r["kv_bytes"] for r in mla} == {mla[0]["kv_bytes"], mla[0]["kv_bytes"] // (2 * L) * (L + 4 * 2)}
