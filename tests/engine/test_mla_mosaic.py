@@ -43,7 +43,8 @@ def widen_mla(src: Path, dst: Path, kv_lora_rank: int, rope_dim: int, seed: int 
     suffix = next((s for s in shapes if name.endswith("self_attn." + s)), None)
     if suffix is not None:
       shape = shapes[suffix]
-      w[name] = (np.ones(shape) if len(shape) == 1 else rng.normal(size=shape) / np.sqrt(shape[1])).astype(w[name].dtype)
+      new = np.ones(shape) if len(shape) == 1 else rng.normal(size=shape) / np.sqrt(shape[1])
+      w[name] = new.astype(w[name].dtype)
   save_file(w, dst / "model.safetensors")
   (dst / "config.json").write_text(json.dumps(cfg))
   return dst
