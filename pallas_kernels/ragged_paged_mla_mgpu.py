@@ -304,7 +304,9 @@ def _mla_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
   the scratch: q_smem [nu, 64, W] and qr_smem [ne, 64, We] (q in, the output
   out through q_smem[:upr]), c_smem [num_stages, nu, block_kv, W] and kr_smem
   [num_stages, ne, block_kv, We] (the pages, cut into units), p_smem [64,
-  block_kv], q_bar, kv_bar [num_stages]; quantized also cv_smem [block_kv, g]
+  block_kv], q_bar, kv_bar [num_stages], consumed_bar [num_stages] (the
+  computing warpgroup's release of a slot to the producer, when
+  warp-specialized); quantized also cv_smem [block_kv, g]
   (one unit converted to the dot dtype) and sc_smem [num_stages, L / g,
   block_kv] (the step's scales); with splits lse_smem [64] float32.
   """
