@@ -9,14 +9,17 @@ implementation (the engine passes `EngineConfig.attention_impl`):
   'xla'               the XLA reference on any backend;
   'pallas'            the Pallas (Triton) kernel; GPU only;
   'pallas_interpret'  the same kernel in Pallas interpret mode (CPU tests);
-  'mosaic'            the Pallas Mosaic GPU ragged attention kernel
-                      (pallas_kernels/ragged_paged_attention_mgpu.py; jax >= 0.11,
-                      sm_90 GPUs: wgmma is Hopper's alone) for the operands it covers
-                      (`ragged_attention_kernel`), the Triton kernel for the rest
-                      (float32 caches, a quantized cache under a float32 model,
-                      other head / page sizes, MLA);
+  'mosaic'            the Pallas Mosaic GPU kernels (jax >= 0.11, sm_90 GPUs: wgmma is
+                      Hopper's alone) for the operands they cover, the Triton kernel for
+                      the rest: GQA through pallas_kernels/ragged_paged_attention_mgpu.py
+                      (`ragged_attention_kernel`; not: float32 caches, a quantized cache
+                      under a float32 model, other head / page sizes), MLA through
+                      pallas_kernels/ragged_paged_mla_mgpu.py (`mla_attention_kernel`;
+                      not: float32 caches, a quantized cache under a float32 model, H
+                      other than 8, 16, 32 or a multiple of 64, R not a multiple of 64,
+                      scale groups narrower than 64, the rest of its `unsupported_reason`);
   'mosaic_interpret'  the same choice in interpret mode (Mosaic GPU's on the CPU
-                      for the Mosaic kernel; needs jax >= 0.11).
+                      for the Mosaic kernels; needs jax >= 0.11).
 `choose_attention_impl` is that table as a pure function of the backend, the
 GPU's compute capability and whether this jax has Mosaic GPU.
 
@@ -120,6 +123,23 @@ def ragged_attention_kernel(impl: str, q: jax.Array, k_pages: jax.Array,
   return "mosaic" if reason is None else "pallas"
 
 
+def mla_attention_kernel(impl: str, q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
+                         latent_scale: jax.Array | None = None) -> str:
+  """'mosaic' or 'pallas': the MLA kernel a resolved Pallas `impl` runs for these operands.
+
+  As `ragged_attention_kernel`, with `ragged_paged_mla_mgpu.unsupported_reason`:
+  q_latent [T, H, R], q_rope [T, H, E], latent_pages [N, p, R + E] as values,
+  latent_scale [N, p, G] (a quantized cache) or None. Shapes and dtypes only.
+  """
+  if not impl.startswith("mosaic"):
+    return "pallas"
+  from pallas_kernels.ragged_paged_mla_mgpu import unsupported_reason
+  reason = unsupported_reason(q_latent.shape, q_rope.shape, latent_pages.shape, latent_pages.dtype,
+                              scale_groups=None if latent_scale is None else latent_scale.shape[-1],
+                              q_dtype=q_latent.dtype)
+  return "mosaic" if reason is None else "pallas"
+
+
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
@@ -194,9 +214,10 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   scores key j as (q_latent . c_j + q_rope . kR_j) * sm_scale and returns the
   softmax-weighted sum of the c_j: [T, H, R]. This is MQA with one KV head of
   width R + E whose values are the first R columns, which is how the XLA path
-  computes it; the Pallas kernel (pallas_kernels/ragged_paged_mla.py) splits
-  the score into its two dots, so R + E need not be a power of two (R and E
-  must: DeepSeek-V3's 512 and 64 are).
+  computes it; the Pallas kernels (pallas_kernels/ragged_paged_mla.py, Triton, and
+  ragged_paged_mla_mgpu.py, Mosaic GPU, chosen as for GQA: `mla_attention_kernel`)
+  split the score into its two dots, so R + E need not be a power of two (for
+  Triton R and E must: DeepSeek-V3's 512 and 64 are).
   `latent_scale` [N, p, G] float32: a quantized cache, each of G equal runs of a
   token's [c_KV, k_R] stored as values times its own scale (both paths dequantize
   each tile before the dots)
@@ -210,9 +231,13 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
                                       sm_scale=sm_scale, decode_q_len=decode_q_len,
                                       v_head_dim=q_latent.shape[-1], k_scale=scale, v_scale=scale)
   import pallas_kernels
-  return pallas_kernels.ragged_paged_mla(q_latent, q_rope, values(latent_pages), kv_lens, page_indices,
-                                         cu_q_lens, num_seqs, sm_scale=sm_scale, latent_scale=latent_scale,
-                                         interpret=impl.endswith("_interpret"))
+  latent_values = values(latent_pages)
+  kernel = pallas_kernels.ragged_paged_mla
+  if mla_attention_kernel(impl, q_latent, q_rope, latent_values, latent_scale) == "mosaic":
+    from pallas_kernels.ragged_paged_mla_mgpu import ragged_paged_mla_mgpu as kernel
+  return kernel(q_latent, q_rope, latent_values, kv_lens, page_indices, cu_q_lens, num_seqs,
+                sm_scale=sm_scale, latent_scale=latent_scale, interpret=impl.endswith("_interpret"))
+
 
 def _check_v_head_dim(v_head_dim, v_pages):
   if v_head_dim is not None and not 1 <= v_head_dim <= v_pages.shape[-1]:

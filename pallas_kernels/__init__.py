@@ -15,6 +15,9 @@
 - `ragged_paged_attention_mgpu` (import it from its module; it runs under jax >= 0.11):
   the ragged kernel on Pallas Mosaic GPU for Hopper, TMA + wgmma, tested in
   Mosaic GPU interpret mode (`ragged_paged_attention_mgpu.py`).
+- `ragged_paged_mla_mgpu` (likewise jax >= 0.11): the MLA kernel on Mosaic GPU, all heads
+  against one shared latent row per token (`ragged_paged_mla_mgpu.py`; tested in interpret
+  mode and lowered for sm_90, not yet run on a GPU).
 - `gemv_mgpu` (likewise jax >= 0.11): a few-token (1-16) GEMV over per-channel fp8 / int8
   weights on Mosaic GPU, read at one byte a weight; `jaxinfer.quant.linear` runs it on an
   sm_90+ GPU (`gemv_mgpu.py`).
@@ -24,7 +27,7 @@ run on CPU with `interpret=True`, which is how the tests check them against
 their references. The model reaches the ragged kernels only through
 `jaxinfer.ops.ragged_paged_attention` / `jaxinfer.ops.ragged_paged_mla`
 (attention_impl 'pallas' or 'pallas_interpret'; 'mosaic' / 'mosaic_interpret' for
-the Mosaic GPU kernel; 'auto' on GPU takes 'mosaic' on sm_90 under jax >= 0.11,
+the Mosaic GPU kernels; 'auto' on GPU takes 'mosaic' on sm_90 under jax >= 0.11,
 else 'pallas');
 flash_attention is not dispatched to yet.
 """

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +170,127 @@ class BlockSizes:
     return dataclasses.replace(self, pages_per_block=ppb)
 
 
+def dtype_reason(kv_dtype, quantized: bool, q_dtype) -> str | None:
+  """Why wgmma cannot take these dtypes (None: it can); shared with the MLA kernel.
+
+  An unquantized cache's own dtype is the dots' (q is cast to it); a quantized
+  (int8 / float8_e4m3fn) cache's tiles convert to q's dtype."""
+  wgmma_dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if quantized:
+    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+      return f"quantized cache dtype {jnp.dtype(kv_dtype).name}: int8 / float8_e4m3fn only"
+    if jnp.dtype(q_dtype) not in wgmma_dtypes:
+      return (f"q dtype {jnp.dtype(q_dtype).name} with a quantized cache: the tiles convert to q's "
+              "dtype, and wgmma here takes bfloat16 / float16 only")
+  elif jnp.dtype(kv_dtype) not in wgmma_dtypes:
+    return f"cache dtype {jnp.dtype(kv_dtype).name}: wgmma here takes bfloat16 / float16 only"
+  return None
+
+
+def swizzled(dt, cols: int):
+  """Shared-memory transforms for a tile whose rows are `cols` elements of dtype dt: 8-row
+  tiles with the widest swizzle a row fills (128 B for 16-bit rows of >= 64), the layout
+  TMA writes and wgmma reads."""
+  bits = jnp.dtype(dt).itemsize * 8
+  swizzle = plgpu.find_swizzle(cols * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def upcast(ref, dtype):
+  """An 8-bit tile in shared memory -> registers in `dtype` (bf16 / f16), WGMMA layout.
+
+  The values convert exactly (int8 and e4m3 fit bf16 / f16); the scales are the
+  caller's to apply. WGMMA_UPCAST_2X: 32-bit shared-memory loads of 4 bytes, one
+  warp shuffle to WGMMA.
+  """
+  x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+  if x.dtype == jnp.float8_e4m3fn and dtype == jnp.bfloat16:
+    x = x.astype(jnp.float16)  # sm_90 converts e4m3 to f16 only; f16 -> bf16 is exact here
+  return plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
+
+
+class BlockRange(NamedTuple):
+  """One q block's place in its sequence and the KV steps one program walks for it."""
+  t0: jax.Array         # the block's first packed token
+  q_end: jax.Array      # one past its sequence's last packed token
+  first_pos: jax.Array  # the position of token t0
+  kv_stop: jax.Array    # one past the last key any of its tokens sees
+  kb0: jax.Array        # the first KV block (of block_kv keys) this program reads
+  n_steps: jax.Array    # how many KV blocks it reads
+
+
+def block_range(seq, block_idx, c, cu_q_lens_ref, kv_lens_ref, *, block_q: int, block_kv: int,
+                sliding_window: int | None, kv_splits: int) -> BlockRange:
+  """Where q block `block_idx` of sequence `seq` sits, and split c's part of its KV range.
+
+  The block's KV range runs from the window start of its first query to the
+  causal limit of its last (FlashAttention-2 Section 3.1.1: skipped, not
+  masked); split c of kv_splits walks steps [c * per, (c + 1) * per) of it,
+  per = ceil(steps / kv_splits). Shared with the MLA kernel.
+  """
+  q_start = cu_q_lens_ref[seq]
+  q_end = cu_q_lens_ref[seq + 1]
+  kv_len = kv_lens_ref[seq]
+  t0 = q_start + block_idx * block_q
+  first_pos = kv_len - (q_end - q_start) + (t0 - q_start)
+  last_pos = first_pos + jnp.minimum(q_end - t0, block_q) - 1
+  kv_stop = jnp.clip(last_pos + 1, 0, kv_len)
+  kv_begin = (jnp.int32(0) if sliding_window is None
+              else jnp.maximum(first_pos - sliding_window + 1, 0))
+  all_steps = jnp.maximum(pl.cdiv(kv_stop, block_kv) - kv_begin // block_kv, 0)
+  per_split = pl.cdiv(all_steps, kv_splits)
+  kb0 = kv_begin // block_kv + c * per_split
+  n_steps = jnp.clip(all_steps - c * per_split, 0, per_split)
+  return BlockRange(t0, q_end, first_pos, kv_stop, kb0, n_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The ring of num_stages shared-memory slots that KV step i uses slot i % num_stages of.
+
+  fetch(step, slot) issues step's copies into slot. Without a producer
+  warpgroup (consumed_bar None) the computing warpgroup fetches the first
+  num_stages steps and refills a slot itself once a step is done with it
+  (num_stages - 1 steps in flight while it computes). With one, the producer
+  (`produce`) issues every copy and refills a slot as soon as the consumer
+  arrives on its `consumed` barrier (`release`): all num_stages in flight.
+  Shared with the MLA kernel.
+  """
+  fetch: Callable
+  n_steps: jax.Array
+  num_stages: int
+  consumed_bar: object = None
+
+  def fetch_first_steps(self):
+    for i in range(self.num_stages):
+      pl.when(i < self.n_steps)(functools.partial(self.fetch, i, i))
+
+  def release(self, step, slot):
+    """Step's slot is used up: refill it with step + num_stages, or let the producer."""
+    if self.consumed_bar is not None:
+      plgpu.barrier_arrive(self.consumed_bar.at[slot])
+    else:
+      pl.when(step + self.num_stages < self.n_steps)(
+          functools.partial(self.fetch, step + self.num_stages, slot))
+
+  def produce(self):
+    """The producer warpgroup: refill each slot as soon as the consumer is done with it."""
+    S = self.num_stages
+    self.fetch_first_steps()
+
+    @pl.loop(S, jnp.maximum(self.n_steps, S))
+    def _(step):
+      slot = lax.rem(step, jnp.int32(S))
+      plgpu.barrier_wait(self.consumed_bar.at[slot])
+      self.fetch(step, slot)
+
+    # Observe the consumer's last arrival on each slot too: every completed
+    # phase of a barrier is waited for (GPU interpret mode checks it).
+    @pl.loop(jnp.maximum(self.n_steps, S), self.n_steps + S)
+    def _(step):
+      plgpu.barrier_wait(self.consumed_bar.at[lax.rem(step, jnp.int32(S))])
+
+
 def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False,
                        q_dtype=jnp.bfloat16) -> str | None:
   """Why the kernel cannot take these operands (None: it can). Shapes and dtypes only, no data.
@@ -182,15 +304,9 @@ def unsupported_reason(q_shape, kv_shape, kv_dtype, *, quantized: bool = False,
     return "Mosaic GPU with interpret mode needs jax >= 0.11"
   _, Hq, D = q_shape
   _, page_size, Hkv, _ = kv_shape
-  wgmma_dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  if quantized:
-    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
-      return f"quantized cache dtype {jnp.dtype(kv_dtype).name}: int8 / float8_e4m3fn only"
-    if jnp.dtype(q_dtype) not in wgmma_dtypes:
-      return (f"q dtype {jnp.dtype(q_dtype).name} with a quantized cache: the tiles convert to q's "
-              "dtype, and wgmma here takes bfloat16 / float16 only")
-  elif jnp.dtype(kv_dtype) not in wgmma_dtypes:
-    return f"cache dtype {jnp.dtype(kv_dtype).name}: wgmma here takes bfloat16 / float16 only"
+  reason = dtype_reason(kv_dtype, quantized, q_dtype)
+  if reason:
+    return reason
   if Hq % Hkv or ROWS % (Hq // Hkv):
     return f"G = Hq / Hkv = {Hq}/{Hkv} must divide {ROWS} (the q tile's rows)"
   if D % 64 or D > 256:
@@ -250,21 +366,9 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
 
   @pl.when(seq >= 0)
   def _():
-    q_start = cu_q_lens_ref[seq]
-    q_end = cu_q_lens_ref[seq + 1]
-    kv_len = kv_lens_ref[seq]
-    t0 = q_start + block_idx_ref[b] * block_q  # the block's first packed token
-    first_pos = kv_len - (q_end - q_start) + (t0 - q_start)
-    last_pos = first_pos + jnp.minimum(q_end - t0, block_q) - 1
-    # The block's KV range: from the window start of its first query to the
-    # causal limit of its last (FlashAttention-2 Section 3.1.1: skipped, not masked).
-    kv_stop = jnp.clip(last_pos + 1, 0, kv_len)
-    kv_begin = (jnp.int32(0) if sliding_window is None
-                else jnp.maximum(first_pos - sliding_window + 1, 0))
-    all_steps = jnp.maximum(pl.cdiv(kv_stop, block_kv) - kv_begin // block_kv, 0)
-    per_split = pl.cdiv(all_steps, kv_splits)
-    kb0 = kv_begin // block_kv + c * per_split  # this split's first KV block
-    n_steps = jnp.clip(all_steps - c * per_split, 0, per_split)
+    t0, q_end, first_pos, kv_stop, kb0, n_steps = block_range(
+        seq, block_idx_ref[b], c, cu_q_lens_ref, kv_lens_ref, block_q=block_q, block_kv=block_kv,
+        sliding_window=sliding_window, kv_splits=kv_splits)
 
     def token_ok(i):  # guarding T too keeps a malformed cu_q_lens from writing out of bounds
       return (t0 + i < q_end) & (t0 + i < T)
@@ -306,31 +410,13 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
             plgpu.barrier_arrive(k_bar.at[slot])
             plgpu.barrier_arrive(v_bar.at[slot])
 
-    def fetch_first_steps():
-      for i in range(num_stages):
-        pl.when(i < n_steps)(functools.partial(fetch, i, i))
-
-    def produce():
-      """The producer warpgroup: refill each slot as soon as the consumer is done with it."""
-      fetch_first_steps()
-
-      @pl.loop(num_stages, jnp.maximum(n_steps, num_stages))
-      def _(step):
-        slot = lax.rem(step, jnp.int32(num_stages))
-        plgpu.barrier_wait(consumed_bar.at[slot])
-        fetch(step, slot)
-
-      # Observe the consumer's last arrival on each slot too: every completed
-      # phase of a barrier is waited for (GPU interpret mode checks it).
-      @pl.loop(jnp.maximum(n_steps, num_stages), n_steps + num_stages)
-      def _(step):
-        plgpu.barrier_wait(consumed_bar.at[lax.rem(step, jnp.int32(num_stages))])
+    ring = Ring(fetch, n_steps, num_stages, consumed_bar if warp_specialized else None)
 
     def consume():
       """The computing warpgroup (the only one without warp specialization)."""
       load_q()
       if not warp_specialized:
-        fetch_first_steps()
+        ring.fetch_first_steps()
       compute()
 
     def compute():
@@ -348,24 +434,10 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
       l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
       acc0 = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), layout)
 
-      def dequantize(ref):
-        """An 8-bit [block_kv, D] tile in shared memory -> registers in the dot dtype (WGMMA layout).
+      # The scales are applied to the scores and probabilities in float32, as the Triton kernel does.
+      dequantize = functools.partial(upcast, dtype=dtype)
 
-        The values convert exactly (int8 and e4m3 fit bf16 / f16); the scales are
-        applied to the scores and probabilities in float32, as the Triton kernel does.
-        WGMMA_UPCAST_2X: 32-bit shared-memory loads of 4 bytes, one warp shuffle to WGMMA.
-        """
-        x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
-        if x.dtype == jnp.float8_e4m3fn and dtype == jnp.bfloat16:
-          x = x.astype(jnp.float16)  # sm_90 converts e4m3 to f16 only; f16 -> bf16 is exact here
-        return plgpu.layout_cast(x.astype(dtype), layout)
-
-      def release(step, slot):
-        """The slot's contents are used up: refill it, or let the producer."""
-        if warp_specialized:
-          plgpu.barrier_arrive(consumed_bar.at[slot])
-        else:
-          pl.when(step + num_stages < n_steps)(functools.partial(fetch, step + num_stages, slot))
+      release = ring.release
 
       def kv_step(step, carry):
         acc, m, l = carry
@@ -460,7 +532,7 @@ def _rpa_kernel(block_seq_ref, block_idx_ref, cu_q_lens_ref, kv_lens_ref, page_i
     if warp_specialized:
       wg = lax.axis_index("wg")
       pl.when(wg == 0)(consume)
-      pl.when(wg == 1)(produce)
+      pl.when(wg == 1)(ring.produce)
     else:
       consume()
 
@@ -519,11 +591,6 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
   C = bs.kv_splits
   sink_rows = jnp.concatenate([sink_rows[None], jnp.full((C - 1, Hkv, ROWS), -jnp.inf)])  # [C, Hkv, R]
 
-  def swizzled(dt, cols):
-    """The widest swizzle a row of `cols` elements fills (128 B for 16-bit rows of >= 64)."""
-    bits = jnp.dtype(dt).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
   arrivals = bs.pages_per_block * (2 if scales else 1)  # a page, and its scales if quantized
   scratch = [
       plgpu.SMEM((ROWS, D), dtype),  # q_raw

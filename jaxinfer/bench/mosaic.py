@@ -21,7 +21,14 @@ paged batches, timing and copy ceiling):
      shape at the first page size: both kernels, bytes = the 8-bit K and V
      plus their scales;
   5. the Mosaic kernel's tile sizes (pages per step, pipeline stages, warp
-     specialization) on one decode shape.
+     specialization) on one decode shape;
+  6. MLA decode at DeepSeek-V3's widths under TP 8 (H 16, R 512, E 64; 64
+     sequences x 2,048 keys, 64-token pages), bf16 and fp8 latents (a scale
+     per 64 values): pallas_kernels.ragged_paged_mla (Triton, 'pallas') and
+     ragged_paged_mla_mgpu ('mosaic', 'mosaic_ws' with a producer warpgroup),
+     checked against ops.ragged_paged_mla's
+     XLA path; bytes = the latent rows the sequences own (576 values a key,
+     read once for all heads), plus their scales.
 The JSON is rewritten after every case, so a run cut short by its time limit
 keeps what it measured. A case that fails (say the Mosaic kernel does not
 compile) is recorded with its error and the run goes on.
@@ -46,6 +53,14 @@ again, and the wrapper transposes the scale pool, an extra 8 / D of the pool's
 bytes and one more launch per call); Triton 1.2-1.6x (its tiles convert
 after the load too, with no TMA).
 
+MLA (written before any run of either MLA kernel on a GPU): the Mosaic kernel
+35-60% of copy bandwidth: R = 512 is cut over two programs per sequence that
+each read the whole 1,152-byte row of every key (the second mostly from L2)
+and recompute the scores, a program's 224 KiB of tiles leave one program per
+SM and 2 stages (one step in flight while it computes); the fp8 latent at
+0.55x the bytes 1.3-1.7x faster (each 64-value group converted twice, its
+wgmmas one at a time). The Triton MLA kernel: no figure to anchor a guess.
+
   jaxinfer bench mosaic --smoke     # CPU: tiny shapes, both kernels in interpret mode
   jaxinfer bench mosaic --out $OUT/mosaic.json   # GPU (sm_90)
 """
@@ -56,6 +71,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -69,9 +85,12 @@ from jaxinfer.bench.harness import environment
 from jaxinfer.bench.kernels import (FULL, SMOKE, best_sdpa, ceilings, dense_from_pages, has_gpu, kv_bytes,
                                     max_err, paged_batch, time_us)
 from jaxinfer.models.cache import quantize_tokens
-from jaxinfer.ops import ragged_paged_attention_xla
+from jaxinfer.ops import ragged_paged_attention_xla, ragged_paged_mla
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels import ragged_paged_mla as ragged_paged_mla_triton
 from pallas_kernels.ragged_paged_attention_mgpu import BlockSizes, ragged_paged_attention_mgpu
+from pallas_kernels.ragged_paged_mla_mgpu import BlockSizes as MlaBlockSizes
+from pallas_kernels.ragged_paged_mla_mgpu import ragged_paged_mla_mgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +102,8 @@ class Cases:
   sweep: tuple[BlockSizes, ...]
   long: tuple[int, int, int]  # (B, kv_len, page_size): few long sequences, split-KV
   long_splits: int
+  mla: tuple[int, int, int]  # H, R, E
+  mla_decode: tuple[int, int, int]  # (B, kv_len, page_size)
 
 
 GPU_CASES = Cases(heads=(32, 8, 128), decode=((64, 2048), (256, 1024), (128, 4096)),
@@ -90,10 +111,10 @@ GPU_CASES = Cases(heads=(32, 8, 128), decode=((64, 2048), (256, 1024), (128, 409
                   sweep=(BlockSizes(num_stages=3), BlockSizes(num_stages=3, warp_specialized=True),
                          BlockSizes(num_stages=4, warp_specialized=True),
                          BlockSizes(pages_per_block=8, num_stages=2, warp_specialized=True)),
-                  long=(4, 16384, 16), long_splits=8)
+                  long=(4, 16384, 16), long_splits=8, mla=(16, 512, 64), mla_decode=(64, 2048, 64))
 SMOKE_CASES = Cases(heads=(8, 2, 64), decode=((3, 40),), page_sizes=(16,), sweep_shape=(2, 70, 16),
                     sweep=(BlockSizes(num_stages=3, warp_specialized=True),), long=(1, 300, 16),
-                    long_splits=3)
+                    long_splits=3, mla=(8, 64, 64), mla_decode=(3, 40, 16))
 
 
 def decode_row(name, call, want, nbytes, ceil, shapes, extra) -> dict:
@@ -197,6 +218,43 @@ def run(args: argparse.Namespace) -> int:
   B, kv_len, page_size = cases.sweep_shape
   run_case(B, kv_len, page_size, [("mosaic", mosaic(bs), {"block_sizes": dataclasses.asdict(bs)})
                                   for bs in cases.sweep])
+
+  def mla_case(B, kv_len, page_size, kv_dtype=None):
+    H, R, E = cases.mla
+    # The latent pool as one kv head of width R + E (its v_pages go unused).
+    g = paged_batch(rng, ((B, 1, kv_len),), page_size, H, 1, R + E)
+    batch = {"q_latent": g["q"][..., :R], "q_rope": g["q"][..., R:], "latent_pages": g["k_pages"][:, :, 0],
+             **{k: g[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")}}
+    keys = int(np.sum(np.asarray(batch["kv_lens"])))
+    nbytes = keys * (R + E) * 2
+    if kv_dtype is not None:  # 1-byte values + a float32 scale per gcd(R, E) values, as the cache stores them
+      groups = (R + E) // math.gcd(R, E)
+      batch["latent_pages"], batch["latent_scale"] = quantize_tokens(batch["latent_pages"], kv_dtype, groups)
+      nbytes = keys * ((R + E) + 4 * groups)
+    sm_scale = 192 ** -0.5  # DeepSeek-V3's 1 / sqrt(qk_nope 128 + qk_rope 64)
+    want = jax.block_until_ready(mla_xla(**batch, sm_scale=sm_scale))
+    case = {"section": "mla_decode", "B": B, "kv_len": kv_len, "page_size": page_size, "H": H, "R": R,
+            "E": E, "dtype": "bfloat16", "kv_bytes": nbytes, "kv_dtype": jnp.dtype(kv_dtype or jnp.bfloat16).name}
+    for name, fn in (("pallas", mla_triton), ("mosaic", mla_mosaic()),
+                     ("mosaic_ws", mla_mosaic(MlaBlockSizes(warp_specialized=True)))):
+      row = {**case, **decode_row(name, functools.partial(fn, **batch, sm_scale=sm_scale), want, nbytes,
+                                  ceil, shapes, {})}
+      report["results"].append(row)
+      save()
+      shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
+               if "us" in row else row["error"][:300])
+      print(f"MLA B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8} {shown} "
+            f"[{time.perf_counter() - start:.0f} s]", flush=True)
+
+  mla_xla = jax.jit(functools.partial(ragged_paged_mla, impl="xla"), static_argnames=("sm_scale",))
+  mla_triton = jax.jit(functools.partial(ragged_paged_mla_triton, interpret=smoke), static_argnames=("sm_scale",))
+
+  def mla_mosaic(block_sizes=None):
+    return jax.jit(functools.partial(ragged_paged_mla_mgpu, interpret=smoke, block_sizes=block_sizes),
+                   static_argnames=("sm_scale",))
+
+  mla_case(*cases.mla_decode)
+  mla_case(*cases.mla_decode, kv_dtype=jnp.float8_e4m3fn)
   report["wall_s"] = time.perf_counter() - start
   save()
   print(f"wrote {out}")

@@ -81,18 +81,18 @@ def load(name: str):
   return g, meta, cfg, params
 
 
-def batch_for(steps, page_tables, pad_tokens=2, pad_seqs=1):
+def batch_for(steps, page_tables, pad_tokens=2, pad_seqs=1, page_size=PAGE_SIZE, num_pages=NUM_PAGES):
   """PagedBatch for one step: `steps` = [(seq, first position, q_len)], each sequence's
   pages given by page_tables[seq]; padding tokens write nowhere (slot past the pool)."""
   slots, cu, kv_lens, tables = [], [0], [], []
   for seq, start, n in steps:
     pos = np.arange(start, start + n)
     table = np.asarray(page_tables[seq])
-    slots += list(table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+    slots += list(table[pos // page_size] * page_size + pos % page_size)
     cu.append(cu[-1] + n)
     kv_lens.append(start + n)
     tables.append(table)
-  slots += [NUM_PAGES * PAGE_SIZE] * pad_tokens
+  slots += [num_pages * page_size] * pad_tokens
   P = max(len(t) for t in tables)
   tables += [np.zeros(P, np.int32)] * pad_seqs
   cu += [cu[-1]] * pad_seqs
@@ -107,18 +107,21 @@ def jitted_block(cfg, impl):
   return jax.jit(functools.partial(mla.mla_attention_block, cfg=cfg, attention_impl=impl))
 
 
-def run_schedule(cfg, params, x, schedule, page_tables, impl="xla"):
+def run_schedule(cfg, params, x, schedule, page_tables, impl="xla", cache=None, page_size=PAGE_SIZE):
   """Runs steps of (seq, start, n) over one shared cache; every sequence reads rows of x
-  (its residual stream, [n, D]) at its positions. Returns each sequence's outputs and the cache."""
+  (its residual stream, [n, D]) at its positions. Returns each sequence's outputs and the cache.
+  cache: the layer cache to start from (default: a float32 latent of NUM_PAGES pages of PAGE_SIZE)."""
   h = rms_norm(jnp.asarray(x), params["attn_norm"], cfg.rms_norm_eps)
-  cache = {"latent": jnp.zeros((NUM_PAGES, PAGE_SIZE, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-                               jnp.float32)}
+  if cache is None:
+    cache = {"latent": jnp.zeros((NUM_PAGES, PAGE_SIZE, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                                 jnp.float32)}
+  num_pages = cache["latent"].shape[0]
   outs = {seq: np.full((x.shape[0], x.shape[1]), np.nan, np.float32) for seq in page_tables}
   block = jitted_block(cfg, impl)
   for steps in schedule:
-    batch = batch_for(steps, page_tables)
+    batch = batch_for(steps, page_tables, page_size=page_size, num_pages=num_pages)
     pos = np.concatenate([np.arange(s, s + n) for _, s, n in steps] + [np.zeros(2, int)])
-    xs = jnp.concatenate([h[s:s + n] for _, s, n in steps] + [jnp.zeros((2, h.shape[1]))])
+    xs = jnp.concatenate([h[s:s + n] for _, s, n in steps] + [jnp.zeros((2, h.shape[1]), h.dtype)])
     out, cache = block(params, x=xs, positions=jnp.asarray(pos, jnp.int32), layer_cache=cache, batch=batch)
     out = np.asarray(out)
     row = 0
@@ -212,6 +215,44 @@ def test_pallas_interpret_matches_xla():
   got, _ = run_schedule(cfg, params, x, mixed_schedule(12, 15), tables, impl="pallas_interpret")
   for seq in (0, 1):
     np.testing.assert_allclose(got[seq], want[seq], atol=1e-5, rtol=0)
+
+
+@pytest.mark.mosaic
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_mosaic_interpret_matches_xla(kv_dtype, monkeypatch):
+  """A bf16 layer with attention through the Mosaic GPU MLA kernel (GPU interpret mode on the
+  CPU) == the XLA path over the same cache: R = E = 64 (the kernel's narrowest widths),
+  16-token pages, a bf16 latent and an fp8 one with a scale per 64 values (the cache's
+  groups: gcd(R, E)); a prefill in two chunks beside decodes (three steps: interpret mode
+  costs seconds a step)."""
+  from pallas_kernels import ragged_paged_mla_mgpu as mgpu
+  if not mgpu.MOSAIC_AVAILABLE:
+    pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11 (Python 3.12 venv)")
+  calls = []
+  kernel = mgpu.ragged_paged_mla_mgpu
+  # Counted as the block is traced: the ops dispatch took this kernel, not the Triton fallback.
+  monkeypatch.setattr(mgpu, "ragged_paged_mla_mgpu", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  meta = json.loads(str(golden("mla_qlora")["meta"]))
+  cfg = mla_config(meta, kv_lora_rank=64, qk_rope_head_dim=64, head_dim=64, name="tiny-mla-64")
+  # A bf16 model: the kernel takes a quantized cache under a 16-bit q only.
+  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), random_params(cfg, jax.random.key(0)))
+  x = jax.random.normal(jax.random.key(1), (15, cfg.hidden_size), jnp.bfloat16)
+  L, p = 128, 16
+  tables = {0: [3], 1: [1]}
+
+  def cache():
+    c = {"latent": jnp.zeros((4, p, L), kv_dtype)}
+    if kv_dtype != jnp.bfloat16:
+      c["latent_scale"] = jnp.zeros((4, p, 2), jnp.float32)
+    return c
+
+  want, _ = run_schedule(cfg, params, x, mixed_schedule(12, 13), tables, impl="xla", cache=cache(),
+                         page_size=p)
+  got, _ = run_schedule(cfg, params, x, mixed_schedule(12, 13), tables, impl="mosaic_interpret",
+                        cache=cache(), page_size=p)
+  assert calls
+  for seq in (0, 1):
+    np.testing.assert_allclose(got[seq][:14], want[seq][:14], atol=2e-2, rtol=2e-2)
 
 
 def test_pallas_kernel_names_its_width_limit():

@@ -33,7 +33,13 @@ def test_smoke_run_writes_report(tmp_path):
              for r in rows)
   assert [r["block_sizes"]["num_stages"] for r in rows if "block_sizes" in r] == [3]  # the sweep
   # The fp8 cache section: both kernels on 1-byte values, bytes counted with their scales.
-  fp8 = [r for r in rows if r["kv_dtype"] == "float8_e4m3fn"]
+  fp8 = [r for r in rows if r["kv_dtype"] == "float8_e4m3fn" and r["section"] == "decode"]
   assert {r["impl"] for r in fp8} == {"pallas", "mosaic", "mosaic_ws"}
   bf16 = next(r for r in rows if r["kv_dtype"] == "bfloat16")
   assert all(r["kv_bytes"] * 2 * r["D"] == bf16["kv_bytes"] * (r["D"] + 4) for r in fp8)
+  # MLA decode: both MLA kernels on a bf16 and an fp8 latent (scales per 64 values counted).
+  mla = [r for r in rows if r["section"] == "mla_decode"]
+  assert sorted((r["impl"], r["kv_dtype"]) for r in mla) == [
+      (impl, kv) for impl in ("mosaic", "mosaic_ws", "pallas") for kv in ("bfloat16", "float8_e4m3fn")]
+  L = mla[0]["R"] + mla[0]["E"]
+  assert {r["kv_bytes"] for r in mla} == {mla[0]["kv_bytes"], mla[0]["kv_bytes"] // (2 * L) * (L + 4 * 2)}
