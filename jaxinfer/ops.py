@@ -2,8 +2,9 @@
 
 The model calls these ops and never a kernel directly. `impl` picks the
 implementation (the engine passes `EngineConfig.attention_impl`):
-  'auto'              on a Hopper (sm_90) GPU under jax >= 0.11, 'mosaic'; on other
-                      GPUs, 'pallas'; elsewhere, the XLA reference (on CPU the
+  'auto'              on a Hopper (sm_90) GPU under jax >= 0.11, 'mosaic' (for MLA
+                      models 'pallas': the Mosaic MLA kernel has not run on a GPU);
+                      on other GPUs, 'pallas'; elsewhere, the XLA reference (on CPU the
                       reference is the fast path: Pallas there only runs in
                       interpret mode, an emulator for tests);
   'xla'               the XLA reference on any backend;
@@ -60,15 +61,17 @@ _BLOCK_Q = 64
 
 
 def choose_attention_impl(impl: str, *, backend: str, compute_capability: str | None,
-                          mosaic_available: bool) -> str:
+                          mosaic_available: bool, mla: bool = False) -> str:
   """The attention implementation `impl` resolves to (the table in the module docstring).
 
   backend: jax's ('gpu', 'cpu', ...). compute_capability: the GPU's, 'major.minor'
   (None: unknown, no GPU in this process). mosaic_available: this jax has Mosaic GPU
   with interpret mode (jax >= 0.11). 'auto' picks 'mosaic' only on a known sm_90
   GPU: the kernel's wgmma exists on sm_90a alone (Ampere and Ada lack it and TMA,
-  Blackwell replaced it with tcgen05). InvalidRequestError for a choice this
-  backend cannot run.
+  Blackwell replaced it with tcgen05). mla: the model attends over a latent cache (MLA);
+  'auto' leaves it on the Triton kernel: the Mosaic MLA kernel has passed in interpret
+  mode and the sm_90 lowering only, never on a GPU ('mosaic' asks for it). InvalidRequestError
+  for a choice this backend cannot run.
   """
   if impl not in ATTENTION_IMPLS:
     raise InvalidRequestError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
@@ -76,7 +79,7 @@ def choose_attention_impl(impl: str, *, backend: str, compute_capability: str | 
   if impl == "auto":
     if backend != "gpu":
       return "xla"
-    return "mosaic" if mosaic_available and major == 9 else "pallas"
+    return "mosaic" if mosaic_available and major == 9 and not mla else "pallas"
   if impl in ("pallas", "mosaic") and backend != "gpu":
     raise InvalidRequestError(f"attention_impl={impl!r} compiles for GPU only (this backend is {backend!r}); "
                      f"use '{impl}_interpret' to run the kernel in interpret mode, or 'xla'")
@@ -89,7 +92,7 @@ def choose_attention_impl(impl: str, *, backend: str, compute_capability: str | 
   return impl
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
+def resolve_attention_impl(impl: str, backend: str | None = None, mla: bool = False) -> str:
   """`choose_attention_impl` for this process: its backend (or `backend`), GPU 0's compute
   capability and jax's Mosaic GPU."""
   backend = backend or jax.default_backend()
@@ -103,7 +106,7 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
     except RuntimeError:  # backend named by the caller, no GPU in this process
       cc = None
   return choose_attention_impl(impl, backend=backend, compute_capability=cc,
-                               mosaic_available=mosaic_available)
+                               mosaic_available=mosaic_available, mla=mla)
 
 
 def ragged_attention_kernel(impl: str, q: jax.Array, k_pages: jax.Array,
@@ -222,7 +225,7 @@ def ragged_paged_mla(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.A
   token's [c_KV, k_R] stored as values times its own scale (both paths dequantize
   each tile before the dots)
   """
-  impl = resolve_attention_impl(impl)
+  impl = resolve_attention_impl(impl, mla=True)
   if impl == "xla":
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], -1)  # [T, H, R + E]
     pages = latent_pages[:, :, None, :]  # one KV head

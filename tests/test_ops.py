@@ -162,6 +162,9 @@ def test_auto_is_xla_on_cpu_and_pallas_on_gpu():
 def test_auto_picks_mosaic_on_hopper_with_jax_0_11(backend, cc, mosaic, want):
   assert ops.choose_attention_impl("auto", backend=backend, compute_capability=cc,
                                    mosaic_available=mosaic) == want
+  # An MLA model stays on Triton under 'auto' (its Mosaic kernel has not run on a GPU).
+  assert ops.choose_attention_impl("auto", backend=backend, compute_capability=cc, mosaic_available=mosaic,
+                                   mla=True) == ("pallas" if want == "mosaic" else want)
 
 
 def test_explicit_impls_are_checked_against_the_machine():

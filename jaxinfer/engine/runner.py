@@ -157,7 +157,7 @@ class ModelRunner:
     (models/transformer.py; InvalidRequestError where the model or the setup cannot)."""
     from jaxinfer.sharding import make_rules, runtime_params
     self.cfg = cfg
-    self.attention_impl = resolve_attention_impl(attention_impl)
+    self.attention_impl = resolve_attention_impl(attention_impl, mla=cfg.kv_lora_rank > 0)
     self.dtype = model_dtype(params)
     self.mtp = mtp_params is not None
     if self.mtp and num_speculative_tokens < 1:
