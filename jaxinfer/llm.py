@@ -149,7 +149,9 @@ class LLM:
   def stream(self, prompts: Prompt | Sequence[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              apply_chat_template: bool = False) -> Iterator[RequestOutput]:
-    """Yields each request's outputs as they grow (`new_text`, `new_token_ids` are deltas).
+    """Yields each request's outputs as they grow (`new_text`, `new_token_ids` are deltas; the
+    cumulative `token_ids` / `logprobs` of an unfinished output are read-only views, as they
+    were when it was made: `engine.output.Prefix`).
 
     Requests of one call are batched together, so outputs of different
     prompts interleave: `out.index` is the prompt's position in `prompts`.

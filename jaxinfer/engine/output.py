@@ -9,7 +9,9 @@ a request is reported, and the engine ends it.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -18,12 +20,56 @@ from jaxinfer.engine.scheduler import Request
 from jaxinfer.tokenizer import Tokenizer
 
 
+class Prefix(collections.abc.Sequence):
+  """items[start:stop] of a list that is only ever appended to, as it was when the view was
+  made, without copying it: a streamed output's cumulative ids and logprobs (a copy each step
+  would cost every request O(its length) per step, O(length^2) over a stream). Read-only;
+  compares equal to a list with the same items; list(view) copies."""
+
+  __slots__ = ("_items", "_start", "_stop")
+
+  def __init__(self, items: list, start: int = 0, stop: int | None = None):
+    self._items, self._start = items, start
+    self._stop = len(items) if stop is None else stop
+
+  def __len__(self) -> int:
+    return self._stop - self._start
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      lo, hi, step = i.indices(len(self))
+      return self._items[self._start + lo:self._start + hi:step] if step > 0 else list(self)[i]
+    n = len(self)
+    if not -n <= i < n:
+      raise IndexError("Prefix index out of range")
+    return self._items[self._start + (i % n)]
+
+  def __iter__(self):
+    return itertools.islice(self._items, self._start, self._stop)
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, collections.abc.Sequence) or isinstance(other, (str, bytes)):
+      return NotImplemented
+    return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+  __hash__ = None
+
+  def __add__(self, other) -> list:
+    return list(self) + list(other)
+
+  def __repr__(self) -> str:
+    return repr(list(self))
+
+
 @dataclasses.dataclass
 class RequestOutput:
   """A request's state after a step: cumulative text and ids, plus what is new.
 
   `new_token_ids` / `new_text` are the delta since the previous output of
-  this request (what a stream sends). Text never ends inside a UTF-8
+  this request (what a stream sends). A streamed output's cumulative
+  `token_ids`, `logprobs`, `top_logprobs` and `prompt_logprobs` are read-only
+  `Prefix` views (the request's lists as they were, not copied every step); a
+  finished output's are lists. Text never ends inside a UTF-8
   character or inside a possible stop string; it is complete once finished.
   `finish_reason`: None while running, else 'stop' (EOS, stop id or stop
   string), 'length' (max_tokens or the context), 'abort', or 'error' (this
@@ -34,13 +80,13 @@ class RequestOutput:
   prompt: str | None
   prompt_token_ids: list[int]
   text: str
-  token_ids: list[int]
-  logprobs: list[float]  # log-probability of each generated token
+  token_ids: Sequence[int]
+  logprobs: Sequence[float]  # log-probability of each generated token
   finish_reason: str | None = None
   new_token_ids: list[int] = dataclasses.field(default_factory=list)
   new_text: str = ""
-  top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
-  prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
+  top_logprobs: Sequence[dict[int, float]] | None = None  # with SamplingParams.logprobs
+  prompt_logprobs: Sequence[dict[int, float] | None] | None = None  # with .prompt_logprobs
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
   num_remote_cached_tokens: int = 0  # remote KV: prompt tokens the remote worker had in its prefix cache
   num_accepted_draft_tokens: int = 0  # speculative decoding: drafts the target accepted into the output
@@ -185,17 +231,19 @@ class OutputProcessor:
     """The request's output now: cumulative state plus the delta since the last one made."""
     out = req.output
     finished = req.finish_reason is not None
-    ids = req.output_token_ids
+    # Finished: lists, once. Streaming: views of the lists the request appends to.
+    snap = list if finished else Prefix
+    ids = req.output_token_ids if finished else Prefix(req.token_ids, req.num_prompt_tokens)
     if out.deferred and out.detok is not None:
       for token in ids[len(out.detok.ids):]:
         out.detok.push(token)
     text = out.visible_text(finished)
     o = RequestOutput(
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=text, token_ids=ids, logprobs=list(out.logprobs), finish_reason=req.finish_reason,
+        text=text, token_ids=ids, logprobs=snap(out.logprobs), finish_reason=req.finish_reason,
         new_token_ids=ids[out.sent_tokens:], new_text=text[out.sent_chars:],
-        top_logprobs=list(out.top) if out.top is not None else None,
-        prompt_logprobs=list(out.prompt_lp) if out.prompt_lp is not None else None,
+        top_logprobs=snap(out.top) if out.top is not None else None,
+        prompt_logprobs=snap(out.prompt_lp) if out.prompt_lp is not None else None,
         num_cached_tokens=req.num_cached_tokens, num_remote_cached_tokens=req.num_remote_cached_tokens,
         num_accepted_draft_tokens=out.accepted_drafts)
     out.sent_tokens, out.sent_chars = len(ids), len(text)
