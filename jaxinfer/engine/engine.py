@@ -77,7 +77,8 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int | None = None
   # The KV pool's budget. None: by backend and memory (`kv_budget`): 1 GiB on the CPU; on a
-  # GPU, KV_MEMORY_FRACTION of what its allocator may hold, less what is in use (the weights).
+  # GPU, KV_MEMORY_FRACTION of what its allocator may hold, less what is in use (the weights);
+  # 1 GiB in a multi-host job (every process must size the same pool: give it there).
   kv_cache_bytes: int | None = None
   enable_prefix_caching: bool = True
   warmup: bool = True
@@ -213,7 +214,10 @@ class LLMEngine:
       seqs_per_shard = max(1, -(-ec.max_num_seqs // shards))
       budget = ec.kv_cache_bytes
       free_note = ""
-      if budget is None:
+      if budget is None and jax.process_count() > 1:
+        # Every process must size the same pool, and each sees only its own devices' memory.
+        budget = DEFAULT_KV_BYTES
+      elif budget is None:
         devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
         budget = kv_budget([d.memory_stats() for d in devices])
         if budget != DEFAULT_KV_BYTES:
