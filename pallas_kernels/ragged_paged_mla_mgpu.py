@@ -122,6 +122,7 @@ from pallas_kernels._common import is_pow2
 from pallas_kernels.ragged_paged_attention import _schedule
 from pallas_kernels.ragged_paged_attention_mgpu import (
     MOSAIC_AVAILABLE,
+    BlockSizes,
     ROWS,
     Ring,
     _merge_splits,
@@ -133,7 +134,6 @@ from pallas_kernels.ragged_paged_attention_mgpu import (
 )
 from pallas_kernels.ragged_paged_mla import _check_inputs
 
-_DEFAULT_BLOCK_KV = 64
 MAX_UNIT = 256  # columns of one PV wgmma (its N) and of one TMA box
 SMEM_LIMIT = 227 * 1024  # shared memory one block may take on sm_90
 # What Mosaic GPU adds to the scratch: barriers and the alignment of each buffer (1,048 B at
@@ -141,42 +141,9 @@ SMEM_LIMIT = 227 * 1024  # shared memory one block may take on sm_90
 _SMEM_OVERHEAD = 1536
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes of the Mosaic GPU MLA kernel.
-
-  pages_per_block: pages per KV step; block_kv = pages_per_block * page_size
-    keys must be a multiple of 64 and <= 256. None: 64 keys (one page if the
-    page is longer).
-  num_stages: shared-memory slots for page tiles (>= 2); each is block_kv x L
-    values of the cache's dtype (72 KiB at DeepSeek's L = 576, bf16, 64 keys).
-  warp_specialized: a second, producer warpgroup issues every copy and refills
-    a slot as soon as the computing one is done with it (all num_stages slots
-    in flight, page-id loads off the compute path; as in the GQA kernel).
-  kv_splits: C > 1 cuts each q block's KV range into C parts, one program each,
-    merged by log-sum-exp (flash-decoding), so that few long sequences fill the SMs.
-  """
-  pages_per_block: int | None = None
-  num_stages: int = 2
-  warp_specialized: bool = False
-  kv_splits: int = 1
-
-  def __post_init__(self):
-    if self.pages_per_block is not None and self.pages_per_block < 1:
-      raise ValueError(f"BlockSizes.pages_per_block={self.pages_per_block} must be >= 1")
-    if self.num_stages < 2:
-      raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 2")
-    if self.kv_splits < 1:
-      raise ValueError(f"BlockSizes.kv_splits={self.kv_splits} must be >= 1")
-
-  def resolve(self, page_size: int) -> BlockSizes:
-    ppb = self.pages_per_block or max(1, _DEFAULT_BLOCK_KV // page_size)
-    block_kv = ppb * page_size
-    if block_kv % 64 or block_kv > 256:
-      raise NotImplementedError(
-          f"pages_per_block={ppb} x page_size={page_size} = {block_kv} keys per step must be a "
-          "multiple of 64 and <= 256 (the wgmma N of the scores)")
-    return dataclasses.replace(self, pages_per_block=ppb)
+# Tile sizes: the GQA kernel's BlockSizes (the same four knobs and limits, imported above).
+# Here a slot of `num_stages` is block_kv x L values of the cache's dtype (72 KiB at
+# DeepSeek's L = 576, bf16, 64 keys); pages_per_block None means 64 keys.
 
 
 @dataclasses.dataclass(frozen=True)

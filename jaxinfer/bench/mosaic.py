@@ -153,6 +153,14 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
   start = time.perf_counter()
+
+  def emit(row: dict, label: str) -> None:
+    """Records a decode row (saved at once: a run cut short keeps it) and prints it."""
+    report["results"].append(row)
+    save()
+    shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
+             if "us" in row else row["error"][:300])
+    print(f"{label} {shown} [{time.perf_counter() - start:.0f} s]", flush=True)
   report["ceilings"] = ceil = ceilings(dataclasses.replace(shapes, matmul_n=256))
   print(f"copy {ceil['hbm_gb_s']:.0f} GB/s", flush=True)
   save()
@@ -187,13 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "Hkv": Hkv, "D": D, "dtype": "bfloat16", "kv_bytes": nbytes,
             "kv_dtype": jnp.dtype(kv_dtype or jnp.bfloat16).name}
     for name, call, want_of_call, extra in calls:
-      row = {**case, **decode_row(name, call, want_of_call, nbytes, ceil, shapes, extra)}
-      report["results"].append(row)
-      save()
-      shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
-               if "us" in row else row["error"][:300])
-      print(f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8} {extra or ''} {shown} "
-            f"[{time.perf_counter() - start:.0f} s]", flush=True)
+      emit({**case, **decode_row(name, call, want_of_call, nbytes, ceil, shapes, extra)},
+           f"B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8} {extra or ''}")
 
   def decode_shape(B, kv_len):
     for i, page_size in enumerate(cases.page_sizes):
@@ -237,14 +240,9 @@ def run(args: argparse.Namespace) -> int:
             "E": E, "dtype": "bfloat16", "kv_bytes": nbytes, "kv_dtype": jnp.dtype(kv_dtype or jnp.bfloat16).name}
     for name, fn in (("pallas", mla_triton), ("mosaic", mla_mosaic()),
                      ("mosaic_ws", mla_mosaic(MlaBlockSizes(warp_specialized=True)))):
-      row = {**case, **decode_row(name, functools.partial(fn, **batch, sm_scale=sm_scale), want, nbytes,
-                                  ceil, shapes, {})}
-      report["results"].append(row)
-      save()
-      shown = (f"{row['us']:9.1f} us {row['gb_s']:6.0f} GB/s {row['pct_of_copy_bw']:5.1f}%"
-               if "us" in row else row["error"][:300])
-      print(f"MLA B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8} {shown} "
-            f"[{time.perf_counter() - start:.0f} s]", flush=True)
+      emit({**case, **decode_row(name, functools.partial(fn, **batch, sm_scale=sm_scale), want, nbytes,
+                                 ceil, shapes, {})},
+           f"MLA B={B:4d} kv={kv_len:5d} p={page_size:3d} {case['kv_dtype'][:6]:6} {name:8}")
 
   mla_xla = jax.jit(functools.partial(ragged_paged_mla, impl="xla"), static_argnames=("sm_scale",))
   mla_triton = jax.jit(functools.partial(ragged_paged_mla_triton, interpret=smoke), static_argnames=("sm_scale",))
