@@ -292,8 +292,6 @@ def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards:
   return batch, (seq_rows, token_rows)
 
 
-
-
 class InputBatch:
   """The running requests' page tables and sampling controls, one row per sampler row,
   kept across steps (vLLM's persistent input batch and block table).

@@ -207,19 +207,18 @@ class LLMEngine:
     # A pool split along 'pages' (attention data parallelism: sharding_rules={"pages": "data"})
     # is `shards` equal pools, each with its own reserved padding page.
     shards = cache_spec.page_shards(mesh, make_rules(sharding_rules))
+    free_note = ""
     if ec.num_pages is None:
       # Enough for max_num_seqs full sequences spread over the shards, and at least one
       # per shard: a sequence lives on one shard, so a pool of many small shards must
       # still hold a max_model_len sequence in each.
       seqs_per_shard = max(1, -(-ec.max_num_seqs // shards))
       budget = ec.kv_cache_bytes
-      free_note = ""
-      if budget is None and jax.process_count() > 1:
-        # Every process must size the same pool, and each sees only its own devices' memory.
-        budget = DEFAULT_KV_BYTES
-      elif budget is None:
+      if budget is None:
         devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
-        budget = kv_budget([d.memory_stats() for d in devices])
+        # A multi-host job's processes must size the same pool, and each sees only its own
+        # devices' memory: no stats there (the fixed default).
+        budget = kv_budget([d.memory_stats() for d in devices] if jax.process_count() == 1 else [None])
         if budget != DEFAULT_KV_BYTES:
           free_note = (f" (by default the budget is what the device has free: {budget / 2**30:.2f} GiB; another "
                        f"engine in this process may hold the rest)")
@@ -227,7 +226,6 @@ class LLMEngine:
                                            cap=shards * (seqs_per_shard * pages_per_seq + 1))
       num_pages -= num_pages % shards
     else:
-      free_note = ""
       num_pages = ec.num_pages
       if num_pages % shards:
         from jaxinfer.errors import ShardingError
@@ -631,8 +629,8 @@ class LLMEngine:
         req.spec_token_ids = drafts
 
   def _count_acceptance(self, proposed: int, accepted: int) -> None:
-    if not proposed:
-      return  # (numpy's += on an empty slice still costs ~10 us, per request per step)
+    """(Called for sequences with drafts only: numpy's += on an empty slice still costs
+    ~10 us, per request per step.)"""
     self.spec_proposed[:proposed] += 1
     self.spec_accepted[:accepted] += 1
 

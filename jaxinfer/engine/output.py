@@ -101,7 +101,8 @@ class RequestOutput:
 class OutputState:
   """One request's output so far: logprobs, detokenized text, what was sent, its matcher."""
 
-  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int], stream: bool = True):
+  def __init__(self, req: Request, tokenizer: Tokenizer | None, eos_ids: Sequence[int], stream: bool = True,
+               grammar=None):
     p = req.params
     self.stream = stream  # an output after every step (else only the final one)
     self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
@@ -119,11 +120,11 @@ class OutputState:
     self.sent_tokens = 0
     self.sent_chars = 0
     self.stopped_by_text = False
-    self.grammar = None  # structured output: the request's matcher (engine/grammar.py)
+    self.grammar = grammar  # structured output: the request's matcher (engine/grammar.py)
     self.accepted_drafts = 0  # speculative decoding: accepted drafts that joined the output
     # No top logprobs, stop strings or grammar: a token's commit is a few appends and two
     # checks (OutputProcessor.commit inlines it; most decode rows of most steps are this).
-    self.plain = self.top is None and not p.stop
+    self.plain = self.top is None and not p.stop and grammar is None
     self.max_tokens = p.max_tokens
 
   def visible_text(self, finished: bool) -> str:
@@ -145,8 +146,7 @@ class OutputProcessor:
 
   def start(self, req: Request, grammar=None, stream: bool = True) -> None:
     """Gives a new request its output state (and its structured-output matcher)."""
-    req.output = OutputState(req, self.tokenizer, self.eos_ids, stream)
-    req.output.grammar = grammar
+    req.output = OutputState(req, self.tokenizer, self.eos_ids, stream, grammar)
 
   def commit(self, req: Request, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray,
              top_logprobs: np.ndarray, count: int, num_drafts: int = 0, row: int | None = None) -> str | None:
@@ -155,7 +155,7 @@ class OutputProcessor:
     reason ('stop', 'length') or None. Top logprobs are top_ids[j] / top_logprobs[j], or with
     `row` the step's whole arrays' [row, j] (read only when the request wants them)."""
     out = req.output
-    if count == 1 and out.plain and out.grammar is None:  # commit_one, inlined for the common row
+    if count == 1 and out.plain:  # commit_one, inlined for the common row
       token = ids[0]
       req.token_ids.append(token)
       self.num_generated_tokens += 1
