@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import secrets
 from pathlib import Path
@@ -263,7 +264,7 @@ class LLMEngine:
                              self.max_model_len)
     self.eos_ids = self.frontend.eos_ids
     self.grammars = self.frontend.grammars
-    self.outputs = OutputProcessor(tokenizer, self.eos_ids)
+    self.outputs = OutputProcessor(tokenizer, self.eos_ids, ec.max_num_seqs)
     self._requests: dict[str, Request] = {}
     self._pending: list[RequestOutput] = []  # outputs made between steps (finish_remote_kv)
     self._inflight: _Launched | None = None  # async scheduling: the step the device is running
@@ -571,14 +572,24 @@ class LLMEngine:
     outputs = []
     prompt_lp = result.prompt is not None
     mtp_drafts = result.drafts is not None and result.drafts.shape[1] > 0
+    reqs = list(map(_FIRST, sched.scheduled))
+    # Rows that verified drafts count acceptance; a step with prompt logprobs or MTP drafts
+    # to record goes the per-request way whole.
+    eligible = not (prompt_lp or mtp_drafts)
+    if eligible and self.spec is not None:
+      eligible = np.fromiter(map(len, sched.drafts), np.int64, len(reqs)) == 0
+    slow = self.outputs.commit_plain(reqs, sched.rows, sched.row_gens, self.scheduler.row_gen, result.ids,
+                                     result.logprobs, result.num_committed, eligible)
+    starts = np.cumsum([0] + [n for _, n in sched.scheduled]) if prompt_lp else None
     commit, output = self.outputs.commit, self.outputs.output
-    t = 0
-    for i, (req, n) in enumerate(sched.scheduled):
+    for i in slow.tolist():
+      req, n = sched.scheduled[i]
       try:
         if req.finish_reason is not None:
           continue  # ended (stop, abort) while this step ran: its work is dropped
         seq = seqs[i]
         if prompt_lp and seq.want_prompt_logprobs:
+          t = starts[i]
           self.outputs.add_prompt_logprobs(req, seq.start, seq.num_new, *(a[t:t + n] for a in result.prompt))
         if seq.draft_ids:
           self._count_acceptance(len(seq.draft_ids), len(accepted[i]))
@@ -596,8 +607,6 @@ class LLMEngine:
       except Exception as e:  # one request's failure must not end the others
         log.exception("request %s failed", req.request_id)
         outputs.append(self._fail(req, e))
-      finally:
-        t += n
     return outputs
 
   def _propose_drafts(self) -> None:
@@ -754,6 +763,9 @@ def _find_mtp_head(cfg: ModelConfig, params: Any, model_path: str | Path | None,
     return jax.device_put(weights, jax.devices()[0])
   # One block: replicated on every device of the mesh, beside the sharded model.
   return jax.device_put(weights, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+_FIRST = operator.itemgetter(0)
 
 
 def _speculates(params: SamplingParams) -> bool:

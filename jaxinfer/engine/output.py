@@ -5,13 +5,22 @@ max_tokens, the grammar's end), detokenization that never ends inside a characte
 possible stop string, logprobs and prompt logprobs, and the `RequestOutput` deltas. It never
 touches request progress (the scheduler's) or device state (the runner's): a token that ends
 a request is reported, and the engine ends it.
+
+A step is committed over its rows at once (`commit_plain`): what decides a plain row's
+commit (its stop ids, its length limit, its token count) is kept in arrays by sampler row
+(`RowControls`), so the rows that take one token, do not finish, and show nothing until
+the end are found and committed by numpy and C-level appends; per-request Python runs for
+the rest only (a row that finishes, streams, has stop strings, top logprobs, a grammar or
+drafts, and a row whose request has just joined).
 """
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import dataclasses
 import itertools
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -136,13 +145,84 @@ class OutputState:
     return text if finished else text[:max(self.sent_chars, len(text) - self.hold)]
 
 
+# Stop ids a row's controls hold (EOS ids plus SamplingParams.stop_token_ids); a request with
+# more commits through the per-request path.
+MAX_ROW_STOP_IDS = 8
+
+
+class RowControls:
+  """Per sampler row, what commits a plain token of the request holding it (R rows):
+
+    tenancy [R]    the row's `Scheduler.row_gen` these controls were made for (-1: none)
+    plain [R]      its commits need no per-request Python: one token at a time, no stop
+                   strings, top logprobs or grammar, and not streamed (nothing to show)
+    num_tokens [R] the request's known tokens (prompt + output), kept by `commit_plain`
+    limit [R]      num_tokens at which it ends with 'length' (prompt + max_tokens)
+    stop [R, MAX_ROW_STOP_IDS]  ids that end it with 'stop' (-1 pads)
+
+  A row's controls are made when its request is first seen there (`bind`: a join) and
+  dropped when one of its commits goes the per-request way (the count is then the
+  request's again, and the next step re-binds)."""
+
+  def __init__(self, num_rows: int):
+    self.tenancy = np.full(num_rows, -1, np.int64)
+    self.plain = np.zeros(num_rows, bool)
+    self.num_tokens = np.zeros(num_rows, np.int64)
+    self.limit = np.zeros(num_rows, np.int64)
+    self.stop = np.full((num_rows, MAX_ROW_STOP_IDS), -1, np.int64)
+
+  def bind(self, row: int, tenancy: int, req: Request) -> None:
+    out = req.output
+    self.tenancy[row] = tenancy
+    self.plain[row] = out.plain and not out.stream and len(out.stop_ids) <= MAX_ROW_STOP_IDS
+    self.num_tokens[row] = len(req.token_ids)
+    self.limit[row] = req.num_prompt_tokens + out.max_tokens
+    self.stop[row] = -1
+    self.stop[row, :min(len(out.stop_ids), MAX_ROW_STOP_IDS)] = sorted(out.stop_ids)[:MAX_ROW_STOP_IDS]
+
+
 class OutputProcessor:
   """Commits tokens to requests and makes their outputs (see the module docstring)."""
 
-  def __init__(self, tokenizer: Tokenizer | None, eos_ids: Sequence[int]):
+  def __init__(self, tokenizer: Tokenizer | None, eos_ids: Sequence[int], num_rows: int = 0):
     self.tokenizer = tokenizer
     self.eos_ids = tuple(eos_ids)
     self.num_generated_tokens = 0
+    self.rows = RowControls(num_rows)
+
+  def commit_plain(self, reqs: Sequence[Request], rows: np.ndarray, tenancy: np.ndarray,
+                   row_gen: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
+                   eligible: np.ndarray | bool = True) -> np.ndarray:
+    """Commits, at once, the step's rows that take one token, do not finish, and whose request
+    shows nothing until it ends; returns the indices of the other rows (each needs `commit`,
+    in order). reqs[i] ran on sampler row rows[i] of tenancy tenancy[i] (`SchedulerOutput`);
+    row_gen: every row's tenancy now (a row freed or re-taken since is not its request's);
+    ids / logprobs [S, k + 1] and counts [S]: the step's results; eligible: rows the caller
+    lets through (False: drafts, prompt logprobs or MTP drafts to record)."""
+    m = len(reqs)
+    ctl = self.rows
+    held = row_gen[rows] == tenancy
+    join = np.flatnonzero(held & (ctl.tenancy[rows] != tenancy))
+    for i in join.tolist():  # the rows a request has just joined
+      ctl.bind(int(rows[i]), int(tenancy[i]), reqs[i])
+    tok = ids[:m, 0]
+    n = ctl.num_tokens[rows] + 1
+    fast = (held & ctl.plain[rows] & (counts[:m] == 1) & eligible & (n < ctl.limit[rows])
+            & ~(ctl.stop[rows] == tok[:, None]).any(axis=1))
+    idx = np.flatnonzero(fast)
+    if len(idx):
+      r = rows[idx]
+      ctl.num_tokens[r] = n[idx]
+      got = list(map(reqs.__getitem__, idx.tolist()))
+      # Appends without a Python frame per request (deque(maxlen=0) drains the map).
+      collections.deque(map(list.append, map(_TOKEN_IDS, got), tok[idx].tolist()), maxlen=0)
+      collections.deque(map(list.append, map(_LOGPROBS, got), logprobs[idx, 0].tolist()), maxlen=0)
+      self.num_generated_tokens += len(idx)
+    slow = np.flatnonzero(~fast)
+    # Their counts become the requests' again: the next step re-binds those it may take.
+    drop = slow[held[slow] & ctl.plain[rows[slow]] & (counts[slow] > 0)]
+    ctl.tenancy[rows[drop]] = -1
+    return slow
 
   def start(self, req: Request, grammar=None, stream: bool = True) -> None:
     """Gives a new request its output state (and its structured-output matcher)."""
@@ -248,6 +328,10 @@ class OutputProcessor:
         num_accepted_draft_tokens=out.accepted_drafts)
     out.sent_tokens, out.sent_chars = len(ids), len(text)
     return o
+
+
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_LOGPROBS = operator.attrgetter("output.logprobs")
 
 
 def logprob_entry(top_ids, top_lps, n: int, token: int, logprob) -> dict[int, float]:

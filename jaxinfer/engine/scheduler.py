@@ -45,6 +45,8 @@ import dataclasses
 import enum
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from jaxinfer.config import from_options
 from jaxinfer.engine.kv_connector import KVConnector
 from jaxinfer.engine.kv_manager import KVManager
@@ -202,6 +204,9 @@ class SchedulerOutput:
   drafts: list[list[int]] = dataclasses.field(default_factory=list)  # the drafts each verifies
   # Each request's step ends at its known tokens, so it samples (else: a prefill chunk).
   samples: list[bool] = dataclasses.field(default_factory=list)
+  # Each request's sampler row and that row's tenancy (`Scheduler.row_gen`) when scheduled.
+  rows: Any = None  # [S] int
+  row_gens: Any = None  # [S] int
 
   @property
   def num_tokens(self) -> int:
@@ -226,6 +231,10 @@ class Scheduler:
     self.waiting_for_kv: dict[str, Request] = {}
     self.held: dict[str, Request] = {}  # finished, pages kept for a transfer (hold_kv)
     self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+    # Each sampler row's tenancy, bumped whenever the row is taken or freed: a host array keyed
+    # by row (the output processor's, `RowControls`) tells from it, for a whole step at once,
+    # which rows still hold the request the step ran for.
+    self.row_gen = np.zeros(max_num_seqs, np.int64)
     self.num_preemptions = 0
     self.rank_tokens = [0] * kv.num_shards  # tokens the last step scheduled on each data rank
 
@@ -254,8 +263,9 @@ class Scheduler:
     if sharded and self.dp_balance.hold_prefill:
       self._hold_back(out)
     self.rank_tokens = [0] * self.kv.num_shards
-    starts, all_drafts, all_samples = out.starts, out.drafts, out.samples
+    starts, all_drafts, all_samples, rows = out.starts, out.drafts, out.samples, []
     for req, n in out.scheduled:
+      rows.append(req.row)
       if sharded:
         self.rank_tokens[self.kv.request_shard(req.request_id)] += n
       drafts = req.spec_token_ids
@@ -272,6 +282,8 @@ class Scheduler:
         req.num_inflight_drafts += len(drafts)
     if not sharded:
       self.rank_tokens[0] = out.num_tokens
+    out.rows = np.array(rows, np.int64)
+    out.row_gens = self.row_gen[out.rows]
     return out
 
   def update_from_output(self, out: SchedulerOutput, ids: Any = None, num_committed: Any = None) -> list[list[int]]:
@@ -413,7 +425,7 @@ class Scheduler:
       self.waiting.popleft()
       req.num_computed = req.num_cached_tokens = computed
       req.status = Status.RUNNING
-      req.row = self._free_rows.pop()
+      self._take_row(req)
       req.needs_history = req.params.uses_penalties
       self.running.append(req)
       out.scheduled.append((req, n))
@@ -475,7 +487,7 @@ class Scheduler:
     req.num_computed = req.num_cached_tokens = computed
     req.num_remote_tokens = remote
     req.status = Status.WAITING_FOR_REMOTE_KV
-    req.row = self._free_rows.pop()
+    self._take_row(req)
     self.waiting_for_kv[req.request_id] = req
     self.connector.update_state_after_alloc(req, list(pages), remote)
     return True
@@ -529,9 +541,14 @@ class Scheduler:
     req.status = Status.FINISHED
     req.finish_reason = reason
 
+  def _take_row(self, req: Request) -> None:
+    req.row = self._free_rows.pop()
+    self.row_gen[req.row] += 1
+
   def _release(self, req: Request, keep_pages: bool = False) -> None:
     if not keep_pages:
       self.kv.free(req.request_id)
     if req.row is not None:
+      self.row_gen[req.row] += 1
       self._free_rows.append(req.row)
       req.row = None

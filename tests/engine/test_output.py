@@ -41,3 +41,102 @@ def test_streamed_outputs_are_snapshots_and_the_final_one_holds_lists():
     assert len(o.token_ids) == len(o.logprobs) == len(o.top_logprobs) == seen
     assert o.token_ids == final.token_ids[:seen] and o.logprobs == final.logprobs[:seen]
   assert seen + len(final.new_token_ids) == 6
+
+
+def _requests(specs):
+  """Requests with output state: each spec is (max_tokens, stop_token_ids, stream, logprobs)."""
+  from jaxinfer.engine.output import OutputProcessor
+  from jaxinfer.engine.scheduler import Request
+  from jaxinfer.sampling import SamplingParams
+  outputs = OutputProcessor(None, eos_ids=[2], num_rows=len(specs))
+  reqs = []
+  for i, (max_tokens, stop, stream, logprobs) in enumerate(specs):
+    req = Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, logprobs=logprobs), 0)
+    outputs.start(req, stream=stream)
+    reqs.append(req)
+  return outputs, reqs
+
+
+def test_commit_plain_commits_the_plain_rows_and_leaves_the_rest_in_order():
+  """One step over six rows: rows 0 and 5 take their token at once; the others are left to
+  `commit`, each for its own reason (a stop id, max_tokens reached, streamed, top logprobs)."""
+  import numpy as np
+  outputs, reqs = _requests([(10, [], False, None), (10, [9], False, None), (1, [], False, None),
+                             (10, [], True, None), (10, [], False, 1), (10, [], False, None)])
+  rows = np.array([3, 0, 1, 2, 4, 5])  # sampler rows need not follow the step's order
+  gens = np.array([1, 1, 1, 1, 1, 1])
+  ids = np.array([[40], [9], [41], [42], [43], [2 + 42]], np.int32)
+  logprobs = -np.arange(6, dtype=np.float32)[:, None]
+  slow = outputs.commit_plain(reqs, rows, gens, np.ones(6, np.int64), ids, logprobs, np.ones(6, np.int32))
+  assert slow.tolist() == [1, 2, 3, 4]
+  assert reqs[0].output_token_ids == [40] and reqs[0].output.logprobs == [-0.0]
+  assert reqs[5].output_token_ids == [44] and reqs[5].output.logprobs == [-5.0]
+  assert all(r.output_token_ids == [] for r in reqs[1:5]) and outputs.num_generated_tokens == 2
+  # The next step: row 0 of request 0 takes one more; an EOS (id 2) is left to commit.
+  ids = np.array([[50], [9], [41], [42], [43], [2]], np.int32)
+  slow = outputs.commit_plain(reqs, rows, gens, np.ones(6, np.int64), ids, logprobs, np.ones(6, np.int32))
+  assert slow.tolist() == [1, 2, 3, 4, 5] and reqs[0].output_token_ids == [40, 50]
+
+
+def test_commit_plain_leaves_a_row_its_request_no_longer_holds_and_multi_token_rows():
+  """A row freed or re-taken since the step ran (its tenancy moved on), a row that commits
+  two tokens, and a prefill chunk's row (none) are not committed here; a row the caller marks
+  ineligible neither."""
+  import numpy as np
+  outputs, reqs = _requests([(10, [], False, None)] * 4)
+  rows, gens = np.arange(4), np.array([1, 1, 1, 1])
+  now = np.array([1, 2, 1, 1])  # row 1 changed hands after the step
+  ids = np.array([[40, 41]] * 4, np.int32)
+  lps = np.zeros((4, 2), np.float32)
+  slow = outputs.commit_plain(reqs, rows, gens, now, ids, lps, np.array([1, 1, 2, 0]))
+  assert slow.tolist() == [1, 2, 3] and reqs[0].output_token_ids == [40]
+  slow = outputs.commit_plain(reqs, rows, gens, now, ids, lps, np.array([1, 1, 1, 1]),
+                              eligible=np.array([True, True, True, False]))
+  assert slow.tolist() == [1, 3] and reqs[0].output_token_ids == [40, 40] and reqs[2].output_token_ids == [40]
+
+
+def test_commit_plain_equals_committing_each_request():
+  """Random steps over plain, streamed, stop-id and short requests: commit_plain, then
+  `commit` for the rows it leaves, gives every request the ids, logprobs and finish reasons
+  that `commit` alone gives, and re-counts a row after `commit` took its tokens."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  specs = [(int(rng.integers(1, 12)), [int(rng.integers(3, 9))] if rng.random() < 0.5 else [], bool(rng.random() < 0.3),
+            None) for _ in range(12)]
+  fast, a = _requests(specs)
+  ref, b = _requests(specs)
+  rows, gens, now = np.arange(12), np.ones(12, np.int64), np.ones(12, np.int64)
+  done_a, done_b = {}, {}
+  tops = np.zeros((12, 2, 1))
+  for _ in range(14):
+    counts = rng.integers(0, 3, 12).astype(np.int32)  # 0: a prefill chunk; 2: an accepted draft
+    ids = rng.integers(3, 12, (12, 2)).astype(np.int32)
+    lps = rng.standard_normal((12, 2)).astype(np.float32)
+    live = np.array([i not in done_a for i in range(12)])
+    slow = fast.commit_plain(a, rows, gens, np.where(live, now, 2), ids, lps, counts)
+    for i in slow.tolist():
+      if live[i] and counts[i]:
+        reason = fast.commit(a[i], ids[i].tolist(), lps[i].tolist(), tops, tops, int(counts[i]), 0, i)
+        if reason:
+          done_a[i] = reason
+    for i in range(12):
+      if i not in done_b and counts[i]:
+        reason = ref.commit(b[i], ids[i].tolist(), lps[i].tolist(), tops, tops, int(counts[i]), 0, i)
+        if reason:
+          done_b[i] = reason
+  assert done_a == done_b and len(done_a) >= 6
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  assert [r.output.logprobs for r in a] == [r.output.logprobs for r in b]
+  assert fast.num_generated_tokens == ref.num_generated_tokens
+
+
+def test_commit_plain_reads_the_controls_of_the_request_now_on_the_row():
+  """Row 0 passes from a request with room for ten tokens to one with room for one: the new
+  tenant's first token ends it ('length'), so it is left to `commit`, not taken with the
+  old tenant's limit."""
+  import numpy as np
+  outputs, (a, b) = _requests([(10, [], False, None), (1, [], False, None)])
+  one, ids, lps = np.ones(1, np.int32), np.array([[40]], np.int32), np.zeros((1, 1), np.float32)
+  assert outputs.commit_plain([a], np.array([0]), np.array([1]), np.array([1, 0]), ids, lps, one).tolist() == []
+  assert outputs.commit_plain([b], np.array([0]), np.array([2]), np.array([2, 0]), ids, lps, one).tolist() == [0]
+  assert a.output_token_ids == [40] and b.output_token_ids == []

@@ -125,6 +125,25 @@ def test_preemption_takes_the_newest_running_request_and_it_recomputes_later():
   assert s.kv.pages("c") == [4, 1] and c.row == 0 and c.num_cached_tokens == 0
 
 
+def test_a_rows_tenancy_moves_on_whenever_it_is_taken_or_freed():
+  """`row_gen` and each step's rows and their tenancy (what the output processor keys its
+  row arrays by): preemption and finish free a row, admission takes one, each a bump."""
+  s = make(num_pages=5, budget=16, prefix=False)
+  a, b, c = add(s, request("a", tokens(4)), request("b", tokens(4, 100)), request("c", tokens(4, 200)))
+  out = s.schedule()
+  assert out.rows.tolist() == [0, 1, 2] and out.row_gens.tolist() == [1, 1, 1]
+  s.update_from_output(out, np.array([[5], [6], [7]]), np.ones(3, np.int32))
+  for r, t in zip((a, b, c), (5, 6, 7)):
+    r.token_ids.append(t)
+  assert step(s) == ([("a", 1), ("b", 1)], ["c"])  # c's row 2 is freed
+  assert s.row_gen.tolist() == [1, 1, 2, 0]
+  s.finish(a, "stop")  # row 0 too
+  s.finish(b, "stop")  # and row 1, freed last
+  out = s.schedule()  # c comes back on row 1
+  assert [r.request_id for r, _ in out.scheduled] == ["c"]
+  assert out.rows.tolist() == [1] and out.row_gens.tolist() == [3] and s.row_gen.tolist() == [2, 3, 2, 0]
+
+
 def test_the_newest_request_preempts_itself_rather_than_an_older_one():
   s = make(num_pages=4, budget=16, prefix=False)  # pages 1..3
   a, b = add(s, request("a", tokens(7)), request("b", tokens(4, 100)))
