@@ -10,8 +10,11 @@ A step is committed over its rows at once (`commit_plain`): what decides a plain
 commit (its stop ids, its length limit, its token count) is kept in arrays by sampler row
 (`RowControls`), so the rows that take one token, do not finish, and show nothing until
 the end are found and committed by numpy and C-level appends; per-request Python runs for
-the rest only (a row that finishes, streams, has stop strings, top logprobs, a grammar or
-drafts, and a row whose request has just joined).
+the rest only: a row that finishes, streams, has stop strings, top logprobs, a grammar,
+more than MAX_ROW_STOP_IDS stop ids, drafts (or commits no token or several), a row that
+changed hands since its step ran, and every row of a step with prompt logprobs or MTP
+drafts to record. A row's controls are made when its request is first seen there, and
+again after one of its commits went the per-request way.
 """
 
 from __future__ import annotations
@@ -201,6 +204,9 @@ class OutputProcessor:
     lets through (False: drafts, prompt logprobs or MTP drafts to record)."""
     m = len(reqs)
     ctl = self.rows
+    if eligible is False:  # MTP drafts, prompt logprobs: every row commits per request
+      ctl.tenancy[rows] = -1  # their counts become the requests' again
+      return np.arange(m)
     held = row_gen[rows] == tenancy
     join = np.flatnonzero(held & (ctl.tenancy[rows] != tenancy))
     for i in join.tolist():  # the rows a request has just joined

@@ -80,19 +80,28 @@ def test_commit_plain_commits_the_plain_rows_and_leaves_the_rest_in_order():
 
 def test_commit_plain_leaves_a_row_its_request_no_longer_holds_and_multi_token_rows():
   """A row freed or re-taken since the step ran (its tenancy moved on), a row that commits
-  two tokens, and a prefill chunk's row (none) are not committed here; a row the caller marks
-  ineligible neither."""
+  two tokens, a prefill chunk's row (none) and a row the caller marks ineligible are not
+  committed here; a row whose commit went the per-request way counts its request's tokens
+  again (else it would miss max_tokens)."""
   import numpy as np
   outputs, reqs = _requests([(10, [], False, None)] * 4)
   rows, gens = np.arange(4), np.array([1, 1, 1, 1])
-  now = np.array([1, 2, 1, 1])  # row 1 changed hands after the step
   ids = np.array([[40, 41]] * 4, np.int32)
   lps = np.zeros((4, 2), np.float32)
-  slow = outputs.commit_plain(reqs, rows, gens, now, ids, lps, np.array([1, 1, 2, 0]))
-  assert slow.tolist() == [1, 2, 3] and reqs[0].output_token_ids == [40]
-  slow = outputs.commit_plain(reqs, rows, gens, now, ids, lps, np.array([1, 1, 1, 1]),
-                              eligible=np.array([True, True, True, False]))
-  assert slow.tolist() == [1, 3] and reqs[0].output_token_ids == [40, 40] and reqs[2].output_token_ids == [40]
+  one = np.ones(4, np.int32)
+  lens = lambda: [len(r.output_token_ids) for r in reqs]
+  assert outputs.commit_plain(reqs, rows, gens, gens, ids, lps, one).tolist() == []  # every row bound
+  now = np.array([1, 2, 1, 1])  # row 1 changed hands after the step
+  assert outputs.commit_plain(reqs, rows, gens, now, ids, lps, np.array([1, 1, 2, 0])).tolist() == [1, 2, 3]
+  assert lens() == [2, 1, 1, 1]
+  reqs[2].token_ids += [40] * 8  # row 2's two tokens (and more) committed per request: 9 of its 10
+  assert outputs.commit_plain(reqs, rows, gens, now, ids, lps, one,
+                              eligible=np.array([True, True, True, False])).tolist() == [1, 2, 3]
+  assert lens() == [3, 1, 9, 1]
+  assert outputs.commit_plain(reqs, rows, gens, now, ids, lps, one, eligible=False).tolist() == [0, 1, 2, 3]
+  reqs[0].token_ids += [40] * 6  # committed per request in that step: 9 of its 10
+  assert outputs.commit_plain(reqs, rows, gens, gens, ids, lps, one).tolist() == [0, 2]
+  assert lens() == [9, 2, 9, 2]
 
 
 def test_commit_plain_equals_committing_each_request():

@@ -251,6 +251,16 @@ def test_remote_kv_arrival_counts_the_remote_tokens_as_computed():
   # Its imported blocks (8 tokens, pages 1 and 2) are in the prefix cache from now on.
   assert s.kv.lookup(tokens(10, 100), record=False) == [1, 2]
   assert step(s) == ([("remote", 2)], []) and s.kv.pages("remote") == [1, 2, 3]
+  assert r.row == 0 and s.row_gen.tolist() == [1, 0, 0, 0]  # taken while its KV came
+
+
+def test_ending_a_request_that_waits_for_its_kv_frees_its_row_with_a_new_tenancy():
+  s = make(budget=8, connector=HalfRemote())
+  r, = add(s, request("remote", tokens(10, 100)))
+  step(s)
+  assert r.row == 0 and s.row_gen.tolist() == [1, 0, 0, 0]
+  s.finish(r, "abort")
+  assert r.row is None and s.row_gen.tolist() == [2, 0, 0, 0]
 
 
 def test_schedule_counts_a_step_in_flight_and_update_from_output_settles_it():
