@@ -2,11 +2,12 @@
 
 `pack` lays out any mix of prefill chunks, decodes and verified drafts (the
 runner's module docstring has the layout); `pack_shards` does it per data shard
-for attention DP. `InputBatch` keeps, per sampler row, the running request's page
-table and sampling controls in preallocated arrays, written when a request
-joins or grows, so that a step of plain decodes (one known token each, the
-steady state) packs by gathering rows (`InputBatch.pack_decodes`) instead of
-walking each sequence's pages and parameters: the same StepBatch as `pack`
+for attention DP. `InputBatch` keeps, per sampler row, the running request's known
+tokens (`TokenTable`), page table and sampling controls in preallocated arrays,
+written when a request joins or grows, so that a step's token ids are gathered by
+(row, position) and a step of plain decodes (one known token each, the steady
+state) packs by gathering rows (`InputBatch.pack_decodes`) instead of walking each
+sequence's tokens, pages and parameters: the same StepBatch as `pack`
 (tests/engine/test_batch.py), for the host's part of a step at a few hundred
 sequences. `to_buffers` turns a batch into the two flat buffers that cross to the
 device.
@@ -124,14 +125,47 @@ class SamplerInputs(NamedTuple):
     return cls(b.sampling, b.rows, b.samples, b.draft_ids, b.num_drafts, b.allowed, b.shift)
 
 
+class TokenTable:
+  """The known tokens (prompt + output so far) of the request on each sampler row: ids [R, N],
+  what a step's tokens and targets are gathered from by (row, position).
+
+  A row follows its request's token list, which only ever grows (the output processor
+  appends; nothing truncates it): before a step reads a row (`sync`), the row is copied
+  whole if another list has taken it, else only the list's new tail. A sequence fed its
+  token from the device (async scheduling) reads nothing here, and its row is not synced."""
+
+  def __init__(self, num_rows: int, width: int):
+    self.ids = np.zeros((num_rows, width), np.int32)  # [R, N]
+    self._len = [0] * num_rows  # tokens of the row's list copied so far
+    self._owner: list[Any] = [None] * num_rows  # the list the row follows
+
+  @classmethod
+  def covering(cls, seqs: Sequence[ScheduledSeq]) -> "TokenTable":
+    """A table for these sequences alone (a `pack` called without the runner's)."""
+    return cls(max((s.row for s in seqs), default=0) + 1, max((len(s.token_ids) for s in seqs), default=0) + 1)
+
+  def sync(self, row: int, token_ids: Sequence[int]) -> None:
+    have = self._len[row] if self._owner[row] is token_ids else 0
+    n = len(token_ids)
+    if n == have:
+      return
+    if n > self.ids.shape[1]:
+      raise ValueError(f"{n} tokens exceed the token table's {self.ids.shape[1]} per row")
+    self.ids[row, have:n] = token_ids[have:n]
+    self._owner[row], self._len[row] = token_ids, n
+
+
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
-         scratch_row: int, vocab_size: int) -> StepBatch:
+         scratch_row: int, vocab_size: int, tokens: TokenTable | None = None) -> StepBatch:
   """Packs the scheduled sequences, in order, into one padded StepBatch of T tokens,
   S sequences and S * (k + 1) logits rows. Padding tokens write to page 0 (NULL_PAGE);
   padding sequences and logits rows are greedy on the scratch history row. Grammar
-  masks are computed here for the rows that sample (this reads matcher state only)."""
+  masks are computed here for the rows that sample (this reads matcher state only).
+  tokens: the rows' token table (the runner's persistent one; None: one made for these
+  sequences)."""
   if len(seqs) > S:
     raise ValueError(f"{len(seqs)} sequences do not fit the {T}-token bucket ({S} sequences)")
+  table = tokens if tokens is not None else TokenTable.covering(seqs)
   ps, K1, m = page_size, k + 1, len(seqs)
   L = S * K1
   # Per sequence, then per token and per logits row by np.repeat: at 256 decodes a loop of
@@ -151,14 +185,29 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
   for i, s in enumerate(seqs):
     page_indices[i, :len(s.pages)] = s.pages
-  tokens = np.zeros(T, np.int32)
-  positions = np.zeros(T, np.int32)
   slots = np.full(T, NULL_PAGE * ps, np.int32)
-  targets = np.zeros(T, np.int32)
+  draft_ids = np.zeros((S, k), np.int32)
+  known = np.zeros(m, np.int32)  # each sequence's known tokens (0 for a fed one: it reads none)
+  for i, s in enumerate(seqs):
+    if len(s.draft_ids):
+      draft_ids[i, :len(s.draft_ids)] = s.draft_ids
+    if not s.feed:
+      table.sync(s.row, s.token_ids)
+      known[i] = len(s.token_ids)
   # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
   # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
-  tokens[:t] = [x for s in seqs for x in
-                ((0,) * s.num_new if s.feed else (*s.token_ids[s.start:s.start + s.num_committed_new], *s.draft_ids))]
+  seq_row = np.fromiter((s.row for s in seqs), np.int32, m)
+  row_of = seq_row[tok_seq]  # [t]
+  j = pos - start[tok_seq]  # [t] the token's index in its sequence's share
+  ncn = (n - nd)[tok_seq]
+  width = table.ids.shape[1]
+  tokens = np.zeros(T, np.int32)
+  tokens[:t] = np.where(pos < known[tok_seq], table.ids[row_of, np.minimum(pos, width - 1)], 0)
+  is_draft = (j >= ncn) & (known[tok_seq] > 0)
+  tokens[:t][is_draft] = draft_ids[tok_seq[is_draft], (j - ncn)[is_draft]]
+  targets = np.zeros(T, np.int32)
+  targets[:t] = np.where(pos + 1 < known[tok_seq], table.ids[row_of, np.minimum(pos + 1, width - 1)], 0)
+  positions = np.zeros(T, np.int32)
   feed = np.full(T, -1, np.int32)
   shift = np.full(S, -1, np.int32)
   fed = [i for i, s in enumerate(seqs) if s.feed]
@@ -170,22 +219,17 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     f_tok = np.repeat(fed, n[fed])  # the fed sequences' token rows
     f_j = np.arange(len(f_tok)) - np.repeat(np.cumsum(n[fed]) - n[fed], n[fed])
     feed[cu[f_tok] + f_j] = shift[f_tok] * K1 + f_j
-  targets[:t] = [x for s in seqs for x in _padded(s.token_ids[s.start + 1:s.start + s.num_new + 1], s.num_new)]
   positions[:t] = pos
   slots[:t] = slot_mapping(page_indices, tok_seq, pos, ps)
   kv_lens = np.zeros(S, np.int32)
   kv_lens[:m] = end
   samples = np.zeros(S, bool)
   samples[:m] = [s.samples for s in seqs]
-  draft_ids = np.zeros((S, k), np.int32)
   num_drafts = np.zeros(S, np.int32)
   num_drafts[:m] = nd
-  constrained: list[tuple[Grammar, int, Sequence[int]]] = []
-  for i, s in enumerate(seqs):
-    if len(s.draft_ids):
-      draft_ids[i, :len(s.draft_ids)] = s.draft_ids
-    if s.grammar is not None and s.samples:  # a prefill chunk's row is never sampled
-      constrained.append((s.grammar, i * K1, s.draft_ids))
+  constrained: list[tuple[Grammar, int, Sequence[int]]] = [
+      (s.grammar, i * K1, s.draft_ids) for i, s in enumerate(seqs)
+      if s.grammar is not None and s.samples]  # a prefill chunk's row is never sampled
   # Logits rows i*(k+1) .. i*(k+1)+nd read the last nd + 1 token rows; row j samples the
   # token at position end - nd + j.
   row_seq = np.repeat(np.arange(m, dtype=np.int32), nd + 1)
@@ -194,7 +238,7 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   logits_indices = np.zeros(L, np.int32)
   logits_indices[li] = cu[1:m + 1][row_seq] - nd[row_seq] - 1 + j
   rows = np.full(L, scratch_row, np.int32)
-  rows[li] = np.fromiter((s.row for s in seqs), np.int32, m)[row_seq]
+  rows[li] = seq_row[row_seq]
   seeds = np.zeros(L, np.uint32)
   seeds[li] = np.fromiter((s.seed for s in seqs), np.uint32, m)[row_seq]
   sample_pos = np.zeros(L, np.int32)
@@ -209,11 +253,6 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     fill_bitmasks(constrained, allowed)
   return StepBatch(tokens, positions, PagedBatch(slots, kv_lens, page_indices, cu, np.int32(len(seqs))),
                    logits_indices, sampling, rows, samples, draft_ids, num_drafts, targets, allowed, feed, shift)
-
-
-def _padded(ids: Sequence[int], n: int) -> Sequence[int]:
-  """ids, then zeros up to n."""
-  return ids if len(ids) == n else (*ids, *([0] * (n - len(ids))))
 
 
 class BufferLayout(NamedTuple):
@@ -266,16 +305,17 @@ def from_buffers(layout: BufferLayout, ints: jax.Array, floats: jax.Array) -> An
 
 def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards: int, shard_pages: int,
                 T: int, S: int, k: int, pages_per_seq: int, page_size: int, scratch_row: int,
-                vocab_size: int) -> tuple[StepBatch, tuple[np.ndarray, np.ndarray]]:
+                vocab_size: int, tokens: TokenTable | None = None) -> tuple[StepBatch, tuple[np.ndarray, np.ndarray]]:
   """Attention DP: one `pack` per data shard, of that shard's sequences with their page ids
   made shard-local (local page 0 is the shard's padding page), concatenated: T tokens,
   S sequences and S * (k + 1) logits rows per shard, in shard order. Also returns where each
   scheduled sequence's result row and each of its tokens landed, to undo the grouping."""
   groups = [[i for i, d in enumerate(shards) if d == shard] for shard in range(num_shards)]
+  tokens = tokens if tokens is not None else TokenTable.covering(seqs)
   parts = []
   for d, group in enumerate(groups):
     local = [dataclasses.replace(seqs[i], pages=[p - d * shard_pages for p in seqs[i].pages]) for i in group]
-    b = pack(local, T, S, k, pages_per_seq, page_size, scratch_row, vocab_size)
+    b = pack(local, T, S, k, pages_per_seq, page_size, scratch_row, vocab_size, tokens)
     # Shard d's hidden rows follow the d * T rows of the shards before it.
     parts.append(b._replace(logits_indices=b.logits_indices + d * T,
                             paged=b.paged._replace(num_seqs=np.atleast_1d(b.paged.num_seqs))))
@@ -293,10 +333,11 @@ def pack_shards(seqs: Sequence[ScheduledSeq], shards: Sequence[int], num_shards:
 
 
 class InputBatch:
-  """The running requests' page tables and sampling controls, one row per sampler row,
-  kept across steps (vLLM's persistent input batch and block table).
+  """The running requests' known tokens, page tables and sampling controls, one row per
+  sampler row, kept across steps (vLLM's persistent input batch and block table).
 
-  A row is rewritten when it changes hands (its `ScheduledSeq.pages` is another list:
+  The tokens are a `TokenTable` (`pack` gathers from it too). A row's page table and
+  controls are rewritten when it changes hands (its `ScheduledSeq.pages` is another list:
   the KV manager keeps one per request while it holds pages) and its page table
   extended when that list grows; otherwise a step reads the row as it is. The
   scratch row stays a padding row (greedy, no pages)."""
@@ -304,6 +345,7 @@ class InputBatch:
   def __init__(self, scratch_row: int, pages_per_seq: int, page_size: int, num_speculative_tokens: int):
     R = scratch_row + 1
     self.scratch_row, self.page_size, self.k = scratch_row, page_size, num_speculative_tokens
+    self.tokens = TokenTable(R, pages_per_seq * page_size + 1)  # [R, N]: every position, and one sampled past them
     self.page_table = np.full((R, pages_per_seq), NULL_PAGE, np.int32)  # [R, P]
     self.sampling = SamplingBatch.from_params([None] * R, np.zeros(R, np.uint32), np.zeros(R, np.int32))
     self._owner: list[Any] = [None] * R
@@ -329,17 +371,16 @@ class InputBatch:
     m = len(seqs)
     if m > S:
       raise ValueError(f"{m} sequences do not fit the {T}-token bucket ({S} sequences)")
-    owner, num_pages = self._owner, self._num_pages
-    rows, starts, tokens, fed = [], [], [], []
+    owner, num_pages, sync = self._owner, self._num_pages, self.tokens.sync
+    rows, starts, fed = [], [], []
     for i, s in enumerate(seqs):
       if s.num_new != 1 or s.draft_ids or s.grammar is not None or s.want_prompt_logprobs:
         return None
       start, ids = s.start, s.token_ids
       if s.feed:
         fed.append(i)
-        tokens.append(0)
       elif start + 1 == len(ids):
-        tokens.append(ids[start])
+        sync(s.row, ids)
       else:
         return None  # the last token of a prefill chunk that stops short of the known tokens
       if owner[s.row] is not s.pages or num_pages[s.row] != len(s.pages):
@@ -354,7 +395,7 @@ class InputBatch:
     page_indices = np.full((S, self.page_table.shape[1]), NULL_PAGE, np.int32)
     page_indices[:m] = self.page_table[row]
     tok = np.zeros(T, np.int32)
-    tok[:m] = tokens
+    tok[:m] = self.tokens.ids[row, pos]
     positions = np.zeros(T, np.int32)
     positions[:m] = pos
     slots = np.full(T, NULL_PAGE * ps, np.int32)
@@ -370,6 +411,7 @@ class InputBatch:
     if fed:
       shift[fed] = row[fed]
       feed[fed] = row[fed] * K1
+      tok[fed] = 0  # read on the device (its row here may hold an older list's token)
     # Sequence i's one logits row is row i * (k + 1); the rest are padding, on the scratch row.
     li = i * K1
     logits_indices = np.zeros(L, np.int32)

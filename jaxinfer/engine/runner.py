@@ -352,7 +352,7 @@ class ModelRunner:
       batch = self.input_batch.pack_decodes(seqs, T, S)  # the steady state: decodes only
       if batch is None:
         batch = pack(seqs, T, S, self.num_speculative_tokens, self.pages_per_seq, self.page_size,
-                     self.scratch_row, self.cfg.vocab_size)
+                     self.scratch_row, self.cfg.vocab_size, self.input_batch.tokens)
       return T, lp, batch
     shards = [s.pages[0] // self.shard_pages for s in seqs]
     if T is None:
@@ -362,7 +362,7 @@ class ModelRunner:
     batch, self._result_order = pack_shards(
         seqs, shards, self.page_shards, self.shard_pages, T, self.num_seqs_bucket(T),
         self.num_speculative_tokens, self.pages_per_seq, self.page_size, self.scratch_row,
-        self.cfg.vocab_size)
+        self.cfg.vocab_size, self.input_batch.tokens)
     return T, lp, batch
 
   def run_batch(self, T: int, prompt_lp: bool, batch: StepBatch) -> StepResult:

@@ -6,7 +6,7 @@ import pytest
 
 import jax
 
-from jaxinfer.engine.batch import InputBatch, ScheduledSeq, pack
+from jaxinfer.engine.batch import InputBatch, ScheduledSeq, TokenTable, pack
 from jaxinfer.sampling import SamplingParams
 
 PS, P, SCRATCH = 4, 10, 9  # page size, pages per sequence, scratch row (rows 0..8 are real)
@@ -94,3 +94,54 @@ def test_pack_decodes_leaves_other_steps_to_pack():
   assert ib.pack_decodes([decode, other], 8, 8) is not None
   with pytest.raises(ValueError, match="2 sequences do not fit the 2-token bucket"):
     ib.pack_decodes([decode, other], 2, 1)
+
+
+def test_a_token_table_row_follows_its_list_whole_on_a_change_of_hands_else_by_its_tail():
+  table = TokenTable(num_rows=3, width=6)
+  a, b = [7, 8, 9], [1, 2]
+  table.sync(1, a)
+  assert table.ids[1, :3].tolist() == [7, 8, 9]
+  a[0] = 70  # (lists only grow; this shows what a sync copies)
+  a.append(10)
+  table.sync(1, a)
+  assert table.ids[1, :4].tolist() == [7, 8, 9, 10]  # the tail only
+  table.sync(1, b)  # another list takes the row: copied whole
+  assert table.ids[1, :2].tolist() == [1, 2]
+  table.sync(1, a)
+  assert table.ids[1, :4].tolist() == [70, 8, 9, 10]
+  with pytest.raises(ValueError, match="7 tokens exceed the token table's 6 per row"):
+    table.sync(2, list(range(7)))
+
+
+def test_pack_reads_the_same_tokens_from_a_kept_table_over_prefill_chunks_drafts_and_fed_steps():
+  """A table kept across steps (the runner's: rows synced by their lists' tails, rows
+  changing hands) gives the batch a fresh one gives, field for field."""
+  rng = np.random.default_rng(3)
+  k, T, S = 2, 32, 8
+  kept = TokenTable(SCRATCH + 1, P * PS + 1)
+  kept.ids[:] = 999  # what earlier requests left in the rows: nothing past a list's end is read
+  live = {}
+  for step in range(16):
+    for row in range(5):
+      if row not in live or rng.random() < 0.1:  # a (new) request on the row, its prompt to prefill
+        n = int(rng.integers(2, 20))
+        live[row] = dict(ids=rng.integers(1, 100, n).tolist(), computed=0, params=PARAMS[int(rng.integers(3))])
+    seqs = []
+    for row in rng.permutation(5)[:int(rng.integers(1, 6))].tolist():
+      r = live[row]
+      ids, c = r["ids"], r["computed"]
+      pages = list(range(1 + row * P, 1 + row * P + -(-(len(ids) + k + 1) // PS)))
+      if c + 1 < len(ids):  # a prefill chunk
+        num = min(len(ids) - c, int(rng.integers(1, 6)))
+        seqs.append(ScheduledSeq(row=row, token_ids=ids, start=c, num_new=num, pages=pages, params=r["params"], seed=row))
+        r["computed"] = c + num
+      elif rng.random() < 0.3:  # fed its in-flight token, with placeholder drafts
+        seqs.append(ScheduledSeq(row=row, token_ids=ids, start=len(ids), num_new=1 + k, pages=pages,
+                                 params=r["params"], seed=row, draft_ids=[0] * k, feed=True))
+      else:  # the last known token and drafts to verify
+        drafts = rng.integers(1, 100, int(rng.integers(0, k + 1))).tolist()
+        seqs.append(ScheduledSeq(row=row, token_ids=ids, start=len(ids) - 1, num_new=1 + len(drafts), pages=pages,
+                                 params=r["params"], seed=row, draft_ids=drafts))
+        ids.append(int(rng.integers(1, 100)))  # what the step commits
+        r["computed"] = len(ids) - 1
+    assert_same_batch(pack(seqs, T, S, k, P, PS, SCRATCH, 64, kept), pack(seqs, T, S, k, P, PS, SCRATCH, 64))

@@ -24,6 +24,8 @@ def test_pack_lays_out_a_prefill_chunk_a_decode_and_a_verification():
   b = pack(seqs, T=8, S=4, k=2, pages_per_seq=3, page_size=4, scratch_row=9, vocab_size=64)
   np.testing.assert_array_equal(b.tokens, [12, 13, 14, 24, 32, 40, 41, 0])
   np.testing.assert_array_equal(b.positions, [2, 3, 4, 4, 2, 3, 4, 0])
+  # each row's next known token (0 past the known ones): prompt logprobs and an MTP module read it
+  np.testing.assert_array_equal(b.targets, [13, 14, 15, 0, 0, 0, 0, 0])
   # slot = page * page_size + offset; padding writes go to page 0
   np.testing.assert_array_equal(b.paged.slot_mapping, [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 8 * 4 + 0,
                                                        4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 0])
