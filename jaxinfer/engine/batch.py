@@ -154,6 +154,26 @@ class TokenTable:
     self.ids[row, have:n] = token_ids[have:n]
     self._owner[row], self._len[row] = token_ids, n
 
+  def sync_many(self, rows: Sequence[int], lists: Sequence[Sequence[int]]) -> None:
+    """`sync` of each row to its list; the rows one token behind (a decode's, the common
+    case) are written in one scatter rather than a slice each."""
+    owner, have_len = self._owner, self._len
+    one_rows, one_pos, one_ids = [], [], []
+    for row, ids in zip(rows, lists):
+      if owner[row] is ids:
+        have, n = have_len[row], len(ids)
+        if n == have:
+          continue
+        if n == have + 1:
+          one_rows.append(row)
+          one_pos.append(have)
+          one_ids.append(ids[have])
+          have_len[row] = n
+          continue
+      self.sync(row, ids)
+    if one_rows:
+      self.ids[one_rows, one_pos] = one_ids
+
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,
          scratch_row: int, vocab_size: int, tokens: TokenTable | None = None) -> StepBatch:
@@ -192,8 +212,8 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
     if len(s.draft_ids):
       draft_ids[i, :len(s.draft_ids)] = s.draft_ids
     if not s.feed:
-      table.sync(s.row, s.token_ids)
       known[i] = len(s.token_ids)
+  table.sync_many([s.row for s in seqs if not s.feed], [s.token_ids for s in seqs if not s.feed])
   # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
   # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
   seq_row = np.fromiter((s.row for s in seqs), np.int32, m)
@@ -371,8 +391,8 @@ class InputBatch:
     m = len(seqs)
     if m > S:
       raise ValueError(f"{m} sequences do not fit the {T}-token bucket ({S} sequences)")
-    owner, num_pages, sync = self._owner, self._num_pages, self.tokens.sync
-    rows, starts, fed = [], [], []
+    owner, num_pages = self._owner, self._num_pages
+    rows, starts, fed, known_rows, known_ids = [], [], [], [], []
     for i, s in enumerate(seqs):
       if s.num_new != 1 or s.draft_ids or s.grammar is not None or s.want_prompt_logprobs:
         return None
@@ -380,13 +400,15 @@ class InputBatch:
       if s.feed:
         fed.append(i)
       elif start + 1 == len(ids):
-        sync(s.row, ids)
+        known_rows.append(s.row)
+        known_ids.append(ids)
       else:
         return None  # the last token of a prefill chunk that stops short of the known tokens
       if owner[s.row] is not s.pages or num_pages[s.row] != len(s.pages):
         self._write(s)
       rows.append(s.row)
       starts.append(start)
+    self.tokens.sync_many(known_rows, known_ids)
     ps, K1 = self.page_size, self.k + 1
     L = S * K1
     row = np.asarray(rows, np.int32)
