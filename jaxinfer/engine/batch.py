@@ -157,22 +157,23 @@ class TokenTable:
   def sync_many(self, rows: Sequence[int], lists: Sequence[Sequence[int]]) -> None:
     """`sync` of each row to its list; the rows one token behind (a decode's, the common
     case) are written in one scatter rather than a slice each."""
-    owner, have_len = self._owner, self._len
+    owner, have_len, width = self._owner, self._len, self.ids.shape[1]
     one_rows, one_pos, one_ids = [], [], []
     for row, ids in zip(rows, lists):
       if owner[row] is ids:
         have, n = have_len[row], len(ids)
         if n == have:
           continue
-        if n == have + 1:
+        if n == have + 1 and n <= width:
           one_rows.append(row)
           one_pos.append(have)
           one_ids.append(ids[have])
-          have_len[row] = n
           continue
-      self.sync(row, ids)
+      self.sync(row, ids)  # a new list on the row, a longer tail, or the width's error
     if one_rows:
       self.ids[one_rows, one_pos] = one_ids
+      for row, have in zip(one_rows, one_pos):  # counted once written (a raise above leaves them behind)
+        have_len[row] = have + 1
 
 
 def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: int, page_size: int,

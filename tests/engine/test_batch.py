@@ -144,4 +144,42 @@ def test_pack_reads_the_same_tokens_from_a_kept_table_over_prefill_chunks_drafts
                                  params=r["params"], seed=row, draft_ids=drafts))
         ids.append(int(rng.integers(1, 100)))  # what the step commits
         r["computed"] = len(ids) - 1
-    assert_same_batch(pack(seqs, T, S, k, P, PS, SCRATCH, 64, kept), pack(seqs, T, S, k, P, PS, SCRATCH, 64))
+    got = pack(seqs, T, S, k, P, PS, SCRATCH, 64, kept)
+    assert_same_batch(got, pack(seqs, T, S, k, P, PS, SCRATCH, 64))
+    want_tokens, want_targets = list_reference(seqs, T)
+    assert got.tokens.tolist() == want_tokens and got.targets.tolist() == want_targets
+
+
+def list_reference(seqs, T):
+  """A step's token ids and next-token targets straight from the requests' lists: each
+  sequence's committed tokens then its drafts (zeros when fed), and after each token the next
+  known one (0 past them), padded to T."""
+  tokens, targets = [], []
+  for s in seqs:
+    ids, c = s.token_ids, s.num_new - len(s.draft_ids)
+    tokens += [0] * s.num_new if s.feed else list(ids[s.start:s.start + c]) + list(s.draft_ids)
+    targets += [ids[p + 1] if p + 1 < len(ids) and not s.feed else 0 for p in range(s.start, s.start + s.num_new)]
+  return tokens + [0] * (T - len(tokens)), targets + [0] * (T - len(targets))
+
+
+def test_sync_many_scatters_the_rows_one_token_behind_and_counts_only_what_it_wrote():
+  table = TokenTable(num_rows=4, width=5)
+  a, b, c = [1, 2], [3], [4, 5, 6]
+  table.sync_many([0, 1, 2], [a, b, c])  # new lists: copied whole
+  a.append(7)  # one behind
+  b += [8, 9]  # two behind
+  table.sync_many([0, 1, 2], [a, b, c])
+  assert table.ids[:3, :3].tolist() == [[1, 2, 7], [3, 8, 9], [4, 5, 6]]
+  a.append(10)
+  c.append(11)
+  b += [12, 13, 14]  # 6 tokens: past the width
+  with pytest.raises(ValueError, match="6 tokens exceed the token table's 5 per row"):
+    table.sync_many([0, 2, 1], [a, c, b])
+  table.ids[[0, 2], [3, 3]] = -1  # (so a row counted as written but not written would show)
+  table.sync_many([0, 2], [a, c])  # the raise left rows 0 and 2 behind: written now
+  assert table.ids[0, :4].tolist() == [1, 2, 7, 10] and table.ids[2, :4].tolist() == [4, 5, 6, 11]
+  full = [1] * 5
+  table.sync_many([3], [full])
+  full.append(2)  # one behind, and past the width: the same error, not an IndexError
+  with pytest.raises(ValueError, match="6 tokens exceed the token table's 5 per row"):
+    table.sync_many([3], [full])
