@@ -209,12 +209,15 @@ def pack(seqs: Sequence[ScheduledSeq], T: int, S: int, k: int, pages_per_seq: in
   slots = np.full(T, NULL_PAGE * ps, np.int32)
   draft_ids = np.zeros((S, k), np.int32)
   known = np.zeros(m, np.int32)  # each sequence's known tokens (0 for a fed one: it reads none)
+  read_rows, read_lists = [], []  # the rows the step reads tokens from, and their lists
   for i, s in enumerate(seqs):
     if len(s.draft_ids):
       draft_ids[i, :len(s.draft_ids)] = s.draft_ids
     if not s.feed:
       known[i] = len(s.token_ids)
-  table.sync_many([s.row for s in seqs if not s.feed], [s.token_ids for s in seqs if not s.feed])
+      read_rows.append(s.row)
+      read_lists.append(s.token_ids)
+  table.sync_many(read_rows, read_lists)
   # The committed tokens, then the drafts; and every row's next known token: prompt logprobs
   # score it, and an MTP module reads it (rows that sample get theirs on device), 0 past the end.
   seq_row = np.fromiter((s.row for s in seqs), np.int32, m)
